@@ -1,0 +1,34 @@
+# ragspec: two commands on a fresh machine.
+#   make run   - create .venv, install torch 2.13.0 (CPU) and ragspec, fetch the default model,
+#                summarize one Spec-Bench RAG prompt with stats and the plain-decoding comparison
+#   make test  - the same setup, then the whole test suite (CI runs exactly this)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+DATA   ?= ../shared/data/specbench-dev.jsonl
+STAMP  := $(VENV)/.ragspec-installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is a CPU build on this machine's disk; an unpinned torch pulls CUDA
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/ragspec model fetch
+	$(BIN)/ragspec summarize --specbench $(DATA) --category rag --index 0 --compare
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+bench: setup
+	$(BIN)/ragspec bench --data $(DATA) --limit 10 --json bench.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

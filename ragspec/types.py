@@ -1,0 +1,243 @@
+"""Contracts between the parts of the engine: draft trees, verification results, stats.
+
+Letters used in shapes: N draft-tree nodes, V vocabulary, D depth, T time (tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["DraftTree", "VerifyResult", "StepStats", "GenerationStats", "GenerationOutput", "StreamChunk"]
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree of N nodes hanging below the *root*: the last committed token, whose
+    KV entry is not yet in the cache (the "pending" token).
+
+    Attributes:
+        tokens: int64 [N] token id of each node.
+        parents: int64 [N] index of each node's parent node, -1 for children of the root.
+            Parents always come before their children (topological order).
+        depth: int64 [N] number of draft ancestors (0 for children of the root); the node's
+            position is ``root_position + 1 + depth``.
+        sources: one short tag per node naming the drafter that proposed it ("prompt",
+            "documents", "datastore", "eagle", ...).
+        scores: float32 [N] the drafter's estimate that the node is accepted, given that its
+            parent is (used by the cost model; 1.0 where a drafter has no estimate).
+        draft_probs: float32 [N, V] or None: the draft distribution each node was *sampled
+            from* (row i is the distribution over node i's token given its parent path).
+            None for deterministic drafts (prompt lookup, datastore).
+        match_len: length in tokens of the context suffix the draft was matched on (0 when
+            not a lookup draft); a feature of the acceptance model.
+
+    An empty tree (N = 0) is valid: the step degrades to plain decoding.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    sources: tuple[str, ...] = ()
+    scores: Optional[torch.Tensor] = None
+    draft_probs: Optional[torch.Tensor] = None
+    match_len: int = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    @staticmethod
+    def empty() -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long)
+        return DraftTree(tokens=z, parents=z.clone(), depth=z.clone(), sources=(), scores=torch.zeros(0))
+
+    @staticmethod
+    def chain(
+        tokens: Sequence[int], source: str = "draft", scores: Optional[Sequence[float]] = None, match_len: int = 0
+    ) -> "DraftTree":
+        """A chain is a tree with one child per node: ``tokens[i]`` has parent ``i - 1``."""
+        n = len(tokens)
+        t = torch.as_tensor(list(tokens), dtype=torch.long).reshape(n)
+        sc = torch.ones(n) if scores is None else torch.as_tensor(list(scores), dtype=torch.float32)
+        return DraftTree(
+            tokens=t,
+            parents=torch.arange(-1, n - 1, dtype=torch.long),
+            depth=torch.arange(n, dtype=torch.long),
+            sources=(source,) * n,
+            scores=sc,
+            match_len=match_len,
+        )
+
+    @property
+    def is_chain(self) -> bool:
+        n = self.num_nodes
+        return bool(n == 0 or torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
+
+    def children(self, node: int) -> list[int]:
+        """Indices of the children of ``node`` (-1 = root), in tree order."""
+        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+    def truncate(self, max_nodes: int) -> "DraftTree":
+        """Keep the first ``max_nodes`` nodes (still a valid tree: parents come first)."""
+        if max_nodes >= self.num_nodes:
+            return self
+        k = max(0, max_nodes)
+        return DraftTree(
+            tokens=self.tokens[:k],
+            parents=self.parents[:k],
+            depth=self.depth[:k],
+            sources=self.sources[:k],
+            scores=None if self.scores is None else self.scores[:k],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:k],
+            match_len=self.match_len,
+        )
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one draft tree.
+
+    Attributes:
+        accepted_nodes: indices of the accepted draft nodes, root to leaf (length A).
+        accepted_tokens: their token ids (length A).
+        bonus_token: the token the target produces after the last accepted node (the
+            "bonus" on full acceptance, the correction on a rejection).
+        num_drafted: nodes in the verified tree (N).
+    """
+
+    accepted_nodes: tuple[int, ...]
+    accepted_tokens: tuple[int, ...]
+    bonus_token: int
+    num_drafted: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_tokens)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Committed tokens of this step: accepted draft tokens then the bonus token."""
+        return self.accepted_tokens + (self.bonus_token,)
+
+
+@dataclass
+class StepStats:
+    """One decode step (one target forward pass)."""
+
+    num_drafted: int
+    num_accepted: int
+    num_committed: int
+    draft_s: float
+    verify_s: float
+    source: str = ""
+    predicted_accepted: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation (times in seconds, counts in tokens).
+
+    ``num_forward_passes`` counts target forwards including the prefill; decode steps are
+    ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
+    step, bonus included (plain decoding gives 1.0).
+    """
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_forward_passes: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    finish_reason: str = ""
+    accepted_histogram: dict[int, int] = field(default_factory=dict)
+    accepted_per_position: dict[int, int] = field(default_factory=dict)
+    drafted_per_position: dict[int, int] = field(default_factory=dict)
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return max(0, self.num_forward_passes - 1)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens committed per decode step, bonus included (1.0 for plain decoding)."""
+        steps = self.num_steps
+        if steps == 0:
+            return 0.0
+        # the first generated token comes from the prefill; every later one from a step
+        return max(0, self.num_generated_tokens - 1) / steps if self.num_generated_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens, in [0, 1] (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self, with_steps: bool = False) -> dict:
+        d = {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_forward_passes": self.num_forward_passes,
+            "num_drafted_tokens": self.num_drafted_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "total_s": self.total_s,
+            "time_to_first_token_s": self.time_to_first_token_s,
+            "tokens_per_s": self.tokens_per_s,
+            "finish_reason": self.finish_reason,
+            "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
+        }
+        if with_steps:
+            d["steps"] = [s.to_dict() for s in self.steps]
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :meth:`ragspec.Engine.generate`.
+
+    Attributes:
+        text: generated text, cut before a stop string if one matched.
+        token_ids: generated token ids (prompt excluded); when a stop string matched, up to
+            and including the token that completed it.
+        stats: counters and timings.
+    """
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One piece of a streamed generation: new text and the token ids it came from.
+
+    ``finish_reason`` is set on the last chunk only ("stop", "length" or "eos"... see
+    :class:`GenerationStats`); ``stats`` too.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: Optional[str] = None
+    stats: Optional[GenerationStats] = None

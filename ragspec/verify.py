@@ -1,0 +1,80 @@
+"""Verification of a draft tree against the target's logits.
+
+Glossary (as in vLLM's rejection sampler):
+  * accepted tokens: draft tokens the target agrees with, root to leaf;
+  * bonus token: the token the target itself produces after the last accepted node (after a
+    full acceptance it is the "bonus"; after a rejection it is the "recovered" token).
+A step therefore always commits ``num_accepted + 1`` tokens, and an empty draft is plain
+decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from .types import DraftTree, VerifyResult
+
+__all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
+
+
+class Verifier(Protocol):
+    """Decides which draft nodes to accept and which bonus token to commit."""
+
+    def __call__(
+        self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> VerifyResult:
+        """Args:
+        tree: the draft tree (N nodes).
+        target_logits: float32 [N + 1, V]; row 0 after the root, row i + 1 after node i.
+        generator: the request's random generator (unused by greedy verification).
+        """
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy verification: follow the tree from the root, at each node taking the child
+    whose token equals the target's argmax; stop where none does. The argmax there is the
+    bonus token. Output equals plain greedy decoding token for token (Leviathan et al.
+    2023, section 2.3, with temperature 0).
+
+    Args:
+        tree: N nodes.
+        target_logits: float [N + 1, V].
+
+    Returns:
+        VerifyResult with the accepted path; never draws a random number.
+
+    Example: tree tokens [5, 6, 7] as a chain, argmax rows [5, 6, 9, 4] -> accepted nodes
+    (0, 1), tokens (5, 6), bonus 9.
+    """
+    n = tree.num_nodes
+    preds = target_logits.argmax(dim=-1).tolist()  # [N+1]
+    if n == 0:
+        return VerifyResult((), (), int(preds[0]), 0)
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    # children of each node keyed by parent (-1 = root), in tree order
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    node, row = -1, 0
+    acc_nodes: list[int] = []
+    acc_tokens: list[int] = []
+    while True:
+        want = preds[row]
+        nxt = next((c for c in kids.get(node, ()) if tokens[c] == want), None)
+        if nxt is None:
+            return VerifyResult(tuple(acc_nodes), tuple(acc_tokens), int(want), n)
+        acc_nodes.append(nxt)
+        acc_tokens.append(want)
+        node, row = nxt, nxt + 1
+
+
+class GreedyVerifier:
+    """:func:`verify_greedy` as a :class:`Verifier`."""
+
+    def __call__(
+        self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> VerifyResult:
+        return verify_greedy(tree, target_logits)
