@@ -41,6 +41,12 @@ class DraftSession(Protocol):
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Feedback: what the target accepted of the last proposal."""
 
+    # Optional: a session that defines ``extend_hidden(hidden)`` receives the target's last
+    # hidden states (float [R, H], after the final norm) of every position that enters the
+    # KV cache: all prompt positions after the prefill, then root + accepted nodes after
+    # each step. Feature-level drafters (EAGLE) use it; the engine then asks the target
+    # for hidden states.
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -225,6 +231,14 @@ class _CompositeSession:
     def __init__(self, sessions: list[DraftSession], mode: str):
         self._sessions = sessions
         self._mode = mode
+        hidden_users = [s for s in sessions if hasattr(s, "extend_hidden")]
+        if hidden_users:
+            # defined only when a child wants features, so the engine asks for them only then
+            def extend_hidden(hidden) -> None:
+                for s in hidden_users:
+                    s.extend_hidden(hidden)
+
+            self.extend_hidden = extend_hidden
 
     def extend(self, token_ids: Sequence[int]) -> None:
         for s in self._sessions:

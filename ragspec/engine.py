@@ -326,7 +326,10 @@ class Engine:
         with torch.inference_mode():
             state = target.new_state()
             # 1. prefill: the first generated token comes from the prompt's last logits
-            out = target.prefill(state, req.prompt_ids)
+            want_hidden = req.session is not None and hasattr(req.session, "extend_hidden")
+            out = target.prefill(state, req.prompt_ids, return_hidden=want_hidden)
+            if want_hidden:
+                req.session.extend_hidden(out.hidden)
             res = req.verifier(DraftTree.empty(), out.logits, req.generator)
             stats.num_forward_passes += 1
             stats.prefill_s = time.perf_counter() - t_start
@@ -361,8 +364,12 @@ class Engine:
                 t1 = time.perf_counter()
                 # 2. verify
                 past = state.length
-                out = target.verify_forward(state, root, tree)
+                out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
                 res = req.verifier(tree, out.logits, req.generator)
+                if want_hidden:
+                    # features of the positions now kept in the cache: root + accepted path
+                    rows = [0] + [1 + i for i in res.accepted_nodes]
+                    req.session.extend_hidden(out.hidden[rows])
                 # 3. commit: KV rollback, then the stop conditions token by token
                 target.commit(state, past, res.accepted_nodes)
                 t2 = time.perf_counter()

@@ -128,7 +128,7 @@ class AcceptanceModel:
     MAX_MATCH = 8
     MAX_DEPTH = 4
 
-    def __init__(self, prior_first: float = 0.35, prior_next: float = 0.7, prior_weight: float = 4.0) -> None:
+    def __init__(self, prior_first: float = 0.35, prior_next: float = 0.7, prior_weight: float = 2.0) -> None:
         self.prior_first = prior_first
         self.prior_next = prior_next
         self.prior_weight = prior_weight
