@@ -148,11 +148,28 @@ class NgramIndex:
     def context(self) -> list[int]:
         return self._seqs[0]
 
-    def lookup(self, max_tokens: int, stop_ids: frozenset[int] = frozenset()) -> tuple[list[list[int]], int]:
+    def _match_length(self, seq: int, start: int, limit: int) -> int:
+        """Length of the common suffix of the live context and ``seq[:start]`` (at most
+        ``limit``): how deep into a copied span the context is."""
+        ctx = self._seqs[0]
+        s = self._seqs[seq]
+        n = 0
+        while n < limit and n < start and n < len(ctx) and s[start - 1 - n] == ctx[len(ctx) - 1 - n]:
+            n += 1
+        return n
+
+    def lookup(
+        self, max_tokens: int, stop_ids: frozenset[int] = frozenset(), max_match: int = 32
+    ) -> tuple[list[list[int]], int]:
         """Continuations of the longest matching suffix of the live context.
 
+        The index finds occurrences of the longest suffix n-gram (n <= max_ngram); each
+        occurrence's true match length is then measured backwards (up to ``max_match``)
+        and the longest wins, the latest on ties. A long match means the output is in the
+        middle of copying a span, where drafts are far more often accepted.
+
         Returns:
-            (candidates, n): up to ``max_positions`` distinct continuations, latest match
+            (candidates, match_len): up to ``max_positions`` distinct continuations, best
             first, each at most ``max_tokens`` long and cut after the first token in
             ``stop_ids``; ([], 0) when no suffix matches.
         """
@@ -162,7 +179,12 @@ class NgramIndex:
             if not slot:
                 continue
             cands: list[list[int]] = []
-            for seq, start in reversed(slot):
+            ranked = sorted(
+                ((self._match_length(seq, start, max_match), i, seq, start) for i, (seq, start) in enumerate(slot)),
+                reverse=True,
+            )
+            n = max(n, ranked[0][0])
+            for _, _, seq, start in ranked:
                 s = self._seqs[seq]
                 cont = s[start : start + max_tokens]
                 if seq == 0 and len(cont) < max_tokens:

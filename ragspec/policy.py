@@ -44,13 +44,18 @@ class LatencyModel:
             raise ValueError("LatencyModel needs at least the latency of q=1")
         self._table = {int(k): float(v) for k, v in table.items()}
         self.ema = ema
+        self._scale = 1.0
 
     @property
     def table(self) -> dict[int, float]:
-        return dict(sorted(self._table.items()))
+        """Current estimate per measured q (seconds), the online scale applied."""
+        return {q: v * self._scale for q, v in sorted(self._table.items())}
 
     def __call__(self, q: int) -> float:
         """Seconds for one forward of q new tokens (q >= 1)."""
+        return self._shape(q) * self._scale
+
+    def _shape(self, q: int) -> float:
         t = self._table
         if q in t:
             return t[q]
@@ -68,16 +73,17 @@ class LatencyModel:
         return t[lo] * (1 - w) + t[hi] * w
 
     def observe(self, q: int, seconds: float) -> None:
-        """Refine the estimate for q from one measured step."""
+        """Refine from one measured step: the measured shape over q is kept, and one scale
+        factor follows the observed/predicted ratio (longer contexts, other load), so the
+        relative cost of drafting stays calibrated for every q."""
         if self.ema <= 0 or seconds <= 0:
             return
-        if q in self._table:
-            self._table[q] = (1 - self.ema) * self._table[q] + self.ema * seconds
-        else:
-            self._table[q] = seconds
+        ratio = seconds / self._shape(q)
+        ratio = min(4.0, max(0.25, ratio))  # one stalled step must not swing the model
+        self._scale = (1 - self.ema) * self._scale + self.ema * ratio
 
     @classmethod
-    def measure(cls, target, qs: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), context: int = 256, repeats: int = 3) -> "LatencyModel":
+    def measure(cls, target, qs: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), context: int = 512, repeats: int = 3) -> "LatencyModel":
         """Time the target's verification forward for each q at a ``context``-token cache.
 
         A few seconds on a 2-core CPU for a 135M model. Returns the median per q.
@@ -125,26 +131,28 @@ class AcceptanceModel:
     request: what the target accepts depends on the prompt.
     """
 
-    MAX_MATCH = 8
     MAX_DEPTH = 4
+    # match-length buckets: 0 (not a lookup draft), 1, 2, 3, 4-5, 6-9, 10-15, 16+
+    _MATCH_BUCKETS = (0, 1, 2, 3, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6)
 
-    def __init__(self, prior_first: float = 0.35, prior_next: float = 0.7, prior_weight: float = 2.0) -> None:
+    def __init__(self, prior_first: float = 0.25, prior_next: float = 0.7, prior_weight: float = 2.0) -> None:
         self.prior_first = prior_first
         self.prior_next = prior_next
         self.prior_weight = prior_weight
         self._stats: dict[tuple[str, int, int], _Beta] = {}
 
     def _key(self, source: str, match_len: int, depth: int) -> tuple[str, int, int]:
-        return (source, min(match_len, self.MAX_MATCH), min(depth, self.MAX_DEPTH))
+        b = self._MATCH_BUCKETS[match_len] if match_len < len(self._MATCH_BUCKETS) else 7
+        return (source, b, min(depth, self.MAX_DEPTH))
 
     def _beta(self, key: tuple[str, int, int]) -> _Beta:
         b = self._stats.get(key)
         if b is None:
             _, m, d = key
             prior = self.prior_first if d == 0 else self.prior_next
-            # longer suffix matches are more trustworthy a priori
+            # longer suffix matches (higher bucket) are more trustworthy a priori
             if d == 0 and m:
-                prior = min(0.9, prior + 0.05 * (m - 1))
+                prior = min(0.9, prior + 0.07 * (m - 1))
             b = _Beta(prior * self.prior_weight, self.prior_weight)
             self._stats[key] = b
         return b
