@@ -73,6 +73,13 @@ class TargetModel:
         self.vocab_size = int(self._lm_head.weight.shape[0])
         self.max_length = int(getattr(text_cfg, "max_position_embeddings", 0) or 0) or None
         self._attn_impl = getattr(self.config, "_attn_implementation", "sdpa") or "sdpa"
+        layer_types = getattr(text_cfg, "layer_types", None) or ()
+        # models with local (sliding-window) layers take one mask per layer type
+        self._sliding_window = (
+            int(text_cfg.sliding_window)
+            if "sliding_attention" in layer_types and getattr(text_cfg, "sliding_window", None)
+            else None
+        )
         import inspect
 
         # transformers >= 5.2x names the cache argument `cache`; earlier ones `past_key_values`
@@ -155,13 +162,26 @@ class TargetModel:
             hidden = self._run(state, ids, None, None)
         else:
             mask = tree_attention_mask(tree, past, device=self.device)  # [1, 1, N+1, past+N+1]
-            if self._attn_impl not in ("sdpa", "flash_attention_2", "flex_attention"):
-                # eager attention adds the mask: 0 where allowed, dtype-min elsewhere
-                neg = torch.finfo(self.dtype).min
-                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, neg)
             pos = tree_position_ids(tree, past, device=self.device)  # [1, N+1]
-            hidden = self._run(state, ids, pos, mask)
+            attn = self._mask_for_model(mask)
+            if self._sliding_window is not None:
+                # local layers: also hide keys more than `window` positions behind the query
+                kv_pos = torch.cat([torch.arange(past, device=self.device), pos[0]])  # [past+N+1]
+                near = kv_pos[None, :] > pos[0][:, None] - self._sliding_window  # [N+1, past+N+1]
+                attn = {
+                    "full_attention": attn,
+                    "sliding_attention": self._mask_for_model(mask & near[None, None]),
+                }
+            hidden = self._run(state, ids, pos, attn)
         return ForwardOutput(self._logits(hidden), hidden if return_hidden else None)
+
+    def _mask_for_model(self, mask: torch.Tensor) -> torch.Tensor:
+        """bool mask (True = attend) in the form the attention implementation expects."""
+        if self._attn_impl in ("sdpa", "flash_attention_2", "flex_attention"):
+            return mask
+        # eager attention adds the mask: 0 where allowed, dtype-min elsewhere
+        neg = torch.finfo(self.dtype).min
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, neg)
 
     def commit(self, state: KVState, past_len: int, accepted_nodes: Sequence[int]) -> None:
         """Roll the cache back to ``past_len`` + root + the accepted nodes.

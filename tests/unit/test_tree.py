@@ -144,3 +144,28 @@ def test_tree_verification_equals_chain_verification_on_chains(char_tokenizer):
         )
         b = target.verify_forward(s2, prompt[-1], tree).logits
     assert torch.allclose(a, b[:5], atol=1e-5)
+
+
+def test_tree_verification_respects_sliding_window():
+    # a tiny Gemma3 (local layers with a 4-token window): tree logits equal chain logits
+    # for the same path even when the context is longer than the window
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    cfg = Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    target = TargetModel(model)
+    prompt = list(range(3, 15))
+    with torch.inference_mode():
+        s1 = target.new_state()
+        target.prefill(s1, prompt[:-1])
+        a = target.verify_forward(s1, prompt[-1], DraftTree.chain([20, 21, 22])).logits
+        s2 = target.new_state()
+        target.prefill(s2, prompt[:-1])
+        tree = DraftTree(torch.tensor([20, 21, 22, 30]), torch.tensor([-1, 0, 1, -1]), torch.tensor([0, 1, 2, 0]))
+        b = target.verify_forward(s2, prompt[-1], tree).logits
+    assert torch.allclose(a, b[:4], atol=1e-5)
