@@ -63,8 +63,11 @@ class PLDConfig:
     """Longest suffix n-gram matched (tokens)."""
     min_ngram: int = 1
     """Shortest suffix n-gram matched (tokens)."""
-    max_candidates: int = 1
-    """Most distinct continuations kept per n-gram (more than 1 builds a draft tree)."""
+    max_candidates: int = 4
+    """Most distinct continuations kept per n-gram (more than 1 builds a draft tree; the
+    cost model keeps only the branches worth verifying). 4 measured best in an offline
+    replay of greedy outputs on rag/summarization (1.26x/1.38x predicted vs 1.20x/1.36x
+    with 1)."""
 
     def __post_init__(self) -> None:
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:

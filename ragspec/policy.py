@@ -135,7 +135,7 @@ class AcceptanceModel:
     # match-length buckets: 0 (not a lookup draft), 1, 2, 3, 4-5, 6-9, 10-15, 16+
     _MATCH_BUCKETS = (0, 1, 2, 3, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6)
 
-    def __init__(self, prior_first: float = 0.25, prior_next: float = 0.7, prior_weight: float = 2.0) -> None:
+    def __init__(self, prior_first: float = 0.25, prior_next: float = 0.8, prior_weight: float = 2.0) -> None:
         self.prior_first = prior_first
         self.prior_next = prior_next
         self.prior_weight = prior_weight
@@ -166,7 +166,7 @@ class AcceptanceModel:
         scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
         for i, (d, src) in enumerate(zip(tree.depth.tolist(), tree.sources or ("draft",) * tree.num_nodes)):
             p = self._beta(self._key(src, tree.match_len, d)).mean
-            probs.append(p * min(1.0, max(0.0, scores[i])))
+            probs.append(min(1.0, p * min(1.0, max(0.0, scores[i]))))
         return probs
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
@@ -177,14 +177,17 @@ class AcceptanceModel:
         accepted = set(result.accepted_nodes)
         reached = accepted | {-1}
         depth = tree.depth.tolist()
+        scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
         for i in range(tree.num_nodes):
             if parents[i] not in reached:
                 continue
-            # with siblings, only the path actually accepted is informative for the others;
-            # count a node only if it is on the accepted path or it is the first child tried
             src = tree.sources[i] if tree.sources else "draft"
             b = self._beta(self._key(src, tree.match_len, depth[i]))
-            b.trials += 1
+            # a trial weighs the drafter's own score: the mean is then accepted / sum of
+            # scores, the factor that calibrates scores (node_probs = mean * score). With
+            # unit trials, k siblings (EAGLE top-k, candidate branches) would divide the
+            # mean by ~k and the draft would be judged worthless.
+            b.trials += min(1.0, max(1e-3, scores[i]))
             if i in accepted:
                 b.success += 1
 
