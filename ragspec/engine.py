@@ -52,6 +52,7 @@ class _Request:
     session: Any
     generator: Optional[torch.Generator]
     acceptance: AcceptanceModel
+    latency: LatencyModel
     assembler: TextAssembler
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -287,6 +288,10 @@ class Engine:
             session=session,
             generator=generator,
             acceptance=AcceptanceModel(),
+            # each request refines its own copy of the latency model; a seeded sampled
+            # request keeps it frozen, so its drafts (and thus its samples) do not depend on
+            # timing noise or on other requests
+            latency=self.latency.fork(ema=0.0 if (not sampling.greedy and sampling.seed is not None) else None),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
         )
 
@@ -323,76 +328,84 @@ class Engine:
             yield StreamChunk("", (), "length", stats)
             return
         target = self.target
+        state = target.new_state()
+        want_hidden = req.session is not None and hasattr(req.session, "extend_hidden")
+        # inference mode is entered per step, never held across a `yield`: a stream may be
+        # resumed from another thread or interleaved with other streams
         with torch.inference_mode():
-            state = target.new_state()
             # 1. prefill: the first generated token comes from the prompt's last logits
-            want_hidden = req.session is not None and hasattr(req.session, "extend_hidden")
             out = target.prefill(state, req.prompt_ids, return_hidden=want_hidden)
             if want_hidden:
                 req.session.extend_hidden(out.hidden)
             res = req.verifier(DraftTree.empty(), out.logits, req.generator)
-            stats.num_forward_passes += 1
-            stats.prefill_s = time.perf_counter() - t_start
-            stats.time_to_first_token_s = stats.prefill_s
-            root = res.bonus_token
-            self._commit_tokens(req, [root])
-            if req.session is not None:
-                req.session.extend([root])
+        stats.num_forward_passes += 1
+        stats.prefill_s = time.perf_counter() - t_start
+        stats.time_to_first_token_s = stats.prefill_s
+        root = res.bonus_token
+        self._commit_tokens(req, [root])
+        if req.session is not None:
+            req.session.extend([root])
+        text, toks = req.assembler.take()
+        if text or toks:
+            yield StreamChunk(text, toks)
+        while not req.finish_reason:
+            if should_cancel is not None and should_cancel():
+                req.finish_reason = "cancelled"
+                break
+            with torch.inference_mode():
+                root = self._step(req, state, root, want_hidden, return_steps)
             text, toks = req.assembler.take()
             if text or toks:
                 yield StreamChunk(text, toks)
-            max_draft = self.policy.max_draft_tokens
-            while not req.finish_reason:
-                if should_cancel is not None and should_cancel():
-                    req.finish_reason = "cancelled"
-                    break
-                remaining = req.decode.max_new_tokens - len(req.assembler.token_ids)
-                room = (target.max_length - state.length - 2) if target.max_length else max_draft
-                budget = max(0, min(max_draft, remaining - 1, room))
-                # 1. draft
-                t0 = time.perf_counter()
-                tree = DraftTree.empty()
-                predicted = 0.0
-                if req.session is not None and budget > 0:
-                    proposal = req.session.propose(budget)
-                    if proposal.num_nodes:
-                        if self.policy.adaptive:
-                            choice = choose_draft(proposal, self.latency, req.acceptance, budget)
-                            tree, predicted = choice.tree, choice.expected_accepted
-                        else:
-                            tree = proposal.truncate(budget)
-                t1 = time.perf_counter()
-                # 2. verify
-                past = state.length
-                out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
-                res = req.verifier(tree, out.logits, req.generator)
-                if want_hidden:
-                    # features of the positions now kept in the cache: root + accepted path
-                    rows = [0] + [1 + i for i in res.accepted_nodes]
-                    req.session.extend_hidden(out.hidden[rows])
-                # 3. commit: KV rollback, then the stop conditions token by token
-                target.commit(state, past, res.accepted_nodes)
-                t2 = time.perf_counter()
-                committed = res.tokens
-                kept = self._commit_tokens(req, committed)
-                # 4. feedback
-                if tree.num_nodes:
-                    req.acceptance.observe(tree, res)
-                    if req.session is not None:
-                        req.session.observe(tree, res)
-                self.latency.observe(1 + tree.num_nodes, t2 - t1)
-                if req.session is not None and not req.finish_reason:
-                    req.session.extend(committed)
-                root = committed[-1]
-                self._record_step(stats, tree, res, kept, t1 - t0, t2 - t1, predicted, return_steps)
-                text, toks = req.assembler.take()
-                if text or toks:
-                    yield StreamChunk(text, toks)
         stats.num_generated_tokens = len(req.assembler.token_ids)
         stats.finish_reason = req.finish_reason
         stats.total_s = time.perf_counter() - t_start
         text, toks = req.assembler.take(final=True)
         yield StreamChunk(text, toks, req.finish_reason, stats)
+
+    def _step(self, req: _Request, state, root: int, want_hidden: bool, return_steps: bool) -> int:
+        """One decode step (one target forward); returns the new root token."""
+        target = self.target
+        max_draft = self.policy.max_draft_tokens
+        remaining = req.decode.max_new_tokens - len(req.assembler.token_ids)
+        room = (target.max_length - state.length - 2) if target.max_length else max_draft
+        budget = max(0, min(max_draft, remaining - 1, room))
+        # 1. draft
+        t0 = time.perf_counter()
+        tree = DraftTree.empty()
+        predicted = 0.0
+        if req.session is not None and budget > 0:
+            proposal = req.session.propose(budget)
+            if proposal.num_nodes:
+                if self.policy.adaptive:
+                    choice = choose_draft(proposal, req.latency, req.acceptance, budget)
+                    tree, predicted = choice.tree, choice.expected_accepted
+                else:
+                    tree = proposal.truncate(budget)
+        t1 = time.perf_counter()
+        # 2. verify
+        past = state.length
+        out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
+        res = req.verifier(tree, out.logits, req.generator)
+        if want_hidden:
+            # features of the positions now kept in the cache: root + accepted path
+            rows = [0] + [1 + i for i in res.accepted_nodes]
+            req.session.extend_hidden(out.hidden[rows])
+        # 3. commit: KV rollback, then the stop conditions token by token
+        target.commit(state, past, res.accepted_nodes)
+        t2 = time.perf_counter()
+        committed = res.tokens
+        kept = self._commit_tokens(req, committed)
+        # 4. feedback
+        if tree.num_nodes:
+            req.acceptance.observe(tree, res)
+            if req.session is not None:
+                req.session.observe(tree, res)
+        req.latency.observe(1 + tree.num_nodes, t2 - t1)
+        if req.session is not None and not req.finish_reason:
+            req.session.extend(committed)
+        self._record_step(req.stats, tree, res, kept, t1 - t0, t2 - t1, predicted, return_steps)
+        return committed[-1]
 
     @staticmethod
     def _record_step(stats, tree, res, kept, draft_s, verify_s, predicted, keep_steps) -> None:

@@ -46,6 +46,12 @@ class LatencyModel:
         self.ema = ema
         self._scale = 1.0
 
+    def fork(self, ema: Optional[float] = None) -> "LatencyModel":
+        """An independent copy (same measured table and current scale), e.g. per request."""
+        other = LatencyModel(self._table, self.ema if ema is None else ema)
+        other._scale = self._scale
+        return other
+
     @property
     def table(self) -> dict[int, float]:
         """Current estimate per measured q (seconds), the online scale applied."""

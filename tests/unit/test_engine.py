@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
+from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
 from ragspec.drafting import PromptLookupDrafter
 from ragspec.errors import PromptTooLongError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
+from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.target import TargetModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import greedy_reference, make_tiny_llama
+from ragspec_testing import greedy_reference, make_tiny_llama
 from ragspec import Engine, PolicyConfig
 from ragspec.policy import LatencyModel
 from ragspec.target import TargetModel
@@ -169,3 +169,19 @@ def test_tree_verification_respects_sliding_window():
         tree = DraftTree(torch.tensor([20, 21, 22, 30]), torch.tensor([-1, 0, 1, -1]), torch.tensor([0, 1, 2, 0]))
         b = target.verify_forward(s2, prompt[-1], tree).logits
     assert torch.allclose(a, b[:4], atol=1e-5)
+
+
+def test_packed_output_layer_matches_plain_linear(char_tokenizer):
+    # the oneDNN pre-packed output layer used for verification rows gives the same logits
+    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
+    prompt = char_tokenizer("packed or not")["input_ids"]
+    chain = DraftTree.chain([10, 11, 12, 13, 14, 15])
+    outs = []
+    for pack in (False, True):
+        target = TargetModel(model, pack_lm_head=pack)
+        with torch.inference_mode():
+            s = target.new_state()
+            target.prefill(s, prompt[:-1])
+            outs.append(target.verify_forward(s, prompt[-1], chain).logits)
+    assert torch.allclose(outs[0], outs[1], atol=1e-4)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
