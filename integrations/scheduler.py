@@ -1,0 +1,242 @@
+"""One worker thread owns the model and interleaves the active requests step by step.
+
+Glossary:
+    job: one request's generation: its engine stream, its asyncio queue, its cancel flag.
+    incoming: submitted jobs not yet seen by the worker.
+    waiting: jobs whose stream is prepared (prompt encoded and checked) but not started.
+    active: jobs being generated; each round gives every one of them one ``next()`` (one
+        engine step: prefill first, then draft -> verify -> commit).
+
+The model is shared, per-request state (KV cache, draft session, generator) lives in each
+job's stream, so a job's output is what the same request gives alone. Chunks go to the
+event loop with ``loop.call_soon_threadsafe``. Admission is bounded: at most
+``max_active + max_queue`` jobs are in the system; one more raises :class:`CapacityError`
+(the server answers 429). A cancelled job (client gone) is closed before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ragspec.errors import CapacityError
+from ragspec.types import StreamChunk
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Job", "Scheduler"]
+
+READY = "ready"
+CHUNK = "chunk"
+ERROR = "error"
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation, shared by the event loop (reader) and the worker (writer).
+
+    Items arrive on ``queue`` as ``(kind, value)``: ``("ready", None)`` once the prompt is
+    accepted, then ``("chunk", StreamChunk)`` until one has a ``finish_reason``; or
+    ``("error", exception)`` instead of ``ready`` when the request is invalid (or the
+    engine fails).
+    """
+
+    make_stream: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    id: int = 0
+    submitted_s: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    iterator: Any = None
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this job (within one step)."""
+        self.cancelled.set()
+
+    async def next_item(self) -> tuple[str, Any]:
+        return await self.queue.get()
+
+
+class Scheduler:
+    """The worker thread and its bounded admission.
+
+    Args:
+        max_active: generations interleaved at once.
+        max_queue: jobs allowed to wait beyond the active ones.
+        on_finish: called in the worker with ``(job, final_chunk)`` when a generation ends
+            normally (metrics).
+        on_cancel: called in the worker with ``(job)`` when a cancelled job is dropped.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_active: int = 8,
+        max_queue: int = 32,
+        on_finish: Optional[Callable] = None,
+        on_cancel: Optional[Callable] = None,
+    ) -> None:
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.on_finish = on_finish
+        self.on_cancel = on_cancel
+        self._cv = threading.Condition()
+        self._incoming: collections.deque[Job] = collections.deque()
+        self._num_jobs = 0
+        self._num_active = 0
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ event-loop side
+    @property
+    def num_jobs(self) -> int:
+        """Jobs in the system (incoming + waiting + active)."""
+        return self._num_jobs
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    def submit(self, make_stream: Callable[[], Any]) -> Job:
+        """Queue a generation; call from the event loop. ``make_stream()`` runs in the worker
+        and returns the request's ``engine.stream(...)`` (it encodes and checks the prompt:
+        an exception there is delivered to the reader as the request's error).
+
+        Raises:
+            CapacityError: ``max_active + max_queue`` jobs are in the system already.
+        """
+        loop = asyncio.get_running_loop()
+        job = Job(make_stream=make_stream, loop=loop, queue=asyncio.Queue())
+        with self._cv:
+            if self._stopping:
+                raise CapacityError("the server is shutting down")
+            if self._num_jobs >= self.max_active + self.max_queue:
+                raise CapacityError(
+                    f"the request queue is full ({self._num_jobs} requests in progress or waiting); retry later"
+                )
+            job.id = next(self._ids)
+            self._num_jobs += 1
+            self._incoming.append(job)
+            self._cv.notify()
+        return job
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="ragspec-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker: jobs still in the system are closed (their readers get an error)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # ------------------------------------------------------------------ worker side
+    def _deliver(self, job: Job, kind: str, value: Any) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            job.cancel()
+
+    def _prepare(self, job: Job) -> bool:
+        """Encode and check the prompt (``engine.stream`` does it before any forward)."""
+        try:
+            job.iterator = job.make_stream()
+        except Exception as e:  # the request is invalid: its reader turns it into a 4xx
+            self._deliver(job, ERROR, e)
+            return False
+        self._deliver(job, READY, None)
+        return True
+
+    def _notify(self, callback: Optional[Callable], *args) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:  # a metrics hook must never stop the worker
+            logger.exception("scheduler callback failed")
+
+    def _release(self, job: Job) -> None:
+        if job.iterator is not None:
+            try:
+                job.iterator.close()
+            except Exception:  # closing must never stop the worker
+                logger.exception("closing the stream of request %d failed", job.id)
+            job.iterator = None
+        with self._cv:
+            self._num_jobs -= 1
+
+    def _run(self) -> None:
+        waiting: collections.deque[Job] = collections.deque()
+        active: list[Job] = []
+        # every step runs in inference mode, whichever generator exits its own block first
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._incoming or waiting or active):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    incoming = list(self._incoming)
+                    self._incoming.clear()
+                for job in incoming:
+                    if job.cancelled.is_set():
+                        self._release(job)
+                        self._notify(self.on_cancel, job)
+                    elif not self._prepare(job):
+                        self._release(job)
+                    else:
+                        waiting.append(job)
+                for job in [j for j in waiting if j.cancelled.is_set()]:
+                    waiting.remove(job)
+                    self._release(job)
+                    self._notify(self.on_cancel, job)
+                while waiting and len(active) < self.max_active:
+                    active.append(waiting.popleft())
+                self._num_active = len(active)
+                for job in list(active):
+                    if job.cancelled.is_set():
+                        active.remove(job)
+                        self._release(job)
+                        self._notify(self.on_cancel, job)
+                        continue
+                    try:
+                        chunk: Optional[StreamChunk] = next(job.iterator, None)
+                    except Exception as e:
+                        logger.exception("request %d failed", job.id)
+                        self._deliver(job, ERROR, e)
+                        active.remove(job)
+                        self._release(job)
+                        continue
+                    if chunk is None:  # ended without a final chunk (should not happen)
+                        active.remove(job)
+                        self._release(job)
+                        continue
+                    self._deliver(job, CHUNK, chunk)
+                    if chunk.finish_reason is not None:
+                        active.remove(job)
+                        self._release(job)
+                        self._notify(self.on_finish, job, chunk)
+                self._num_active = len(active)
+            # stopping: close what is left
+            leftovers = active + list(waiting)
+            with self._cv:
+                leftovers += list(self._incoming)
+                self._incoming.clear()
+            for job in leftovers:
+                self._deliver(job, ERROR, CapacityError("the server is shutting down"))
+                self._release(job)

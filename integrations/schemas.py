@@ -1,0 +1,209 @@
+"""Request bodies of the REST service (pydantic, unknown fields refused).
+
+The OpenAI-compatible bodies accept the fields OpenAI's clients commonly send; fields that
+ask for something ragspec does not do (``n > 1``, log-probabilities, penalties, tools,
+``echo``, ``suffix``, ``logit_bias``) are accepted only at their neutral value and
+otherwise answered with a 400 naming the field (:func:`unsupported`). Anything else unknown
+is a 400 too. ragspec extensions: ``top_k``, ``documents`` (texts the drafter may copy
+from), ``datastore`` (by name) and ``speculative``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+
+__all__ = [
+    "StreamOptions",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "SummarizeRequest",
+    "unsupported",
+]
+
+MAX_TOKENS_LIMIT = 1_000_000
+"""Largest ``max_tokens`` accepted at all (the context length checks the rest)."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = None
+    """Send a last chunk with ``usage`` (and ``choices: []``) before ``[DONE]``."""
+    continuous_usage_stats: Optional[bool] = None
+    """Accepted for vLLM clients; ignored."""
+
+
+def _check_stop(v):
+    if v is None:
+        return v
+    stops = [v] if isinstance(v, str) else list(v)
+    if len(stops) > 16:
+        raise ValueError("at most 16 stop strings")
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return v
+
+
+class _Sampling(_Body):
+    """Fields common to the generation bodies."""
+
+    model: Optional[str] = None
+    """Served model name (None: the one model served)."""
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    """Most tokens generated (None: the server's default)."""
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    """0 = greedy (None: the server's default, greedy)."""
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    seed: Optional[int] = None
+    """Seed of this request's own random generator (sampling only)."""
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    """Stop string(s): the text from the first match on is dropped."""
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    datastore: Optional[StrictStr] = None
+    """Name of a datastore the server was started with (never a path)."""
+    speculative: Optional[bool] = None
+    """False: plain decoding, no drafts (None: the server's default)."""
+    documents: Optional[list[StrictStr]] = None
+    """Extra texts the drafter may copy from."""
+    user: Optional[str] = None
+    """Accepted, ignored."""
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, v):
+        return _check_stop(v)
+
+
+class _OpenAIExtras(_Body):
+    """OpenAI fields accepted only at their neutral value."""
+
+    n: Optional[int] = None
+    logprobs: Optional[Union[bool, int]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class CompletionRequest(_Sampling, _OpenAIExtras):
+    """``POST /v1/completions``."""
+
+    prompt: Union[StrictStr, list[StrictStr], list[int]]
+    """Text, a list of one text, or token ids."""
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts."""
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    refusal: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined).
+
+        Raises:
+            ValueError: a part that is not text.
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling, _OpenAIExtras):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    # accepted, ignored
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    reasoning_effort: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+
+class SummarizeRequest(_Body):
+    """``POST /v1/summarize``: a summary of the documents (pasted into the prompt, where
+    prompt lookup copies from them)."""
+
+    documents: list[StrictStr] = Field(min_length=1, max_length=256)
+    """The texts to summarize (each non-empty)."""
+    instruction: Optional[StrictStr] = Field(default=None, max_length=4000)
+    """What to do with them (default: summarize in a few sentences)."""
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    seed: Optional[int] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: Optional[bool] = False
+    datastore: Optional[StrictStr] = None
+    """Name of a datastore the server was started with (never a path)."""
+    speculative: Optional[bool] = None
+    """False: plain decoding, no drafts (None: the server's default)."""
+
+    @field_validator("documents")
+    @classmethod
+    def _documents_not_empty(cls, v: list[str]) -> list[str]:
+        for i, d in enumerate(v):
+            if not d.strip():
+                raise ValueError(f"documents[{i}] is empty")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, v):
+        return _check_stop(v)
+
+
+def unsupported(req: BaseModel) -> Optional[tuple[str, str]]:
+    """The first field asking for something ragspec does not do, as (field, message)."""
+    checks = [
+        ("n", lambda v: v not in (None, 1), "only n=1 is supported"),
+        ("best_of", lambda v: v not in (None, 1), "only best_of=1 is supported"),
+        ("echo", lambda v: bool(v), "echo is not supported"),
+        ("suffix", lambda v: bool(v), "suffix is not supported"),
+        ("logprobs", lambda v: v not in (None, False, 0), "logprobs are not supported"),
+        ("top_logprobs", lambda v: v not in (None, 0), "logprobs are not supported"),
+        ("presence_penalty", lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported"),
+        ("frequency_penalty", lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported"),
+        ("logit_bias", lambda v: bool(v), "logit_bias is not supported"),
+        ("tools", lambda v: bool(v), "tools are not supported"),
+        ("tool_choice", lambda v: v not in (None, "none", "auto"), "tool_choice is not supported"),
+        (
+            "response_format",
+            lambda v: v is not None and v.get("type") not in (None, "text"),
+            "only the text response_format is supported",
+        ),
+    ]
+    for name, bad, message in checks:
+        if name in type(req).model_fields and bad(getattr(req, name)):
+            return name, message
+    return None

@@ -1,0 +1,226 @@
+"""The LangChain wrappers on the tiny random Llama: every call form equals the engine's own
+greedy output, streams report through callbacks first, stop strings combine as a union,
+stats and usage reach the metadata, and documents reach the drafter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import PromptTemplate
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+from pydantic import ValidationError
+
+from _integ_helpers import ScriptedDrafter, make_tiny_engine, oracle_plan
+
+from ragspec.errors import ConfigError
+from ragspec.integrations.langchain import ChatRagspec, RagspecLLM, with_documents
+
+PROMPTS = ["the cat sat on the mat.", "a dog ran in the park", "one two three"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    return RagspecLLM(engine=tiny_engine, max_new_tokens=N)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_engine):
+    return ChatRagspec(engine=tiny_engine, max_new_tokens=N)
+
+
+def solo(engine, prompt, **kw):
+    kw.setdefault("max_new_tokens", N)
+    return engine.generate(prompt, **kw)
+
+
+class Recorder(BaseCallbackHandler):
+    """Keeps every token callback and the LLM results."""
+
+    def __init__(self, events=None):
+        self.events = events if events is not None else []
+        self.results = []
+
+    def on_llm_new_token(self, token, **kwargs):
+        self.events.append(("callback", token))
+
+    def on_llm_end(self, response, **kwargs):
+        self.results.append(response)
+
+
+def test_llm_sync_forms_equal_engine(llm, tiny_engine):
+    # invoke, stream (joined) and batch all give the engine's greedy text
+    want = [solo(tiny_engine, p).text for p in PROMPTS]
+    assert [llm.invoke(p) for p in PROMPTS] == want
+    assert "".join(llm.stream(PROMPTS[0])) == want[0]
+    assert llm.batch(PROMPTS) == want
+
+
+def test_llm_async_forms_equal_engine(llm, tiny_engine):
+    want = [solo(tiny_engine, p).text for p in PROMPTS]
+
+    async def run():
+        one = await llm.ainvoke(PROMPTS[0])
+        streamed = "".join([c async for c in llm.astream(PROMPTS[1])])
+        many = await llm.abatch(PROMPTS)
+        return one, streamed, many
+
+    one, streamed, many = asyncio.run(run())
+    assert one == want[0]
+    assert streamed == want[1]
+    assert many == want
+
+
+def test_chat_all_forms_equal_engine(chat, tiny_engine):
+    msgs = [SystemMessage("be brief"), HumanMessage("the cat sat")]
+    ids = tiny_engine.encode_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}])
+    want = solo(tiny_engine, ids).text
+    assert chat.invoke(msgs).content == want
+    assert "".join(c.content for c in chat.stream(msgs)) == want
+    assert [m.content for m in chat.batch([msgs, msgs])] == [want, want]
+
+    async def run():
+        a = await chat.ainvoke(msgs)
+        s = "".join([c.content async for c in chat.astream(msgs)])
+        b = await chat.abatch([msgs])
+        return a.content, s, b[0].content
+
+    assert asyncio.run(run()) == (want, want, want)
+
+
+def test_stream_reports_each_chunk_to_callbacks_before_yielding(llm, chat):
+    # the callback of a chunk comes before the chunk reaches the consumer, for every chunk
+    for model, prompt in ((llm, PROMPTS[0]), (chat, PROMPTS[0])):
+        events = []
+        rec = Recorder(events)
+        for chunk in model.stream(prompt, config={"callbacks": [rec]}):
+            events.append(("yield", chunk if isinstance(chunk, str) else chunk.content))
+        assert len(events) >= 4
+        assert events[0::2] == [("callback", t) for _, t in events[1::2]]
+        assert events[1::2] == [("yield", t) for _, t in events[0::2]]
+
+    async def run():
+        events = []
+        rec = Recorder(events)
+        async for chunk in llm.astream(PROMPTS[1], config={"callbacks": [rec]}):
+            events.append(("yield", chunk))
+        return events
+
+    events = asyncio.run(run())
+    assert events[0::2] == [("callback", t) for _, t in events[1::2]]
+
+
+def test_stats_in_generation_info_and_usage_in_metadata(llm, chat, tiny_engine):
+    res = llm.generate([PROMPTS[0]])
+    info = res.generations[0][0].generation_info
+    out = solo(tiny_engine, PROMPTS[0])
+    for key in ("accepted_tokens", "drafted_tokens", "mean_accepted_tokens", "tokens_per_s", "finish_reason", "stats"):
+        assert key in info
+    assert info["generated_tokens"] == out.stats.num_generated_tokens == N
+    assert info["accepted_tokens"] == out.stats.num_accepted_tokens
+    assert info["mean_accepted_tokens"] == pytest.approx(out.stats.mean_accepted_tokens)
+    assert res.llm_output["token_usage"]["completion_tokens"] == N
+
+    msg = chat.invoke("the cat sat")
+    u = msg.usage_metadata
+    assert u["output_tokens"] == N and u["total_tokens"] == u["input_tokens"] + N
+    assert msg.response_metadata["model_name"] == "tiny-llama"
+    assert msg.response_metadata["stats"]["num_generated_tokens"] == N
+    # streamed: the last chunk carries the same usage and stats
+    total = None
+    for c in chat.stream("the cat sat"):
+        total = c if total is None else total + c
+    assert total.usage_metadata == u
+    assert total.response_metadata["accepted_tokens"] == msg.response_metadata["accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """An engine whose drafter replays the greedy answer 8 tokens at a time, so every stop
+    string completes in the middle of an accepted draft."""
+    base = make_tiny_engine()
+    prompt = "the cat sat on the mat."
+    ref = base.generate(prompt, max_new_tokens=40, chat=False)
+    eng = make_tiny_engine(drafter=ScriptedDrafter(oracle_plan(ref.token_ids, k=8)))
+    return RagspecLLM(engine=eng, max_new_tokens=40, chat=False), prompt, ref.text
+
+
+def _cut(text, stops):
+    idx = min(text.find(s) for s in stops if s in text)
+    return text[:idx]
+
+
+def test_stop_strings_field_call_and_union(oracle):
+    llm, prompt, full = oracle
+    # two multi-token (multi-character) stop strings taken from the answer, far apart
+    early, late = full[9:12], full[27:30]
+    assert full.find(early) < full.find(late)
+    # per call only
+    assert llm.invoke(prompt, stop=[late]) == _cut(full, [late])
+    # on the model only
+    on_model = llm.model_copy(update={"stop": [late]})
+    assert on_model.invoke(prompt) == _cut(full, [late])
+    # both: the union, so the earlier of the two wins whichever side it is on
+    assert on_model.invoke(prompt, stop=[early]) == _cut(full, [early, late])
+    assert llm.model_copy(update={"stop": [early]}).invoke(prompt, stop=[late]) == _cut(full, [early, late])
+    # streaming agrees, and the stop completed inside an accepted draft
+    assert "".join(on_model.stream(prompt, stop=[early])) == _cut(full, [early])
+    info = on_model.generate([prompt]).generations[0][0].generation_info
+    assert info["finish_reason"] == "stop" and info["accepted_tokens"] > 0
+
+
+def test_documents_reach_the_drafter(tiny_engine):
+    # the model's own answer as a document: drafts copied from it are accepted, and the
+    # text does not change (lossless)
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=40)
+    prompt = "one two three"
+    plain = solo(tiny_engine, prompt, max_new_tokens=40)
+    doc = Document(page_content="notes: " + plain.text)
+    rec = Recorder()
+    assert llm.invoke(prompt, documents=[doc], config={"callbacks": [rec]}) == plain.text
+    assert llm.with_documents([doc]).invoke(prompt, config={"callbacks": [rec]}) == plain.text
+    accepted = [r.generations[0][0].generation_info["accepted_tokens"] for r in rec.results]
+    assert min(accepted) > plain.stats.num_accepted_tokens
+
+
+def test_with_documents_in_a_chain_without_pasting_them(tiny_engine):
+    # retriever -> prompt that does NOT contain the passages -> llm: the drafter still
+    # copies from them (per request), and the answer is the plain one
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=40)
+    question = "one two three"
+    plain = solo(tiny_engine, question, max_new_tokens=40)
+    retriever = RunnableLambda(lambda q: [Document(page_content="notes: " + plain.text)])
+    prompt = PromptTemplate.from_template("{question}")
+    chain = {"context": retriever, "question": RunnablePassthrough()} | with_documents(llm, prompt) | StrOutputParser()
+    rec = Recorder()
+    assert chain.invoke(question, config={"callbacks": [rec]}) == plain.text
+    assert "".join(chain.stream(question)) == plain.text
+    info = rec.results[-1].generations[0][0].generation_info
+    assert info["accepted_tokens"] > plain.stats.num_accepted_tokens
+    with pytest.raises(ConfigError):
+        with_documents(llm, prompt).invoke({"question": question})
+
+
+def test_fields_forbid_unknown_and_engine_is_not_serialized(tiny_engine):
+    llm = RagspecLLM(engine=tiny_engine, temperature=0.0)
+    assert "engine" not in llm.model_dump() and "_engine" not in llm.model_dump()
+    assert "tiny" not in str(llm.to_json())
+    with pytest.raises(ValidationError):
+        RagspecLLM(engine=tiny_engine, temprature=0.5)
+    with pytest.raises(ValidationError):
+        ChatRagspec(engine=tiny_engine, top_p=0.0)
+    with pytest.raises(TypeError):
+        llm.invoke("abc", max_tokns=3)
+    with pytest.raises(ConfigError):
+        RagspecLLM().invoke("abc")  # no engine: a clear error, no I/O at construction
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=N, temperature=0.8, seed=7)
+    a, b = llm.invoke(PROMPTS[0]), llm.invoke(PROMPTS[0])
+    assert a == b == solo(tiny_engine, PROMPTS[0], temperature=0.8, seed=7).text
