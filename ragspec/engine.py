@@ -130,7 +130,7 @@ class Engine:
         if datastore:
             from ragspec.datastore import Datastore, DatastoreDrafter
 
-            ds = Datastore.open(datastore, tokenizer=tokenizer)
+            ds = Datastore.open(datastore, tokenizer=tokenizer, warm=True)
             drafters.append(DatastoreDrafter(ds))
         eagle_head = None
         if eagle:

@@ -1,0 +1,471 @@
+"""On-disk format of a datastore: a manifest plus memory-mapped arrays per shard.
+
+Layout of a datastore directory (format version 1)::
+
+    DIR/
+      manifest.json          format version, tokenizer (name, vocabulary fingerprint, size),
+                             build times, totals, and one entry per shard with the size and
+                             sha256 of each of its files
+      shard-00000/
+        tokens.bin           int32 little-endian [T + D]: the D documents' token ids, each
+                             document followed by the separator -1
+        sa.bin               int32 little-endian [T + D] (int64 when a shard passes 2^31
+                             tokens): every end position e (1..T+D) ordered by the reversed
+                             prefix tokens[e-1], tokens[e-2], ... (a suffix array of the
+                             reversed token array; see :mod:`ragspec.datastore.suffix`)
+        docs.bin             int64 little-endian [D + 1]: start offset of each document in
+                             tokens.bin, then the total length
+        sources.json         one entry per input file: path, sha256, bytes, documents
+      shard-00001/ ...       one more shard per ``add``
+
+Token ids are never 16-bit: vocabularies above 65,535 exist. Document offsets and the
+per-file list of sources are in ``docs.bin`` and ``sources.json`` (listed with their
+checksums in the manifest) rather than in the manifest itself, which stays small (a corpus
+has tens of thousands of files) and opens in microseconds.
+
+Atomicity: a build writes into a temporary directory next to the destination and renames
+it into place; ``add`` renames a finished shard into the directory and then replaces the
+manifest (``os.replace``). A crash leaves either the old datastore or the new one, never a
+half-written datastore that opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+
+from ragspec.errors import DatastoreError, DatastoreFormatError, TokenizerMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "SEPARATOR_ID",
+    "TOKEN_DTYPE",
+    "DOCS_DTYPE",
+    "FileEntry",
+    "ShardEntry",
+    "Manifest",
+    "TokenizerIdentity",
+    "tokenizer_identity",
+    "vocab_fingerprint",
+    "read_manifest",
+    "write_manifest",
+    "write_array",
+    "write_json_file",
+    "check_files",
+    "atomic_directory",
+    "set_default_mode",
+    "fsync_dir",
+]
+
+FORMAT_NAME = "ragspec-datastore"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SEPARATOR_ID = -1
+"""Written after every document; no token has this id, so no match runs across documents."""
+TOKEN_DTYPE = np.dtype("<i4")
+DOCS_DTYPE = np.dtype("<i8")
+TOKENS_FILE = "tokens.bin"
+SA_FILE = "sa.bin"
+DOCS_FILE = "docs.bin"
+SOURCES_FILE = "sources.json"
+_HASH_BLOCK = 1 << 24
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What a datastore remembers of the tokenizer it was built with."""
+
+    name: str
+    """Name or path the tokenizer was loaded from (informative only)."""
+    fingerprint: str
+    """sha256 (hex) of the vocabulary, added tokens included (see :func:`vocab_fingerprint`)."""
+    vocab_size: int
+    """Number of token ids, added tokens included."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size}
+
+
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the sorted (token, id) pairs of ``tokenizer.get_vocab()`` and the added
+    tokens (id, content, special flag), as hex.
+
+    Two tokenizers with the same fingerprint map every token string to the same id, so a
+    datastore's ids mean the same thing for both.
+    """
+    vocab = tokenizer.get_vocab()
+    h = hashlib.sha256()
+    h.update(b"vocab\0")
+    for tok, idx in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])):
+        h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    h.update(b"added\0")
+    for idx in sorted(added):
+        tok = added[idx]
+        content = getattr(tok, "content", str(tok))
+        special = bool(getattr(tok, "special", False))
+        h.update(f"{idx}\t{content}\t{int(special)}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def tokenizer_identity(tokenizer: Any, name: Optional[str] = None) -> TokenizerIdentity:
+    """Name, vocabulary fingerprint and vocabulary size of a (Hugging Face) tokenizer."""
+    if name is None:
+        name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    vocab = tokenizer.get_vocab()
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = len(vocab)
+    # the id space: a sparse vocabulary (ids with gaps) is as large as its largest id + 1
+    size = max(size, max(vocab.values(), default=-1) + 1)
+    return TokenizerIdentity(name=name, fingerprint=vocab_fingerprint(tokenizer), vocab_size=int(size))
+
+
+def check_tokenizer(expected: TokenizerIdentity, tokenizer: Any, where: str) -> None:
+    """Raise :class:`TokenizerMismatchError` naming both tokenizers when their vocabularies differ."""
+    got = tokenizer_identity(tokenizer)
+    if got.fingerprint != expected.fingerprint:
+        raise TokenizerMismatchError(
+            f"{where} was built with tokenizer {expected.name!r} (vocabulary fingerprint "
+            f"{expected.fingerprint[:16]}, {expected.vocab_size} tokens) but the given tokenizer is "
+            f"{got.name!r} (fingerprint {got.fingerprint[:16]}, {got.vocab_size} tokens)"
+        )
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and checksum of one file of a shard."""
+
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard: an independently searchable slice of the corpus (one per build or add)."""
+
+    name: str
+    """Directory name inside the datastore (``shard-00000``)."""
+    num_tokens: int
+    """Token ids stored, separators excluded."""
+    num_documents: int
+    sa_dtype: str
+    """numpy dtype string of the suffix array (``<i4`` or ``<i8``)."""
+    created: str
+    """ISO-8601 UTC time the shard was written."""
+    build_s: float
+    """Seconds spent building the shard (reading, tokenizing, sorting, writing)."""
+    files: Mapping[str, FileEntry]
+
+    @property
+    def length(self) -> int:
+        """Entries of tokens.bin and sa.bin: tokens plus one separator per document."""
+        return self.num_tokens + self.num_documents
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "sa_dtype": self.sa_dtype,
+            "created": self.created,
+            "build_s": self.build_s,
+            "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "ShardEntry":
+        return ShardEntry(
+            name=str(d["name"]),
+            num_tokens=int(d["num_tokens"]),
+            num_documents=int(d["num_documents"]),
+            sa_dtype=str(d["sa_dtype"]),
+            created=str(d["created"]),
+            build_s=float(d.get("build_s", 0.0)),
+            files={k: FileEntry(int(v["bytes"]), str(v["sha256"])) for k, v in d["files"].items()},
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Contents of ``manifest.json``."""
+
+    tokenizer: TokenizerIdentity
+    shards: tuple[ShardEntry, ...]
+    created: str
+    """ISO-8601 UTC time of the first build."""
+    updated: str
+    """ISO-8601 UTC time of the last build or add."""
+    format_version: int = FORMAT_VERSION
+    token_dtype: str = TOKEN_DTYPE.str
+    separator_id: int = SEPARATOR_ID
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(s.num_documents for s in self.shards)
+
+    @property
+    def build_s(self) -> float:
+        return sum(s.build_s for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "tokenizer": self.tokenizer.to_dict(),
+            "token_dtype": self.token_dtype,
+            "separator_id": self.separator_id,
+            "created": self.created,
+            "updated": self.updated,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "shards": [s.to_dict() for s in self.shards],
+            "extra": dict(self.extra),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], where: str = "manifest") -> "Manifest":
+        if d.get("format") != FORMAT_NAME:
+            raise DatastoreFormatError(f"{where}: not a ragspec datastore manifest (format={d.get('format')!r})")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DatastoreFormatError(
+                f"{where}: unsupported format version {version!r} (this ragspec reads version {FORMAT_VERSION})"
+            )
+        try:
+            tok = d["tokenizer"]
+            m = Manifest(
+                tokenizer=TokenizerIdentity(str(tok["name"]), str(tok["fingerprint"]), int(tok["vocab_size"])),
+                shards=tuple(ShardEntry.from_dict(s) for s in d["shards"]),
+                created=str(d["created"]),
+                updated=str(d.get("updated", d["created"])),
+                format_version=int(version),
+                token_dtype=str(d["token_dtype"]),
+                separator_id=int(d["separator_id"]),
+                extra=dict(d.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise DatastoreFormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
+        try:
+            same_dtype = np.dtype(m.token_dtype) == TOKEN_DTYPE and all(
+                np.dtype(s.sa_dtype) in (np.dtype("<i4"), np.dtype("<i8")) for s in m.shards
+            )
+        except TypeError:
+            same_dtype = False
+        if not same_dtype or m.separator_id != SEPARATOR_ID:
+            raise DatastoreFormatError(
+                f"{where}: unsupported token dtype {m.token_dtype!r} / separator {m.separator_id} / suffix-array dtype"
+            )
+        if not m.shards:
+            raise DatastoreFormatError(f"{where}: manifest lists no shards")
+        return m
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """Read and validate ``DIR/manifest.json``.
+
+    Raises:
+        DatastoreError: the directory or its manifest does not exist.
+        DatastoreFormatError: the manifest is not valid JSON or of another format version.
+    """
+    d = Path(directory)
+    path = d / MANIFEST_NAME
+    if not d.is_dir():
+        raise DatastoreError(f"no datastore at {str(d)!r}: not a directory")
+    if not path.is_file():
+        raise DatastoreFormatError(f"{str(d)!r} is not a datastore: {MANIFEST_NAME} is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatastoreFormatError(f"{str(path)!r}: corrupt manifest ({e})") from e
+    if not isinstance(data, dict):
+        raise DatastoreFormatError(f"{str(path)!r}: corrupt manifest (not a JSON object)")
+    return Manifest.from_dict(data, where=str(path))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def set_default_mode(path: Path) -> None:
+    """Give a directory made by ``mkdtemp`` (mode 0700) the usual mode under the umask, so a
+    datastore built by one user can be read by others, as any other written file."""
+    os.chmod(path, 0o777 & ~_umask())
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
+    """Write ``manifest.json`` atomically (temporary file, fsync, ``os.replace``)."""
+    d = Path(directory)
+    text = json.dumps(manifest.to_dict(), indent=1, sort_keys=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600
+        os.replace(tmp, d / MANIFEST_NAME)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(d)
+
+
+def write_array(path: Path, array: np.ndarray) -> FileEntry:
+    """Write a contiguous array's raw bytes, fsync, and return its size and sha256."""
+    arr = np.ascontiguousarray(array)
+    buf = memoryview(arr).cast("B")
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, len(buf), _HASH_BLOCK):
+            block = buf[start : start + _HASH_BLOCK]
+            h.update(block)
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(bytes=len(buf), sha256=h.hexdigest())
+
+
+def write_json_file(path: Path, obj: Any) -> FileEntry:
+    data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_HASH_BLOCK)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_files(directory: Path, shard: ShardEntry, *, verify_checksums: bool) -> None:
+    """Check that every file of ``shard`` exists with the recorded size (and sha256).
+
+    Raises:
+        DatastoreFormatError: naming the file, the expected and the found size/checksum.
+    """
+    sdir = directory / shard.name
+    required = (TOKENS_FILE, SA_FILE, DOCS_FILE)
+    for name in required:
+        if name not in shard.files:
+            raise DatastoreFormatError(f"{str(sdir)!r}: manifest has no entry for {name}")
+    itemsize = np.dtype(shard.sa_dtype).itemsize
+    expected_sizes = {
+        TOKENS_FILE: shard.length * TOKEN_DTYPE.itemsize,
+        SA_FILE: shard.length * itemsize,
+        DOCS_FILE: (shard.num_documents + 1) * DOCS_DTYPE.itemsize,
+    }
+    for name, entry in shard.files.items():
+        path = sdir / name
+        if name in expected_sizes and entry.bytes != expected_sizes[name]:
+            raise DatastoreFormatError(
+                f"{str(path)!r}: manifest says {entry.bytes} bytes "
+                f"but the shard's counts imply {expected_sizes[name]}"
+            )
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise DatastoreFormatError(f"{str(path)!r} is missing (datastore incomplete or damaged)") from None
+        if size != entry.bytes:
+            raise DatastoreFormatError(
+                f"{str(path)!r} is {size} bytes, expected {entry.bytes} (truncated or damaged file)"
+            )
+        if verify_checksums:
+            digest = sha256_file(path)
+            if digest != entry.sha256:
+                raise DatastoreFormatError(
+                    f"{str(path)!r}: sha256 {digest[:16]}... does not match the manifest's {entry.sha256[:16]}... "
+                    "(damaged file)"
+                )
+
+
+@contextlib.contextmanager
+def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory next to ``destination``; on success rename it into place.
+
+    On any exception (Ctrl-C included) the temporary directory is removed and
+    ``destination`` is left as it was.
+
+    Raises:
+        DatastoreError: ``destination`` exists (and is not empty) and ``overwrite`` is False.
+    """
+    dest = Path(destination)
+    parent = dest.parent if str(dest.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+        raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+    try:
+        yield tmp
+        set_default_mode(tmp)
+        fsync_dir(tmp)
+        if dest.exists():
+            if not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+                raise DatastoreError(f"{str(dest)!r} appeared while building; not replacing it")
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=parent))
+            os.rmdir(old)
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
