@@ -215,7 +215,8 @@ def cmd_bench(args) -> int:
     engine = _engine(args)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
-        f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}",
+        f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}, "
+        f"torch threads {__import__('torch').get_num_threads()}",
         file=sys.stderr,
     )
     print("# latency model (ms per forward of q tokens): " + ", ".join(f"{q}:{v * 1e3:.1f}" for q, v in engine.latency.table.items()), file=sys.stderr)
@@ -276,6 +277,9 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragspec", description="Lossless retrieval-augmented speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, the core count)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("model", help="fetch or describe a model")
@@ -357,6 +361,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    if args.threads is not None:
+        if args.threads < 1:
+            print("ragspec: error: --threads must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return int(args.func(args) or 0)
     except RagspecError as e:

@@ -141,10 +141,19 @@ class AcceptanceModel:
     # match-length buckets: 0 (not a lookup draft), 1, 2, 3, 4-5, 6-9, 10-15, 16+
     _MATCH_BUCKETS = (0, 1, 2, 3, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6)
 
-    def __init__(self, prior_first: float = 0.25, prior_next: float = 0.8, prior_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        prior_first: float = 0.25,
+        prior_next: float = 0.8,
+        prior_weight: float = 2.0,
+        calibrated_sources: tuple[str, ...] = ("eagle",),
+    ) -> None:
         self.prior_first = prior_first
         self.prior_next = prior_next
         self.prior_weight = prior_weight
+        # sources whose scores are already acceptance estimates (EAGLE-2's draft
+        # confidence, Li et al. 2024b, section 3): their prior factor is 1 at every depth
+        self.calibrated_sources = tuple(calibrated_sources)
         self._stats: dict[tuple[str, int, int], _Beta] = {}
 
     def _key(self, source: str, match_len: int, depth: int) -> tuple[str, int, int]:
@@ -159,6 +168,8 @@ class AcceptanceModel:
             # longer suffix matches (higher bucket) are more trustworthy a priori
             if d == 0 and m:
                 prior = min(0.9, prior + 0.07 * (m - 1))
+            if key[0] in self.calibrated_sources:
+                prior = 1.0
             b = _Beta(prior * self.prior_weight, self.prior_weight)
             self._stats[key] = b
         return b
@@ -260,6 +271,8 @@ def _subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
         depth=tree.depth[idx],
         sources=tuple(tree.sources[i] for i in keep) if tree.sources else (),
         scores=None if tree.scores is None else tree.scores[idx],
-        draft_probs=None if tree.draft_probs is None else tree.draft_probs[idx],
+        # a sub-tree picked by score is no longer distributed as the draft sampled it:
+        # verify it as a deterministic draft (still lossless; see ragspec.sampling)
+        draft_probs=None,
         match_len=tree.match_len,
     )
