@@ -1,0 +1,428 @@
+"""EAGLE draft head: shapes, KV cache, lossless greedy decoding, fingerprints, training.
+
+Everything runs on a tiny random Llama (hidden 32, 2 layers) and the character tokenizer
+of conftest.py; a head trained for a few dozen steps on the tiny model's own greedy text
+gives drafts that are sometimes right and sometimes wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragspec_testing import greedy_reference, make_char_tokenizer, make_tiny_llama
+from ragspec.config import PolicyConfig
+from ragspec.engine import Engine
+from ragspec.errors import ConfigError, EagleHeadMismatchError, ModelLoadError
+from ragspec.eagle import (
+    EagleDrafter,
+    EagleHead,
+    EagleTreeConfig,
+    SelectingDrafter,
+    load_eagle_head,
+    read_head_config,
+    save_eagle_head,
+    target_fingerprint,
+)
+from ragspec.models import ModelSpec
+from ragspec.target import TargetModel
+from ragspec.types import DraftTree, VerifyResult
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster than two."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3)
+
+
+@pytest.fixture(scope="module")
+def target(model):
+    return TargetModel(model)
+
+
+PROMPTS = ["Hello there, how are you?", "The cat sat on the mat.", "abc abc abc", "Tell me: 1, 2, 3"]
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory, model, tok):
+    """A head trained for a few steps on the tiny model's greedy continuations."""
+    from ragspec.eagle_train import DataConfig, TrainConfig, run_training
+
+    d = tmp_path_factory.mktemp("eagle")
+    data = d / "data.jsonl"
+    rows = [{"question_id": i, "category": "qa", "turns": [p + str(i)]} for i, p in enumerate(PROMPTS * 3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = run_training(
+        None,
+        DataConfig(paths=(str(data),), holdout_per_category=0, num_responses=12, response_tokens=48, generation_batch=4),
+        TrainConfig(epochs=40, max_steps=60, batch_tokens=512, lr=3e-3, draft_vocab_size=0, save_every=30, val_fraction=0.0),
+        d / "head",
+        model_and_tokenizer=(model, tok),
+        progress=False,
+        command="test",
+    )
+    return d / "head", record
+
+
+@pytest.fixture(scope="module")
+def head(trained_dir, target):
+    return load_eagle_head(trained_dir[0], target=target)
+
+
+def _prefilled_session(drafter, target, prompt, root):
+    """A session fed the prompt's features and the root token, as the engine does."""
+    s = drafter.start_request(prompt)
+    with torch.inference_mode():
+        st = target.new_state()
+        out = target.prefill(st, prompt, return_hidden=True)
+    s.extend_hidden(out.hidden)
+    s.extend([root])
+    return s, st
+
+
+# ---------------------------------------------------------------------------- the head
+def test_head_shapes_and_shared_parts_not_saved(target):
+    # the head owns fc + one decoder layer; embedding and output layer are the target's
+    torch.manual_seed(0)
+    head = EagleHead.from_target(target)
+    h = target.config.hidden_size
+    assert head.embed_tokens is target._decoder.get_input_embeddings()
+    assert head.lm_head is target._lm_head
+    names = set(head.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names), names
+    assert {"fc.weight", "fc.bias", "draft_vocab"} <= names
+    own = sum(p.numel() for p in head.parameters())
+    assert own == sum(p.numel() for p in head.fc.parameters()) + sum(p.numel() for p in head.layer.parameters())
+    ids = torch.tensor([[5, 6, 7]])
+    feats = torch.randn(1, 3, h)
+    out = head(ids, feats, torch.arange(3)[None])
+    assert out.shape == (1, 3, h)
+    w, b = head.draft_lm_weight()
+    assert head.logits(out[0], w, b).shape == (3, target.vocab_size)
+
+
+def test_head_cache_equals_full_forward(target):
+    # feeding 7 pairs one chunk at a time through the cache == one causal forward over all 7
+    torch.manual_seed(0)
+    head = EagleHead.from_target(target).eval()
+    h = target.config.hidden_size
+    ids = torch.tensor([[3, 9, 4, 11, 20, 7, 8]])
+    feats = torch.randn(1, 7, h)
+    with torch.no_grad():
+        full = head(ids, feats, torch.arange(7)[None])[0]
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        parts = []
+        for lo, hi in ((0, 3), (3, 4), (4, 7)):
+            q = hi - lo
+            mask = torch.ones(q, hi, dtype=torch.bool)
+            mask[:, lo:] = torch.ones(q, q, dtype=torch.bool).tril()
+            parts.append(head(ids[:, lo:hi], feats[:, lo:hi], torch.arange(lo, hi)[None], mask[None, None], cache)[0])
+    torch.testing.assert_close(torch.cat(parts), full, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_tree_contract(head, target, tok):
+    # top-k expansion: at most max_tokens nodes, topological, depth <= config depth,
+    # scores = conditional draft probabilities, deterministic (no draft_probs), match_len 0
+    cfg = EagleTreeConfig(depth=4, top_k=3, min_path_prob=0.0)
+    drafter = EagleDrafter(head, target, cfg)
+    prompt = tok(PROMPTS[0])["input_ids"]
+    s, _ = _prefilled_session(drafter, target, prompt, root=5)
+    tree = s.propose(10)
+    assert 0 < tree.num_nodes <= 10
+    assert tree.draft_probs is None and tree.match_len == 0
+    assert set(tree.sources) == {"eagle"}
+    parents = tree.parents.tolist()
+    assert all(p < i for i, p in enumerate(parents))
+    assert int(tree.depth.max()) <= 3
+    assert bool(((tree.scores > 0) & (tree.scores <= 1)).all())
+    # siblings are distinct tokens; at most top_k children per node
+    for node in [-1] + list(range(tree.num_nodes)):
+        kids = tree.children(node)
+        assert len(kids) <= 3
+        assert len({int(tree.tokens[c]) for c in kids}) == len(kids)
+    # proposing again without new tokens gives the same tree (the cache was rolled back)
+    again = s.propose(10)
+    assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+    assert s.propose(0).num_nodes == 0
+
+
+def test_drafting_with_cache_equals_from_scratch(head, target, tok, model):
+    # a session fed step by step (prompt, then committed tokens + features in pieces)
+    # proposes the same tree as a fresh session fed everything at once
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=4, top_k=3, min_path_prob=0.0))
+    prompt = tok(PROMPTS[1])["input_ids"]
+    ref = greedy_reference(model, prompt, 12)
+    seq = prompt + ref
+    with torch.inference_mode():
+        st = target.new_state()
+        hidden = target.prefill(st, seq, return_hidden=True).hidden  # [T, H]
+    n0 = len(prompt)
+    inc = drafter.start_request(prompt)
+    inc.extend_hidden(hidden[:n0])
+    inc.extend(ref[:1])
+
+    def propose_and_verify():
+        t = inc.propose(6)  # fills and rolls back the draft entries
+        assert t.num_nodes
+        inc.observe(t, VerifyResult((), (), 0, t.num_nodes))  # verified: no back-off
+
+    propose_and_verify()
+    pos = 1
+    for step in (3, 1, 4):  # commit `step` tokens: their features enter, then the tokens
+        inc.extend_hidden(hidden[n0 + pos - 1 : n0 + pos - 1 + step])
+        inc.extend(ref[pos : pos + step])
+        pos += step
+        propose_and_verify()
+    fresh = drafter.start_request(seq[: n0 + pos])
+    fresh.extend_hidden(hidden[: n0 + pos - 1])
+    a, b = inc.propose(8), fresh.propose(8)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-5)
+
+
+def test_back_off_when_proposals_are_not_verified(head, target, tok):
+    # proposals the engine drops (not verified) make the next 1, then 2, then 4 proposals
+    # empty (no draft time); a verified proposal resets the back-off
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
+    s, _ = _prefilled_session(drafter, target, tok(PROMPTS[0])["input_ids"], root=5)
+    pattern = []
+    for _ in range(10):
+        t = s.propose(4)
+        pattern.append(t.num_nodes > 0)
+        s.extend([])  # the step commits without having verified the proposal
+    assert pattern == [True, False, True, False, False, True, False, False, False, False]
+    s._skip = 0
+    t = s.propose(4)
+    s.observe(t, VerifyResult((), (), 0, t.num_nodes))
+    s.extend([])
+    assert s.propose(4).num_nodes > 0
+
+
+def test_no_draft_without_features(head, target, tok):
+    # tokens without their features: nothing to draft from (empty tree, not an error)
+    drafter = EagleDrafter(head, target)
+    s = drafter.start_request(tok("abc")["input_ids"])
+    s.extend([7])
+    assert s.propose(8).num_nodes == 0
+
+
+def test_eos_nodes_are_not_expanded(head, target, tok):
+    # with every token an EOS, only depth-0 nodes exist
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=4, top_k=3, min_path_prob=0.0))
+    prompt = tok(PROMPTS[2])["input_ids"]
+    s = drafter.start_request(prompt, eos_token_ids=range(target.vocab_size))
+    with torch.inference_mode():
+        out = target.prefill(target.new_state(), prompt, return_hidden=True)
+    s.extend_hidden(out.hidden)
+    s.extend([5])
+    tree = s.propose(8)
+    assert tree.num_nodes == 3 and int(tree.depth.max()) == 0
+
+
+def test_tree_config_validation():
+    with pytest.raises(ConfigError):
+        EagleTreeConfig(depth=0)
+    with pytest.raises(ConfigError):
+        EagleTreeConfig(top_k=0)
+    with pytest.raises(ConfigError):
+        EagleTreeConfig(min_path_prob=1.0)
+
+
+# ---------------------------------------------------------------------------- lossless greedy
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_with_head_equals_plain_greedy(head, target, tok, model, adaptive):
+    # verified EAGLE trees (some accepted, some rejected) never change greedy output
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=4, top_k=3))
+    eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=8, adaptive=adaptive))
+    accepted = drafted = 0
+    for p in PROMPTS:
+        ids = tok(p)["input_ids"]
+        ref = greedy_reference(model, ids, 40)
+        out = eng.generate(ids, max_new_tokens=40, chat=False)
+        assert out.token_ids == ref, p
+        accepted += out.stats.num_accepted_tokens
+        drafted += out.stats.num_drafted_tokens
+    if not adaptive:
+        # the trained head is right sometimes and wrong sometimes: both paths are exercised
+        assert 0 < accepted < drafted
+
+
+def test_greedy_with_selecting_drafter_equals_plain_greedy(head, target, tok, model):
+    from ragspec.drafting import PromptLookupDrafter
+
+    drafter = SelectingDrafter(PromptLookupDrafter(), EagleDrafter(head, target), min_match=2)
+    eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(adaptive=False))
+    for p in PROMPTS:
+        ids = tok(p)["input_ids"]
+        out = eng.generate(ids, max_new_tokens=32, chat=False, return_steps=True)
+        assert out.token_ids == greedy_reference(model, ids, 32)
+
+
+class _FixedSession:
+    def __init__(self, tree):
+        self.tree = tree
+
+    def extend(self, ids):
+        pass
+
+    def propose(self, n):
+        return self.tree
+
+    def observe(self, tree, res):
+        pass
+
+
+class _FixedDrafter:
+    name = "fixed"
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        return _FixedSession(self.tree)
+
+
+def test_selecting_drafter_rule(head, target, tok):
+    # retrieval with a 3-token match wins; with a 1-token match the head's tree is used
+    prompt = tok(PROMPTS[0])["input_ids"]
+    for match_len, want in ((3, "prompt"), (1, "eagle")):
+        retrieval = _FixedDrafter(DraftTree.chain([9, 9], source="prompt", match_len=match_len))
+        sel = SelectingDrafter(retrieval, EagleDrafter(head, target), min_match=3)
+        s, _ = _prefilled_session(sel, target, prompt, root=5)
+        assert s.propose(6).sources[0] == want
+    with pytest.raises(ConfigError):
+        SelectingDrafter(retrieval, EagleDrafter(head, target), min_match=0)
+
+
+# ---------------------------------------------------------------------------- save / load / mismatch
+def test_saved_head_records_target_and_training(trained_dir, target):
+    path, record = trained_dir
+    cfg = read_head_config(path)
+    info = target_fingerprint(target)
+    assert cfg["target"]["fingerprint"] == info["fingerprint"]
+    assert cfg["target"]["vocab_size"] == target.vocab_size
+    assert cfg["target"]["hidden_size"] == target.config.hidden_size
+    assert cfg["training"]["command"] == "test"
+    assert cfg["training"]["data"]["num_tokens"] > 0
+    assert cfg["architecture"]["layer_class"] == "LlamaDecoderLayer"
+
+
+def test_head_for_another_model_is_refused(trained_dir, tok):
+    # same architecture and sizes, other weights: refused, naming both fingerprints
+    other = TargetModel(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, seed=1))
+    with pytest.raises(EagleHeadMismatchError) as e:
+        load_eagle_head(trained_dir[0], target=other)
+    msg = str(e.value)
+    assert msg.count("embedding-sha256:") == 2
+    # another vocabulary size
+    other_v = TargetModel(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 10))
+    with pytest.raises(EagleHeadMismatchError, match="vocab_size"):
+        load_eagle_head(trained_dir[0], target=other_v)
+
+
+def test_gguf_fingerprint_mismatch(tmp_path, target):
+    # a head saved for GGUF sha "aa.." is refused for a model spec with GGUF sha "bb.."
+    torch.manual_seed(0)
+    head = EagleHead.from_target(target)
+    spec_a = ModelSpec(name="a", kind="gguf", path=Path("a.gguf"), sha256="aa" * 32)
+    spec_b = ModelSpec(name="b", kind="gguf", path=Path("b.gguf"), sha256="bb" * 32)
+    save_eagle_head(head, tmp_path / "h", target_info=target_fingerprint(target, spec_a))
+    load_eagle_head(tmp_path / "h", target=target, model_spec=spec_a)
+    with pytest.raises(EagleHeadMismatchError) as e:
+        load_eagle_head(tmp_path / "h", target=target, model_spec=spec_b)
+    assert "gguf-sha256:" + "aa" * 32 in str(e.value) and "gguf-sha256:" + "bb" * 32 in str(e.value)
+
+
+def test_save_load_roundtrip_bf16(tmp_path, target):
+    # weights are stored in bfloat16: the loaded head equals the saved one up to that rounding
+    torch.manual_seed(0)
+    head = EagleHead.from_target(target, draft_vocab=torch.tensor([3, 4, 5, 50, 7]))
+    save_eagle_head(head, tmp_path / "h", target_info=target_fingerprint(target))
+    back = load_eagle_head(tmp_path / "h", target=target)
+    assert back.draft_vocab.tolist() == [3, 4, 5, 7, 50]
+    for k, v in head.state_dict().items():
+        if k != "draft_vocab":
+            torch.testing.assert_close(back.state_dict()[k], v.to(torch.bfloat16).float())
+    assert (tmp_path / "h" / "head.safetensors").stat().st_size < 200_000
+
+
+def test_not_a_head_folder(tmp_path, target):
+    with pytest.raises(ModelLoadError):
+        load_eagle_head(tmp_path, target=target)
+    (tmp_path / "config.json").write_text(json.dumps({"format": "something-else"}))
+    (tmp_path / "head.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError):
+        load_eagle_head(tmp_path, target=target)
+
+
+def test_draft_vocab_restricts_drafts(tmp_path, target, tok):
+    # a head drafting from 5 tokens only ever drafts those
+    torch.manual_seed(0)
+    vocab = [4, 10, 20, 30, 40]
+    head = EagleHead.from_target(target, draft_vocab=torch.tensor(vocab)).eval()
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
+    s, _ = _prefilled_session(drafter, target, tok(PROMPTS[3])["input_ids"], root=5)
+    tree = s.propose(8)
+    assert tree.num_nodes > 0 and set(tree.tokens.tolist()) <= set(vocab)
+
+
+# ---------------------------------------------------------------------------- training
+def test_tiny_training_reduces_loss(trained_dir):
+    record = trained_dir[1]
+    res = record["result"]
+    assert res["steps"] == 60
+    assert res["last_loss"] < 0.8 * res["first_loss"], res
+
+
+def test_training_resume_continues_exactly(tmp_path, model, tok):
+    # 6 steps, then resume to 12 == 12 steps straight (checkpoint keeps optimizer, RNG, step)
+    from ragspec.eagle_train import TrainConfig, train_head
+
+    target = TargetModel(model)
+    seqs = [tok(p)["input_ids"] for p in PROMPTS]
+    with torch.inference_mode():
+        feats = [target.prefill(target.new_state(), s, return_hidden=True).hidden.clone() for s in seqs]
+
+    def fresh():
+        torch.manual_seed(0)
+        return EagleHead.from_target(target).float()
+
+    cfg = TrainConfig(epochs=20, max_steps=12, batch_tokens=64, lr=1e-3, save_every=6)
+    a = fresh()
+    train_head(a, seqs, feats, cfg, checkpoint=tmp_path / "a.pt", progress=False)
+    b = fresh()
+    half = TrainConfig(**{**cfg.__dict__, "max_steps": 6})
+    train_head(b, seqs, feats, half, checkpoint=tmp_path / "b.pt", progress=False)
+    b2 = fresh()
+    res = train_head(b2, seqs, feats, cfg, checkpoint=tmp_path / "b.pt", resume=True, progress=False)
+    assert res["steps"] == 12
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b2.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_cli_registers_eagle_commands():
+    from ragspec.cli import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["eagle", "train", "--data", "x.jsonl", "-o", "out", "--max-steps", "5", "--resume"])
+    assert args.max_steps == 5 and args.resume and args.output == "out"
+    args = p.parse_args(["eagle", "bench", "--drafters", "head", "--eagle", "d"])
+    assert args.drafters == "head"
