@@ -81,10 +81,23 @@ def _print_stats(out, baseline=None) -> None:
         )
 
 
+def _unescape(s: str) -> str:
+    r"""Shell-friendly escapes in stop strings: ``\n``, ``\t``, ``\r`` and ``\\``."""
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 1 < len(s) and s[i + 1] in "ntr\\":
+            out.append({"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[s[i + 1]])
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
 def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> int:
     kw = dict(
         max_new_tokens=args.max_new_tokens,
-        stop=args.stop or None,
+        stop=[_unescape(x) for x in args.stop] if args.stop else None,
         documents=documents,
         speculative=not args.no_speculation,
         temperature=args.temperature,
@@ -361,6 +374,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.threads is not None:
         if args.threads < 1:
             print("ragspec: error: --threads must be >= 1", file=sys.stderr)

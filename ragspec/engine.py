@@ -289,9 +289,14 @@ class Engine:
             generator=generator,
             acceptance=AcceptanceModel(),
             # each request refines its own copy of the latency model; a seeded sampled
-            # request keeps it frozen, so its drafts (and thus its samples) do not depend on
-            # timing noise or on other requests
-            latency=self.latency.fork(ema=0.0 if (not sampling.greedy and sampling.seed is not None) else None),
+            # request uses the fixed reference table instead, so its drafts (and thus its
+            # samples) depend neither on timing noise, other requests, nor on the latency
+            # measured at this process's start: same seed, same output, in any process
+            latency=(
+                LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0)
+                if (not sampling.greedy and sampling.seed is not None)
+                else self.latency.fork()
+            ),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
         )
 

@@ -108,3 +108,13 @@ def test_composite_prefers_longest_match():
     assert s.propose(4).tokens.tolist() == [3, 4]
     m = CompositeDrafter([short, long], mode="merge").start_request([0])
     assert m.propose(4).tokens.tolist() == [1, 2, 3, 4]
+
+
+def test_cli_stop_strings_unescape_newlines():
+    # regression (found by a fresh user): `--stop "\n\n"` in a shell passes backslash-n,
+    # which never matched; the CLI turns \n, \t, \r and \\ into the characters
+    from ragspec.cli import _unescape
+
+    assert _unescape(r"\n\n") == "\n\n"
+    assert _unescape(r"a\tb\\n") == "a\tb\\n"
+    assert _unescape("plain é") == "plain é"

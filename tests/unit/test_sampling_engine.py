@@ -111,3 +111,22 @@ def test_sampling_commits_only_allowed_tokens(setup, char_tokenizer):
         eng = make_engine(model, char_tokenizer, ScriptedDrafter(plan))
         out = eng.generate(prompt, max_new_tokens=20, chat=False, temperature=1.0, top_k=1, seed=0)
         assert out.token_ids == ref[:20]
+
+
+def test_seed_reproducible_across_engines_with_different_latency(char_tokenizer):
+    # regression (found by a fresh user): `ragspec generate --temperature 0.7 --seed 1` gave
+    # different texts in two processes, because each process measures its own latency
+    # table and the draft choices (hence the samples) followed it. A seeded request now
+    # drafts by the fixed reference table.
+    from ragspec import Engine
+    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.policy import LatencyModel
+    from ragspec.target import TargetModel
+
+    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3, eos_token_id=None, std=0.2)
+    prompt = char_tokenizer("the cat sat on the mat. the cat sat on the hat.")["input_ids"]
+    outs = []
+    for table in ({1: 0.040, 4: 0.041, 8: 0.042}, {1: 0.010, 4: 0.200, 8: 0.400}):
+        eng = Engine(TargetModel(model), char_tokenizer, drafter=PromptLookupDrafter(), latency=LatencyModel(table))
+        outs.append(eng.generate(prompt, max_new_tokens=40, chat=False, temperature=0.7, seed=11).token_ids)
+    assert outs[0] == outs[1]
