@@ -27,7 +27,7 @@ from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
 from .target import TargetModel
 from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk
-from .verify import GreedyVerifier, Verifier
+from .verify import GreedyVerifier, Verifier, verify_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ class Engine:
         spec = models.resolve_model(model, cache=Path(cache) if cache else None)
         hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
         target = TargetModel(hf_model)
+        # the model is ours: few-row (verification) linears through pre-packed weights
+        target.prepack_linears()
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
         if datastore:
@@ -383,15 +385,22 @@ class Engine:
             proposal = req.session.propose(budget)
             if proposal.num_nodes:
                 if self.policy.adaptive:
-                    choice = choose_draft(proposal, req.latency, req.acceptance, budget)
+                    choice = choose_draft(
+                        proposal, req.latency, req.acceptance, budget, lazy=type(req.verifier) is GreedyVerifier
+                    )
                     tree, predicted = choice.tree, choice.expected_accepted
                 else:
                     tree = proposal.truncate(budget)
         t1 = time.perf_counter()
         # 2. verify
         past = state.length
-        out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
-        res = req.verifier(tree, out.logits, req.generator)
+        if type(req.verifier) is GreedyVerifier:
+            # greedy needs only the rows on the accepted path of the output layer
+            out = target.verify_forward(state, root, tree, return_hidden=want_hidden, lazy_logits=True)
+            res = verify_greedy(tree, out.row_logits)
+        else:
+            out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
+            res = req.verifier(tree, out.logits, req.generator)
         if want_hidden:
             # features of the positions now kept in the cache: root + accepted path
             rows = [0] + [1 + i for i in res.accepted_nodes]
@@ -406,7 +415,8 @@ class Engine:
             req.acceptance.observe(tree, res)
             if req.session is not None:
                 req.session.observe(tree, res)
-        req.latency.observe(1 + tree.num_nodes, t2 - t1)
+        early = out.row_logits is not None and out.row_logits.rows_computed == 1
+        req.latency.observe(1 + tree.num_nodes, t2 - t1, early=early)
         if req.session is not None and not req.finish_reason:
             req.session.extend(committed)
         self._record_step(req.stats, tree, res, kept, t1 - t0, t2 - t1, predicted, return_steps)

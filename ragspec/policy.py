@@ -39,18 +39,34 @@ class LatencyModel:
         ema: weight of a new observation in the online refinement (0 = frozen).
     """
 
-    def __init__(self, table: dict[int, float], ema: float = 0.05) -> None:
+    def __init__(self, table: dict[int, float], ema: float = 0.05, early: Optional[dict[int, float]] = None) -> None:
         if not table or 1 not in table:
             raise ValueError("LatencyModel needs at least the latency of q=1")
         self._table = {int(k): float(v) for k, v in table.items()}
+        # seconds when only the first row of the output layer is computed (greedy
+        # verification of a draft rejected at its first token; see ragspec.target.RowLogits)
+        self._early = {int(k): float(v) for k, v in early.items()} if early else None
         self.ema = ema
         self._scale = 1.0
 
     def fork(self, ema: Optional[float] = None) -> "LatencyModel":
-        """An independent copy (same measured table and current scale), e.g. per request."""
-        other = LatencyModel(self._table, self.ema if ema is None else ema)
+        """An independent copy (same measured tables and current scale), e.g. per request."""
+        other = LatencyModel(self._table, self.ema if ema is None else ema, self._early)
         other._scale = self._scale
         return other
+
+    def early(self, q: int) -> float:
+        """Seconds for a forward of q new tokens of which only the first row's logits are
+        computed (= ``self(q)`` where that was not measured)."""
+        if self._early is None:
+            return self(q)
+        return min(self._shape(q, self._early), self._shape(q)) * self._scale
+
+    def expected(self, q: int, p_first: float) -> float:
+        """Expected seconds of a lazily verified step (greedy): the full cost when a first
+        draft token is accepted (probability ``p_first``), the early-exit cost otherwise."""
+        full = self(q)
+        return full if self._early is None else p_first * full + (1.0 - p_first) * self.early(q)
 
     @property
     def table(self) -> dict[int, float]:
@@ -61,8 +77,8 @@ class LatencyModel:
         """Seconds for one forward of q new tokens (q >= 1)."""
         return self._shape(q) * self._scale
 
-    def _shape(self, q: int) -> float:
-        t = self._table
+    def _shape(self, q: int, table: Optional[dict[int, float]] = None) -> float:
+        t = self._table if table is None else table
         if q in t:
             return t[q]
         keys = sorted(t)
@@ -78,19 +94,29 @@ class LatencyModel:
         w = (q - lo) / (hi - lo)
         return t[lo] * (1 - w) + t[hi] * w
 
-    def observe(self, q: int, seconds: float) -> None:
+    def observe(self, q: int, seconds: float, early: bool = False) -> None:
         """Refine from one measured step: the measured shape over q is kept, and one scale
         factor follows the observed/predicted ratio (longer contexts, other load), so the
-        relative cost of drafting stays calibrated for every q."""
+        relative cost of drafting stays calibrated for every q. ``early``: the step
+        computed only the first row of logits."""
         if self.ema <= 0 or seconds <= 0:
             return
-        ratio = seconds / self._shape(q)
+        shape = self._shape(q, self._early) if (early and self._early is not None) else self._shape(q)
+        ratio = seconds / shape
         ratio = min(4.0, max(0.25, ratio))  # one stalled step must not swing the model
         self._scale = (1 - self.ema) * self._scale + self.ema * ratio
 
     @classmethod
-    def measure(cls, target, qs: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), context: int = 512, repeats: int = 3) -> "LatencyModel":
-        """Time the target's verification forward for each q at a ``context``-token cache.
+    def measure(
+        cls,
+        target,
+        qs: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
+        context: int = 512,
+        repeats: int = 3,
+        early: bool = True,
+    ) -> "LatencyModel":
+        """Time the target's verification forward for each q at a ``context``-token cache:
+        with all N + 1 rows of logits, and (``early``) with the first row only.
 
         A few seconds on a 2-core CPU for a 135M model. Returns the median per q.
         """
@@ -101,22 +127,28 @@ class LatencyModel:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
         table: dict[int, float] = {}
+        early_table: dict[int, float] = {}
         with torch.inference_mode():
             state = target.new_state()
             target.prefill(state, ids)
             base = state.length
             for q in qs:
-                times = []
-                for _ in range(repeats + 1):
-                    tree = DraftTree.chain(ids[: q - 1]) if q > 1 else DraftTree.empty()
-                    t0 = time.perf_counter()
-                    target.verify_forward(state, ids[-1], tree)
-                    times.append(time.perf_counter() - t0)
-                    target.rollback(state, base)
-                times = sorted(times[1:])  # first run warms up
-                table[q] = times[len(times) // 2]
+                for lazy in (False, True) if early else (False,):
+                    times = []
+                    for _ in range(repeats + 1):
+                        tree = DraftTree.chain(ids[: q - 1]) if q > 1 else DraftTree.empty()
+                        t0 = time.perf_counter()
+                        out = target.verify_forward(state, ids[-1], tree, lazy_logits=lazy)
+                        if lazy:
+                            out.row_logits.argmax(0)
+                        times.append(time.perf_counter() - t0)
+                        target.rollback(state, base)
+                    times = sorted(times[1:])  # first run warms up
+                    (early_table if lazy else table)[q] = times[len(times) // 2]
         logger.info("latency model (ms): %s", {q: round(v * 1e3, 1) for q, v in table.items()})
-        return cls(table)
+        if early_table:
+            logger.info("latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()})
+        return cls(table, early=early_table or None)
 
 
 @dataclass
@@ -223,6 +255,7 @@ def choose_draft(
     latency: LatencyModel,
     acceptance: AcceptanceModel,
     max_nodes: int,
+    lazy: bool = False,
 ) -> DraftChoice:
     """Keep the draft nodes that maximise expected committed tokens per second.
 
@@ -230,7 +263,9 @@ def choose_draft(
     probabilities from the root); keeping the k best (k = 0..max_nodes) is always a valid
     tree because a child's path probability never exceeds its parent's. The best k
     maximises ``(1 + sum of kept path probabilities) / latency(1 + k)``; k = 0 is plain
-    decoding.
+    decoding. With ``lazy`` (greedy verification computing logits only on the accepted
+    path) the latency is the expected one: full when a first-level node is accepted, the
+    early-exit cost otherwise (:meth:`LatencyModel.expected`).
 
     Returns:
         DraftChoice with the kept tree (a sub-tree of ``tree``, topological order kept).
@@ -247,15 +282,21 @@ def choose_draft(
     order = sorted(range(tree.num_nodes), key=lambda i: (-path[i], tree.depth[i].item(), i))
     best_k, best_rate, best_exp = 0, 1.0 / base_s, 0.0
     exp = 0.0
+    p_first = 0.0  # chance some first-level node is accepted (they are exclusive)
+    best_s = base_s
     for k in range(1, n + 1):
-        exp += path[order[k - 1]]
-        rate = (1.0 + exp) / latency(1 + k)
+        i = order[k - 1]
+        exp += path[i]
+        if parents[i] < 0:
+            p_first = min(1.0, p_first + path[i])
+        step_s = latency.expected(1 + k, p_first) if lazy else latency(1 + k)
+        rate = (1.0 + exp) / step_s
         if rate > best_rate * 1.0001:
-            best_k, best_rate, best_exp = k, rate, exp
+            best_k, best_rate, best_exp, best_s = k, rate, exp, step_s
     if best_k == 0:
         return DraftChoice(DraftTree.empty(), 0.0, base_s)
     keep = sorted(order[:best_k])  # original (topological) order
-    return DraftChoice(_subtree(tree, keep), best_exp, latency(1 + best_k))
+    return DraftChoice(_subtree(tree, keep), best_exp, best_s)
 
 
 def _subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:

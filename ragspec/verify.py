@@ -10,11 +10,14 @@ decoding.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import torch
 
 from .types import DraftTree, VerifyResult
+
+if TYPE_CHECKING:
+    from .target import RowLogits
 
 __all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
 
@@ -32,7 +35,7 @@ class Verifier(Protocol):
         """
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, "RowLogits"]) -> VerifyResult:
     """Greedy verification: follow the tree from the root, at each node taking the child
     whose token equals the target's argmax; stop where none does. The argmax there is the
     bonus token. Output equals plain greedy decoding token for token (Leviathan et al.
@@ -40,7 +43,10 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
 
     Args:
         tree: N nodes.
-        target_logits: float [N + 1, V].
+        target_logits: float [N + 1, V], or :class:`~ragspec.target.RowLogits` computed on
+            demand: row 0 alone first, then, once a child is accepted, that child's whole
+            subtree in one group, so a draft rejected at its first token costs one row of
+            the output layer.
 
     Returns:
         VerifyResult with the accepted path; never draws a random number.
@@ -49,9 +55,20 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     (0, 1), tokens (5, 6), bonus 9.
     """
     n = tree.num_nodes
-    preds = target_logits.argmax(dim=-1).tolist()  # [N+1]
+    if isinstance(target_logits, torch.Tensor):
+        preds = target_logits.argmax(dim=-1).tolist()  # [N+1]
+
+        def pred(row: int, node: int) -> int:
+            return preds[row]
+    else:
+        lazy = target_logits
+
+        def pred(row: int, node: int) -> int:
+            # first access inside an accepted node's subtree: compute the whole subtree
+            return lazy.argmax(row, [1 + d for d in _descendants(parents, node)] if node >= 0 else ())
+
     if n == 0:
-        return VerifyResult((), (), int(preds[0]), 0)
+        return VerifyResult((), (), int(pred(0, -1)), 0)
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     # children of each node keyed by parent (-1 = root), in tree order
@@ -62,13 +79,22 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     acc_nodes: list[int] = []
     acc_tokens: list[int] = []
     while True:
-        want = preds[row]
+        want = pred(row, node)
         nxt = next((c for c in kids.get(node, ()) if tokens[c] == want), None)
         if nxt is None:
             return VerifyResult(tuple(acc_nodes), tuple(acc_tokens), int(want), n)
         acc_nodes.append(nxt)
         acc_tokens.append(want)
         node, row = nxt, nxt + 1
+
+
+def _descendants(parents: list[int], node: int) -> list[int]:
+    """Nodes in the subtree of ``node`` (itself included); parents precede children."""
+    inside = {node}
+    for i in range(node + 1, len(parents)):
+        if parents[i] in inside:
+            inside.add(i)
+    return sorted(inside)
 
 
 class GreedyVerifier:

@@ -1,0 +1,160 @@
+"""The target's CPU fast paths: in-place KV cache, pre-packed linears, logits on demand.
+
+Each keeps the output of plain greedy decoding; these tests pin what each one promises."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
+from ragspec.target import RowLogits, TargetModel
+from ragspec.types import DraftTree
+from ragspec.verify import verify_greedy
+from ragspec_testing import greedy_reference, make_tiny_llama
+
+
+def _tree(tokens, parents):
+    n = len(tokens)
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depth=torch.tensor(depth, dtype=torch.long),
+        sources=("test",) * n,
+        scores=torch.ones(n),
+    )
+
+
+def _keys(state):
+    return [layer.keys.clone() for layer in state.cache.layers]
+
+
+def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill():
+    model = make_tiny_llama(layers=2)
+    target = TargetModel(model)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 96, (300,), generator=gen).tolist()  # past the first capacity (256 + need)
+    tree = _tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0])
+    with torch.inference_mode():
+        state = target.new_state()
+        target.prefill(state, prompt)
+        past = state.length
+        out = target.verify_forward(state, 7, tree)
+        # keep root, then nodes 1 -> 2 -> 3 (a path that is not a prefix of the rows)
+        target.commit(state, past, [1, 2, 3])
+        assert state.length == past + 4
+        assert all(layer.keys.shape[-2] == past + 4 for layer in state.cache.layers)
+        got = _keys(state)
+        ref = target.new_state()
+        target.prefill(ref, prompt + [7, 11, 12, 13])
+        for a, b in zip(got, _keys(ref)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        # the next step appends after the compacted path and grows past the capacity
+        for i in range(600):
+            target.verify_forward(state, 20 + i % 50, DraftTree.empty())
+        assert state.length == past + 4 + 600
+        assert out.logits.shape == (6, 96)
+
+
+def test_kv_cache_accepts_keys_replaced_from_outside():
+    """A layer whose keys were replaced (not a view of its buffer) is re-seated, not corrupted."""
+    model = make_tiny_llama(layers=1)
+    target = TargetModel(model)
+    with torch.inference_mode():
+        state = target.new_state()
+        target.prefill(state, [5, 6, 7, 8])
+        layer = state.cache.layers[0]
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        target.verify_forward(state, 9, DraftTree.empty())
+        ref = target.new_state()
+        target.prefill(ref, [5, 6, 7, 8, 9])
+        torch.testing.assert_close(state.cache.layers[0].keys, ref.cache.layers[0].keys)
+
+
+def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
+    model = make_tiny_llama(layers=2)
+    ref_model = make_tiny_llama(layers=2)
+    target = TargetModel(model)
+    n = target.prepack_linears()
+    assert n == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert target.prepack_linears() == n  # idempotent
+    ids = torch.tensor([[5, 9, 12, 40, 33, 2, 17, 80]])
+    with torch.inference_mode():
+        a = model(ids).logits
+        b = ref_model(ids).logits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # one row (plain decoding): the ordinary kernel, exactly
+        lin = model.model.layers[0].mlp.down_proj
+        ref_lin = ref_model.model.layers[0].mlp.down_proj
+        x = torch.randn(1, 1, 64)
+        assert torch.equal(lin(x), ref_lin(x))
+    # with autograd on (training), the ordinary kernel runs
+    x = torch.randn(1, 4, 64, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_prepacked_linears_greedy_identical_to_generate():
+    model = make_tiny_llama(layers=2)
+    from ragspec.engine import Engine
+    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.config import PLDConfig
+    from ragspec_testing import make_char_tokenizer
+
+    tok = make_char_tokenizer()
+    target = TargetModel(model)
+    target.prepack_linears()
+    engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
+    prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
+    out = engine.generate(prompt, max_new_tokens=40)
+    assert out.stats.num_drafted_tokens > 0
+    assert list(out.token_ids) == greedy_reference(make_tiny_llama(layers=2), prompt, 40, eos_token_id=2)
+
+
+@pytest.mark.parametrize("first_right", [False, True])
+def test_row_logits_compute_only_the_accepted_path(first_right):
+    model = make_tiny_llama(layers=2)
+    target = TargetModel(model)
+    prompt = [5, 9, 12, 40, 33, 17]
+    with torch.inference_mode():
+        state = target.new_state()
+        first = target.prefill(state, prompt).logits.argmax(-1).item()
+        root = first
+        s2 = target.new_state()
+        target.prefill(s2, prompt)
+        nxt = target.verify_forward(s2, root, DraftTree.empty()).logits.argmax(-1).item()
+        wrong = (nxt + 1) % 96
+        head = nxt if first_right else wrong
+        tree = _tree([head, wrong, 30, 31, 32], [-1, -1, 0, 2, 1])
+        past = state.length
+        lazy = target.verify_forward(state, root, tree, lazy_logits=True)
+        assert lazy.logits is None and isinstance(lazy.row_logits, RowLogits)
+        res_lazy = verify_greedy(tree, lazy.row_logits)
+        target.rollback(state, past)
+        full = target.verify_forward(state, root, tree)
+        res_full = verify_greedy(tree, full.logits)
+    assert res_lazy == res_full
+    if first_right:
+        # row 0, then node 0's subtree (nodes 0, 2, 3 -> rows 1, 3, 4) in one group
+        assert lazy.row_logits.rows_computed == 4
+    else:
+        assert lazy.row_logits.rows_computed == 1
+
+
+def test_lazy_latency_makes_an_uncertain_draft_worth_verifying():
+    """Regression for the cost model: with logits on demand a rejected draft costs the
+    early-exit latency, so the same uncertain draft is verified under `lazy` and not without."""
+    full = {1: 0.060, 2: 0.080, 4: 0.090, 8: 0.100}
+    early = {1: 0.060, 2: 0.062, 4: 0.066, 8: 0.072}
+    latency = LatencyModel(full, early=early)
+    acceptance = AcceptanceModel(prior_first=0.2, prior_next=0.8)
+    tree = DraftTree.chain([5, 6, 7])
+    eager = choose_draft(tree, latency, acceptance, 8, lazy=False)
+    lazy = choose_draft(tree, latency, acceptance, 8, lazy=True)
+    assert eager.tree.num_nodes == 0
+    assert lazy.tree.num_nodes > 0
+    assert latency.expected(4, 0.0) == pytest.approx(0.066)
+    assert latency.expected(4, 1.0) == pytest.approx(0.090)
