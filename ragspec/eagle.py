@@ -54,6 +54,7 @@ import inspect
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -706,30 +707,48 @@ def _new_cache():
 
 # --------------------------------------------------------------------------- retrieval first, EAGLE otherwise
 class SelectingDrafter:
-    """Retrieval first when its match is long enough, the EAGLE head otherwise.
+    """Retrieval when its match is worth more than the head's draft, the EAGLE head otherwise.
 
-    Per step: the retrieval drafter (prompt lookup, documents, datastore) proposes; if its
-    tree matched a context suffix of at least ``min_match`` tokens it is used as is (the
-    head does not even grow a tree: no draft cost). Otherwise the head's tree is used, and
-    the retrieval tree only when the head has none.
+    Per step the retrieval drafter (prompt lookup, documents, datastore) proposes first (it
+    is nearly free). Its tree is used when its suffix match is long enough; otherwise the
+    head grows a tree (costing draft time), and the retrieval tree is used only when the
+    head has none.
 
-    Why a threshold rather than ``CompositeDrafter(mode="longest_match")``: prompt lookup
-    with ``min_ngram=1`` matches some 1-gram at almost every step, so "any match wins"
-    leaves the head nearly unused, while 1- and 2-token matches are mostly wrong from
-    their first token on (shared/BASELINE.md: 8-16% of such drafted tokens accepted).
+    The threshold is calibrated per request, not fixed (``calibrate=True``): the session
+    keeps, per match-length bucket of retrieval drafts, the mean accepted tokens per step
+    (Beta-style pseudo-counts), the same for the head's drafts, the head's draft time and
+    the step time (seconds between two proposals). Retrieval wins at match length m when
+    its expected committed tokens per second beat the head's::
+
+        (1 + a_retrieval(m)) / T  >=  (1 + a_head) / (T + t_head_draft)
+
+    (expected accepted tokens per unit of step cost, as for the draft length in
+    :mod:`ragspec.policy`). ``min_match`` sets the prior: buckets below it start at
+    ``prior_short`` accepted tokens per step, the others at ``prior_long``.
+
+    Why not ``CompositeDrafter(mode="longest_match")``: prompt lookup with ``min_ngram=1``
+    matches some 1-gram at almost every step, so "any match wins" leaves the head nearly
+    unused, while 1- and 2-token matches are mostly wrong from their first token on
+    (shared/BASELINE.md: 8-16% of such drafted tokens accepted).
 
     Args:
         retrieval: the retrieval drafter (its trees carry ``match_len``).
         eagle: the :class:`EagleDrafter`.
-        min_match: shortest suffix match (tokens) for which retrieval wins.
+        min_match: shortest suffix match (tokens) that wins a priori (and always, when
+            ``calibrate`` is False).
+        calibrate: learn the threshold online from the request's own steps.
+
+    Raises:
+        ConfigError: ``min_match`` < 1.
     """
 
-    def __init__(self, retrieval, eagle: EagleDrafter, min_match: int = 3) -> None:
+    def __init__(self, retrieval, eagle: EagleDrafter, min_match: int = 3, calibrate: bool = True) -> None:
         if min_match < 1:
             raise ConfigError(f"min_match must be >= 1, got {min_match}")
         self.retrieval = retrieval
         self.eagle = eagle
         self.min_match = min_match
+        self.calibrate = calibrate
         self.name = f"{retrieval.name}|{eagle.name}"
 
     def start_request(
@@ -740,14 +759,35 @@ class SelectingDrafter:
             self.retrieval.start_request(prompt_ids, documents, eos_token_ids=eos),
             self.eagle.start_request(prompt_ids, documents, eos_token_ids=eos),
             self.min_match,
+            self.calibrate,
         )
 
 
 class _SelectingSession:
-    def __init__(self, retrieval, eagle: EagleSession, min_match: int) -> None:
+    # match-length buckets: 1, 2, 3, 4-5, 6-9, 10+
+    _BUCKETS = (0, 0, 1, 2, 3, 3, 4, 4, 4, 4)
+    prior_short = 0.3  # accepted tokens per step, a priori, below min_match
+    prior_long = 1.5
+    prior_head = 0.8
+    prior_weight = 3.0
+
+    def __init__(self, retrieval, eagle: EagleSession, min_match: int, calibrate: bool = True) -> None:
         self._retrieval = retrieval
         self._eagle = eagle
         self._min_match = min_match
+        self._calibrate = calibrate
+        w = self.prior_weight
+        self._ret = [
+            [w * (self.prior_short if m < min_match else self.prior_long), w]
+            for m in (1, 2, 3, 4, 6, 10)
+        ]  # [accepted sum, steps] per bucket
+        self._head = [w * self.prior_head, w]
+        self._head_draft_s = 0.0  # EMA of the head's draft time
+        self._step_s = 0.0  # EMA of the time between proposals, head draft excluded
+        self._last = None  # (time of the last proposal, its head draft seconds)
+
+    def _bucket(self, match_len: int) -> int:
+        return self._BUCKETS[match_len] if match_len < len(self._BUCKETS) else 5
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._retrieval.extend(token_ids)
@@ -756,13 +796,36 @@ class _SelectingSession:
     def extend_hidden(self, hidden: torch.Tensor) -> None:
         self._eagle.extend_hidden(hidden)
 
+    def _retrieval_wins(self, match_len: int) -> bool:
+        if not self._calibrate or self._step_s <= 0:
+            return match_len >= self._min_match
+        acc, n = self._ret[self._bucket(match_len)]
+        hacc, hn = self._head
+        t = self._step_s
+        return (1 + acc / n) * (t + self._head_draft_s) >= (1 + hacc / hn) * t
+
     def propose(self, max_tokens: int) -> DraftTree:
+        now = time.perf_counter()
+        if self._last is not None:
+            period = now - self._last[0] - self._last[1]
+            if period > 0:
+                self._step_s = period if self._step_s <= 0 else 0.8 * self._step_s + 0.2 * period
         r = self._retrieval.propose(max_tokens)
-        if r.num_nodes and r.match_len >= self._min_match:
+        if r.num_nodes and self._retrieval_wins(max(1, r.match_len)):
+            self._last = (now, 0.0)
             return r
+        t0 = time.perf_counter()
         e = self._eagle.propose(max_tokens)
+        dt = time.perf_counter() - t0
+        self._head_draft_s = dt if self._head_draft_s <= 0 else 0.8 * self._head_draft_s + 0.2 * dt
+        self._last = (now, dt)
         return e if e.num_nodes else r
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         self._retrieval.observe(tree, result)
         self._eagle.observe(tree, result)
+        if tree.num_nodes == 0:
+            return
+        stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(max(1, tree.match_len))]
+        stats[0] += result.num_accepted
+        stats[1] += 1

@@ -136,11 +136,14 @@ class Engine:
             drafters.append(DatastoreDrafter(ds))
         eagle_head = None
         if eagle:
-            from .eagle import EagleDrafter, load_eagle_head
+            from .eagle import EagleDrafter, SelectingDrafter, load_eagle_head
 
             eagle_head = load_eagle_head(eagle, target=target, model_spec=spec)
-            drafters.append(EagleDrafter(eagle_head, target))
         drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
+        if eagle_head is not None:
+            # retrieval when its match is worth more than the head's draft (calibrated per
+            # request), the head otherwise
+            drafter = SelectingDrafter(drafter, EagleDrafter(eagle_head, target))
         latency = LatencyModel.measure(target) if calibrate else None
         engine = cls(
             target,

@@ -108,3 +108,22 @@ def oracle_plan(reference, k=8):
 def wrong_plan(reference, vocab_size, k=8):
     """Drafts a token different from the greedy one at every position (nothing accepted)."""
     return lambda step, gen: [(t + 1) % vocab_size for t in reference[len(gen) : len(gen) + k]]
+
+
+def make_tree(tokens, parents, draft_probs=None, source=None):
+    """A DraftTree from literal lists (draft_probs: one row of V probabilities per node;
+    source: a source name for every node, with unit scores)."""
+    from ragspec.types import DraftTree
+
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n = len(tokens)
+    extra = {} if source is None else {"sources": (source,) * n, "scores": torch.ones(n)}
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depth=torch.tensor(depth, dtype=torch.long),
+        draft_probs=None if draft_probs is None else torch.tensor([list(map(float, r)) for r in draft_probs]),
+        **extra,
+    )

@@ -27,6 +27,7 @@ from ragspec.config import SamplingParams
 from ragspec.sampling import process_logits, sample_from, verify_sampling
 from ragspec.types import DraftTree, VerifyResult
 
+from ragspec_testing import make_tree
 from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 V = 8
@@ -83,19 +84,6 @@ def draft_list(ctx: tuple) -> list[float]:
 @lru_cache(maxsize=None)
 def target_list(ctx: tuple, params: SamplingParams) -> list[float]:
     return target_probs(ctx, params).tolist()
-
-
-def make_tree(tokens: list[int], parents: list[int], draft_probs: Optional[list] = None) -> DraftTree:
-    """A DraftTree from literal lists (draft_probs: one row of V probabilities per node)."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        depth=torch.tensor(depth, dtype=torch.long),
-        draft_probs=None if draft_probs is None else torch.tensor([list(map(float, r)) for r in draft_probs]),
-    )
 
 
 def deterministic(fn: Callable[[tuple, SamplingParams], DraftTree]) -> Drafter:

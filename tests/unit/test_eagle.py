@@ -426,3 +426,58 @@ def test_cli_registers_eagle_commands():
     assert args.max_steps == 5 and args.resume and args.output == "out"
     args = p.parse_args(["eagle", "bench", "--drafters", "head", "--eagle", "d"])
     assert args.drafters == "head"
+
+
+class _FakeSession:
+    def __init__(self, tree):
+        self.tree = tree
+
+    def extend(self, ids):
+        pass
+
+    def extend_hidden(self, hidden):
+        pass
+
+    def propose(self, n):
+        return self.tree
+
+    def observe(self, tree, res):
+        pass
+
+
+def _run_steps(session, accept_of, steps):
+    """Propose/observe ``steps`` times; ``accept_of(source)`` = accepted tokens."""
+    from ragspec.types import VerifyResult
+
+    picked = []
+    for _ in range(steps):
+        tree = session.propose(8)
+        src = tree.sources[0]
+        k = accept_of(src)
+        picked.append(src)
+        session.observe(tree, VerifyResult(tuple(range(k)), tuple(tree.tokens[:k].tolist()), 1, tree.num_nodes))
+    return picked
+
+
+def test_selecting_threshold_is_calibrated_from_accepted_lengths():
+    """With calibration, a short match wins once retrieval proves better than the head there,
+    and a long match loses once the head proves better: the threshold follows the request."""
+    from ragspec.eagle import _SelectingSession
+
+    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
+    head_tree = DraftTree.chain([8, 8, 8, 8], source="eagle")
+    # head always rejected, retrieval always fully accepted: retrieval takes over at match 1
+    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
+    s._head = [0.0, 3.0]  # the head measured bad
+    s._ret[0] = [12.0, 3.0]  # retrieval at match 1 measured good
+    picked = _run_steps(s, lambda src: 4 if src == "prompt" else 0, 5)
+    assert picked[-1] == "prompt"
+    # the reverse: a 4-token match that is always rejected loses to a good head
+    long = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=4)
+    s = _SelectingSession(_FakeSession(long), _FakeSession(head_tree), min_match=3)
+    picked = _run_steps(s, lambda src: 0 if src == "prompt" else 4, 40)
+    assert picked[0] == "prompt"  # prior: 4 >= min_match
+    assert picked[-1] == "eagle"
+    # without calibration the fixed rule holds
+    s = _SelectingSession(_FakeSession(long), _FakeSession(head_tree), min_match=3, calibrate=False)
+    assert set(_run_steps(s, lambda src: 0 if src == "prompt" else 4, 10)) == {"prompt"}

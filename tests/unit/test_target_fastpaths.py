@@ -11,21 +11,7 @@ from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.target import RowLogits, TargetModel
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
-from ragspec_testing import greedy_reference, make_tiny_llama
-
-
-def _tree(tokens, parents):
-    n = len(tokens)
-    depth = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        depth=torch.tensor(depth, dtype=torch.long),
-        sources=("test",) * n,
-        scores=torch.ones(n),
-    )
+from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
 
 
 def _keys(state):
@@ -37,7 +23,7 @@ def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill()
     target = TargetModel(model)
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 96, (300,), generator=gen).tolist()  # past the first capacity (256 + need)
-    tree = _tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0])
+    tree = make_tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0], source="test")
     with torch.inference_mode():
         state = target.new_state()
         target.prefill(state, prompt)
@@ -128,7 +114,7 @@ def test_row_logits_compute_only_the_accepted_path(first_right):
         nxt = target.verify_forward(s2, root, DraftTree.empty()).logits.argmax(-1).item()
         wrong = (nxt + 1) % 96
         head = nxt if first_right else wrong
-        tree = _tree([head, wrong, 30, 31, 32], [-1, -1, 0, 2, 1])
+        tree = make_tree([head, wrong, 30, 31, 32], [-1, -1, 0, 2, 1], source="test")
         past = state.length
         lazy = target.verify_forward(state, root, tree, lazy_logits=True)
         assert lazy.logits is None and isinstance(lazy.row_logits, RowLogits)
