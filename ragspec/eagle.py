@@ -724,7 +724,10 @@ class SelectingDrafter:
 
     (expected accepted tokens per unit of step cost, as for the draft length in
     :mod:`ragspec.policy`). ``min_match`` sets the prior: buckets below it start at
-    ``prior_short`` accepted tokens per step, the others at ``prior_long``.
+    ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
+    wins a step, the retrieval draft it beat is scored too, against the tokens the step
+    committed (a lower bound of what it would have got), so the rule keeps learning about
+    match lengths it does not pick.
 
     Why not ``CompositeDrafter(mode="longest_match")``: prompt lookup with ``min_ngram=1``
     matches some 1-gram at almost every step, so "any match wins" leaves the head nearly
@@ -763,6 +766,19 @@ class SelectingDrafter:
         )
 
 
+def _tree_match(tree: DraftTree, tokens: Sequence[int]) -> int:
+    """Length of the longest root path of ``tree`` whose tokens are a prefix of ``tokens``
+    (what greedy verification would accept if ``tokens`` were the target's choices)."""
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, n = -1, 0
+    for t in tokens:
+        nxt = next((i for i, p in enumerate(parents) if p == node and toks[i] == t), None)
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return n
+
+
 class _SelectingSession:
     # match-length buckets: 1, 2, 3, 4-5, 6-9, 10+
     _BUCKETS = (0, 0, 1, 2, 3, 3, 4, 4, 4, 4)
@@ -785,6 +801,7 @@ class _SelectingSession:
         self._head_draft_s = 0.0  # EMA of the head's draft time
         self._step_s = 0.0  # EMA of the time between proposals, head draft excluded
         self._last = None  # (time of the last proposal, its head draft seconds)
+        self._shadow: Optional[DraftTree] = None  # retrieval draft of a step the head won
 
     def _bucket(self, match_len: int) -> int:
         return self._BUCKETS[match_len] if match_len < len(self._BUCKETS) else 5
@@ -811,6 +828,7 @@ class _SelectingSession:
             if period > 0:
                 self._step_s = period if self._step_s <= 0 else 0.8 * self._step_s + 0.2 * period
         r = self._retrieval.propose(max_tokens)
+        self._shadow = None
         if r.num_nodes and self._retrieval_wins(max(1, r.match_len)):
             self._last = (now, 0.0)
             return r
@@ -819,6 +837,8 @@ class _SelectingSession:
         dt = time.perf_counter() - t0
         self._head_draft_s = dt if self._head_draft_s <= 0 else 0.8 * self._head_draft_s + 0.2 * dt
         self._last = (now, dt)
+        if e.num_nodes and r.num_nodes:
+            self._shadow = r  # scored against the committed tokens in observe
         return e if e.num_nodes else r
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
@@ -829,3 +849,12 @@ class _SelectingSession:
         stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(max(1, tree.match_len))]
         stats[0] += result.num_accepted
         stats[1] += 1
+        shadow, self._shadow = self._shadow, None
+        if shadow is not None and self._calibrate:
+            # the retrieval draft not taken: how much of it the target's tokens of this step
+            # confirm (a lower bound when the step committed fewer tokens than it holds), so
+            # that buckets the rule does not pick still learn
+            committed = list(result.accepted_tokens) + [result.bonus_token]
+            st = self._ret[self._bucket(max(1, shadow.match_len))]
+            st[0] += _tree_match(shadow, committed)
+            st[1] += 1

@@ -481,3 +481,27 @@ def test_selecting_threshold_is_calibrated_from_accepted_lengths():
     # without calibration the fixed rule holds
     s = _SelectingSession(_FakeSession(long), _FakeSession(head_tree), min_match=3, calibrate=False)
     assert set(_run_steps(s, lambda src: 0 if src == "prompt" else 4, 10)) == {"prompt"}
+
+
+def test_selecting_learns_from_the_retrieval_draft_it_did_not_take():
+    """Regression (translation ran slower with head + retrieval than with retrieval alone):
+    short matches, never picked a priori, were never learned. The retrieval draft a head
+    step beats is now scored against the committed tokens, so retrieval takes over where
+    it would have been right."""
+    from ragspec.eagle import _SelectingSession, _tree_match
+    from ragspec.types import VerifyResult
+
+    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
+    head_tree = DraftTree.chain([7, 8, 8, 8], source="eagle")
+    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
+    picked = []
+    for _ in range(30):
+        tree = s.propose(8)
+        src = tree.sources[0]
+        picked.append(src)
+        # the target's tokens are 7, 7, 7, ...: the head gets 1 token, retrieval would get all
+        k = _tree_match(tree, [7, 7, 7, 7, 7])
+        s.observe(tree, VerifyResult(tuple(range(k)), (7,) * k, 7, tree.num_nodes))
+    assert picked[0] == "eagle"
+    assert picked[-1] == "prompt"
+    assert _tree_match(short, [7, 7, 9]) == 2 and _tree_match(short, [9]) == 0
