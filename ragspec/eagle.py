@@ -716,12 +716,13 @@ class SelectingDrafter:
 
     The threshold is calibrated per request, not fixed (``calibrate=True``): the session
     keeps, per match-length bucket of retrieval drafts, the mean accepted tokens per step
-    (Beta-style pseudo-counts), the same for the head's drafts, the head's draft time and
-    the step time (seconds between two proposals). Retrieval wins at match length m when
+    (Beta-style pseudo-counts), the same for the head's drafts, and each side's step time. Retrieval wins at match length m when
     its expected committed tokens per second beat the head's::
 
-        (1 + a_retrieval(m)) / T  >=  (1 + a_head) / (T + t_head_draft)
+        (1 + a_retrieval(m)) / T_retrieval  >=  (1 + a_head) / T_head
 
+    where T_x is the time from a proposal won by x to the next proposal (for the head: its
+    draft time plus verifying its wider trees).
     (expected accepted tokens per unit of step cost, as for the draft length in
     :mod:`ragspec.policy`). ``min_match`` sets the prior: buckets below it start at
     ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
@@ -798,9 +799,10 @@ class _SelectingSession:
             for m in (1, 2, 3, 4, 6, 10)
         ]  # [accepted sum, steps] per bucket
         self._head = [w * self.prior_head, w]
-        self._head_draft_s = 0.0  # EMA of the head's draft time
-        self._step_s = 0.0  # EMA of the time between proposals, head draft excluded
-        self._last = None  # (time of the last proposal, its head draft seconds)
+        # EMA of the seconds from one proposal to the next, per winner ("retrieval" / "head"):
+        # the head's includes its draft time and the cost of verifying its (wider) trees
+        self._period = {"retrieval": 0.0, "head": 0.0}
+        self._last = None  # (time of the last proposal, its winner)
         self._shadow: Optional[DraftTree] = None  # retrieval draft of a step the head won
 
     def _bucket(self, match_len: int) -> int:
@@ -814,29 +816,30 @@ class _SelectingSession:
         self._eagle.extend_hidden(hidden)
 
     def _retrieval_wins(self, match_len: int) -> bool:
-        if not self._calibrate or self._step_s <= 0:
+        t_r, t_h = self._period["retrieval"], self._period["head"]
+        if not self._calibrate or t_r <= 0 or t_h <= 0:
             return match_len >= self._min_match
         acc, n = self._ret[self._bucket(match_len)]
         hacc, hn = self._head
-        t = self._step_s
-        return (1 + acc / n) * (t + self._head_draft_s) >= (1 + hacc / hn) * t
+        return (1 + acc / n) * t_h >= (1 + hacc / hn) * t_r
 
     def propose(self, max_tokens: int) -> DraftTree:
         now = time.perf_counter()
         if self._last is not None:
-            period = now - self._last[0] - self._last[1]
-            if period > 0:
-                self._step_s = period if self._step_s <= 0 else 0.8 * self._step_s + 0.2 * period
+            period, who = now - self._last[0], self._last[1]
+            old = self._period[who]
+            self._period[who] = period if old <= 0 else 0.8 * old + 0.2 * period
         r = self._retrieval.propose(max_tokens)
         self._shadow = None
-        if r.num_nodes and self._retrieval_wins(max(1, r.match_len)):
-            self._last = (now, 0.0)
+        # until both step times are known, the side not yet timed is tried once
+        t_r, t_h = self._period["retrieval"], self._period["head"]
+        try_r = self._calibrate and t_r <= 0 < t_h
+        try_h = self._calibrate and t_h <= 0 < t_r
+        if r.num_nodes and not try_h and (try_r or self._retrieval_wins(max(1, r.match_len))):
+            self._last = (now, "retrieval")
             return r
-        t0 = time.perf_counter()
         e = self._eagle.propose(max_tokens)
-        dt = time.perf_counter() - t0
-        self._head_draft_s = dt if self._head_draft_s <= 0 else 0.8 * self._head_draft_s + 0.2 * dt
-        self._last = (now, dt)
+        self._last = (now, "head" if e.num_nodes else "retrieval")
         if e.num_nodes and r.num_nodes:
             self._shadow = r  # scored against the committed tokens in observe
         return e if e.num_nodes else r
