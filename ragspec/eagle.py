@@ -722,7 +722,10 @@ class SelectingDrafter:
         (1 + a_retrieval(m)) / T_retrieval  >=  (1 + a_head) / T_head
 
     where T_x is the time from a proposal won by x to the next proposal (for the head: its
-    draft time plus verifying its wider trees).
+    draft time plus verifying its wider trees). The head itself runs only while
+    ``(1 + a_head) / T_head >= 1 / T_plain`` (T_plain: steps that verified nothing); on a
+    CPU, where its draft costs about half a target forward, that is what keeps it from
+    slowing down text it predicts poorly.
     (expected accepted tokens per unit of step cost, as for the draft length in
     :mod:`ragspec.policy`). ``min_match`` sets the prior: buckets below it start at
     ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
@@ -801,8 +804,11 @@ class _SelectingSession:
         self._head = [w * self.prior_head, w]
         # EMA of the seconds from one proposal to the next, per winner ("retrieval" / "head"):
         # the head's includes its draft time and the cost of verifying its (wider) trees
-        self._period = {"retrieval": 0.0, "head": 0.0}
+        # ("plain": nothing was verified, one token per step)
+        self._period = {"retrieval": 0.0, "head": 0.0, "plain": 0.0}
         self._last = None  # (time of the last proposal, its winner)
+        self._verified = False  # observe() saw a non-empty draft since the last proposal
+        self._head_skipped = 0  # consecutive steps the head was judged not worth its cost
         self._shadow: Optional[DraftTree] = None  # retrieval draft of a step the head won
 
     def _bucket(self, match_len: int) -> int:
@@ -823,12 +829,24 @@ class _SelectingSession:
         hacc, hn = self._head
         return (1 + acc / n) * t_h >= (1 + hacc / hn) * t_r
 
+    _HEAD_RETRY = 16
+
+    def _head_pays_off(self) -> bool:
+        """Whether a head step is expected to commit more tokens per second than a plain
+        one: (1 + a_head) / T_head >= 1 / T_plain (true until both are timed)."""
+        t_h, t_p = self._period["head"], self._period["plain"]
+        if not self._calibrate or t_h <= 0 or t_p <= 0 or self._head_skipped >= self._HEAD_RETRY:
+            return True
+        hacc, hn = self._head
+        return (1 + hacc / hn) * t_p >= t_h
+
     def propose(self, max_tokens: int) -> DraftTree:
         now = time.perf_counter()
         if self._last is not None:
-            period, who = now - self._last[0], self._last[1]
+            period, who = now - self._last[0], self._last[1] if self._verified else "plain"
             old = self._period[who]
             self._period[who] = period if old <= 0 else 0.8 * old + 0.2 * period
+        self._verified = False
         r = self._retrieval.propose(max_tokens)
         self._shadow = None
         # until both step times are known, the side not yet timed is tried once
@@ -838,6 +856,13 @@ class _SelectingSession:
         if r.num_nodes and not try_h and (try_r or self._retrieval_wins(max(1, r.match_len))):
             self._last = (now, "retrieval")
             return r
+        if not try_h and not self._head_pays_off():
+            # the head's tokens per second (its draft time included) lose to plain decoding:
+            # skip it (retried every `_HEAD_RETRY` steps, as the request's text changes)
+            self._head_skipped += 1
+            self._last = (now, "retrieval")
+            return r
+        self._head_skipped = 0
         e = self._eagle.propose(max_tokens)
         self._last = (now, "head" if e.num_nodes else "retrieval")
         if e.num_nodes and r.num_nodes:
@@ -849,6 +874,7 @@ class _SelectingSession:
         self._eagle.observe(tree, result)
         if tree.num_nodes == 0:
             return
+        self._verified = True
         stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(max(1, tree.match_len))]
         stats[0] += result.num_accepted
         stats[1] += 1
