@@ -60,7 +60,7 @@ class _Sampling(_Body):
     """0 = greedy (None: the server's default, greedy)."""
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     """Seed of this request's own random generator (sampling only)."""
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     """Stop string(s): the text from the first match on is dropped."""
@@ -161,7 +161,7 @@ class SummarizeRequest(_Body):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stream: Optional[bool] = False
     datastore: Optional[StrictStr] = None

@@ -309,7 +309,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif kind == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         elif kind == "missing":
-            message = f"missing required field: {param}"
+            # an empty body reaches here as the whole body missing (no field name)
+            message = f"missing required field: {param}" if param else "request body is missing (a JSON object is required)"
         else:
             message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
         if len(errors) > 1:

@@ -73,12 +73,23 @@ def _print_stats(out, baseline=None) -> None:
     if baseline is not None:
         toks, secs = baseline
         tps = len(toks) / secs if secs else 0.0
-        same = toks == out.token_ids
         print(
             f"[plain model.generate greedy: {len(toks)} tokens in {secs:.2f} s: {tps:.1f} tok/s | "
-            f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {'yes' if same else 'NO'}]",
+            f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {_identity(out, toks)}]",
             file=sys.stderr,
         )
+
+
+def _identity(out, baseline_tokens) -> str:
+    """'yes' / 'NO' for ragspec's tokens against plain greedy's. ``model.generate`` knows no
+    stop strings, so when ragspec stopped at one, its tokens must be the baseline's first ones."""
+    ours = list(out.token_ids)
+    base = list(baseline_tokens)
+    if ours == base:
+        return "yes"
+    if out.stats.finish_reason == "stop" and base[: len(ours)] == ours:
+        return f"yes (stopped at a stop string: the baseline's first {len(ours)} tokens)"
+    return "NO"
 
 
 def _unescape(s: str) -> str:

@@ -287,6 +287,9 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
+    # found by a fresh-user trial: a seed past 64 bits leaked "Overflow when unpacking long long"
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": 10**23, "temperature": 1}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1, "temperature": 1}, 400, "seed"),
 ]
 
 
@@ -411,3 +414,11 @@ def test_datastores_by_name_only(tmp_path, tiny_engine):
         for bad in (str(tmp_path / "ds"), "ds", "../notes"):
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "datastore": bad}, timeout=TIMEOUT)
             assert r.status_code == 400 and r.json()["error"]["param"] == "datastore"
+
+
+def test_empty_body_says_the_body_is_missing(live_server):
+    """Regression: an empty POST body answered "missing required field: None"."""
+    r = httpx.post(live_server.url + "/v1/completions", content=b"", headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "None" not in msg and "body" in msg

@@ -198,3 +198,18 @@ def test_closing_stream_stops_generation(setup, char_tokenizer):
     chunks = list(it)
     assert chunks[-1].finish_reason == "cancelled"
     assert sum(len(c.token_ids) for c in chunks) == 4
+
+
+def test_cli_compare_with_stop_string_is_not_reported_as_mismatch():
+    """Regression (fresh-user trial): `generate --stop ... --compare` said "token-identical:
+    NO" because plain `model.generate` knows no stop strings and ran on past the stop."""
+    from types import SimpleNamespace
+
+    from ragspec.cli import _identity
+
+    stopped = SimpleNamespace(token_ids=[5, 6, 7], stats=SimpleNamespace(finish_reason="stop"))
+    assert _identity(stopped, [5, 6, 7, 8, 9]).startswith("yes")
+    assert _identity(stopped, [5, 6, 9, 8]) == "NO"
+    capped = SimpleNamespace(token_ids=[5, 6, 7], stats=SimpleNamespace(finish_reason="length"))
+    assert _identity(capped, [5, 6, 7, 8]) == "NO"
+    assert _identity(capped, [5, 6, 7]) == "yes"
