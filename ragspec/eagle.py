@@ -716,8 +716,10 @@ class SelectingDrafter:
 
     The threshold is calibrated per request, not fixed (``calibrate=True``): the session
     keeps, per match-length bucket of retrieval drafts, the mean accepted tokens per step
-    (Beta-style pseudo-counts), the same for the head's drafts, and each side's step time. Retrieval wins at match length m when
-    its expected committed tokens per second beat the head's::
+    (Beta-style pseudo-counts), the same for the head's drafts, and each side's step time.
+    Retrieval wins at match length m when its expected committed tokens per second beat the
+    head's (expected accepted tokens per unit of step cost, as for the draft length in
+    :mod:`ragspec.policy`)::
 
         (1 + a_retrieval(m)) / T_retrieval  >=  (1 + a_head) / T_head
 
@@ -725,10 +727,8 @@ class SelectingDrafter:
     draft time plus verifying its wider trees). The head itself runs only while
     ``(1 + a_head) / T_head >= 1 / T_plain`` (T_plain: steps that verified nothing); on a
     CPU, where its draft costs about half a target forward, that is what keeps it from
-    slowing down text it predicts poorly.
-    (expected accepted tokens per unit of step cost, as for the draft length in
-    :mod:`ragspec.policy`). ``min_match`` sets the prior: buckets below it start at
-    ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
+    slowing down text it predicts poorly. ``min_match`` sets the prior: buckets below it
+    start at ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
     wins a step, the retrieval draft it beat is scored too, against the tokens the step
     committed (a lower bound of what it would have got), so the rule keeps learning about
     match lengths it does not pick.
@@ -790,6 +790,7 @@ class _SelectingSession:
     prior_long = 1.5
     prior_head = 0.8
     prior_weight = 3.0
+    _HEAD_RETRY = 16  # skipped head steps before the head is tried again
 
     def __init__(self, retrieval, eagle: EagleSession, min_match: int, calibrate: bool = True) -> None:
         self._retrieval = retrieval
@@ -812,6 +813,7 @@ class _SelectingSession:
         self._shadow: Optional[DraftTree] = None  # retrieval draft of a step the head won
 
     def _bucket(self, match_len: int) -> int:
+        """Index into ``_ret`` (match lengths 0 and 1 share the first bucket)."""
         return self._BUCKETS[match_len] if match_len < len(self._BUCKETS) else 5
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -828,8 +830,6 @@ class _SelectingSession:
         acc, n = self._ret[self._bucket(match_len)]
         hacc, hn = self._head
         return (1 + acc / n) * t_h >= (1 + hacc / hn) * t_r
-
-    _HEAD_RETRY = 16
 
     def _head_pays_off(self) -> bool:
         """Whether a head step is expected to commit more tokens per second than a plain
@@ -875,7 +875,7 @@ class _SelectingSession:
         if tree.num_nodes == 0:
             return
         self._verified = True
-        stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(max(1, tree.match_len))]
+        stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(tree.match_len)]
         stats[0] += result.num_accepted
         stats[1] += 1
         shadow, self._shadow = self._shadow, None
@@ -884,6 +884,6 @@ class _SelectingSession:
             # confirm (a lower bound when the step committed fewer tokens than it holds), so
             # that buckets the rule does not pick still learn
             committed = list(result.accepted_tokens) + [result.bonus_token]
-            st = self._ret[self._bucket(max(1, shadow.match_len))]
+            st = self._ret[self._bucket(shadow.match_len)]
             st[0] += _tree_match(shadow, committed)
             st[1] += 1

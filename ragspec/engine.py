@@ -380,6 +380,8 @@ class Engine:
         remaining = req.decode.max_new_tokens - len(req.assembler.token_ids)
         room = (target.max_length - state.length - 2) if target.max_length else max_draft
         budget = max(0, min(max_draft, remaining - 1, room))
+        # greedy verification needs only the output-layer rows on the accepted path
+        greedy = type(req.verifier) is GreedyVerifier
         # 1. draft
         t0 = time.perf_counter()
         tree = DraftTree.empty()
@@ -388,17 +390,14 @@ class Engine:
             proposal = req.session.propose(budget)
             if proposal.num_nodes:
                 if self.policy.adaptive:
-                    choice = choose_draft(
-                        proposal, req.latency, req.acceptance, budget, lazy=type(req.verifier) is GreedyVerifier
-                    )
+                    choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
                     tree, predicted = choice.tree, choice.expected_accepted
                 else:
                     tree = proposal.truncate(budget)
         t1 = time.perf_counter()
         # 2. verify
         past = state.length
-        if type(req.verifier) is GreedyVerifier:
-            # greedy needs only the rows on the accepted path of the output layer
+        if greedy:
             out = target.verify_forward(state, root, tree, return_hidden=want_hidden, lazy_logits=True)
             res = verify_greedy(tree, out.row_logits)
         else:

@@ -82,15 +82,13 @@ def _growable_cache_class() -> type:
         def select_tail(self, start: int, idx: torch.Tensor) -> None:
             """Keep entries ``[:start]`` and then the entries at ``idx`` (>= start), in place."""
             n = int(idx.numel())
-            if self._kbuf is not None and self._owns_views():
-                self._kbuf[..., start : start + n, :] = self._kbuf[..., idx, :]
-                self._vbuf[..., start : start + n, :] = self._vbuf[..., idx, :]
-                self.keys = self._kbuf[..., : start + n, :]
-                self.values = self._vbuf[..., : start + n, :]
-            else:
-                full = torch.cat([torch.arange(start, device=idx.device), idx])
-                self.keys = self.keys.index_select(-2, full)
-                self.values = self.values.index_select(-2, full)
+            if self._kbuf is None or not self._owns_views():
+                length = self.get_seq_length()
+                self._grow(length, length, self.keys)  # re-seat keys set from outside
+            self._kbuf[..., start : start + n, :] = self._kbuf[..., idx, :]
+            self._vbuf[..., start : start + n, :] = self._vbuf[..., idx, :]
+            self.keys = self._kbuf[..., : start + n, :]
+            self.values = self._vbuf[..., : start + n, :]
 
     class _GrowableCache(DynamicCache):
         def __init__(self) -> None:
