@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is several times faster than two (no hand-offs)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(single_thread):
+    """Tiny tensors: every distribution test runs on one intra-op thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(old)

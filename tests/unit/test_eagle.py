@@ -32,13 +32,7 @@ from ragspec.target import TargetModel
 from ragspec.types import DraftTree, VerifyResult
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is faster than two."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: one thread is faster
 
 
 @pytest.fixture(scope="module")

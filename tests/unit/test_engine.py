@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
+from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
 from ragspec.drafting import PromptLookupDrafter
 from ragspec.errors import PromptTooLongError
@@ -27,18 +27,10 @@ def make_engine(model, tok, drafter=None, adaptive=False, eos=(), max_draft=8):
     )
 
 
-@pytest.fixture(scope="module")
-def setup(char_tokenizer):
-    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3, eos_token_id=None)
-    prompt = char_tokenizer(PROMPT)["input_ids"]
-    ref = greedy_reference(model, prompt, 40, eos_token_id=None)
-    return model, prompt, ref
-
-
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_oracle_and_wrong_drafters_reproduce_greedy(setup, char_tokenizer, adaptive):
+def test_oracle_and_wrong_drafters_reproduce_greedy(no_eos_setup, char_tokenizer, adaptive):
     # the oracle's drafts are all accepted, the wrong drafter's none: both must equal plain greedy
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     v = model.config.vocab_size
     for plan in (oracle_plan(ref), wrong_plan(ref, v)):
         eng = make_engine(model, char_tokenizer, ScriptedDrafter(plan), adaptive=adaptive)
@@ -47,8 +39,8 @@ def test_oracle_and_wrong_drafters_reproduce_greedy(setup, char_tokenizer, adapt
         assert out.stats.num_accepted_tokens <= out.stats.num_drafted_tokens
 
 
-def test_oracle_accepts_everything_and_saves_forwards(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_oracle_accepts_everything_and_saves_forwards(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     eng = make_engine(model, char_tokenizer, ScriptedDrafter(oracle_plan(ref, k=8)))
     out = eng.generate(prompt, max_new_tokens=40, chat=False)
     assert out.stats.acceptance_rate == 1.0
@@ -56,8 +48,8 @@ def test_oracle_accepts_everything_and_saves_forwards(setup, char_tokenizer):
     assert out.stats.num_forward_passes == 1 + 5
 
 
-def test_wrong_drafter_accepts_nothing(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_wrong_drafter_accepts_nothing(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     eng = make_engine(model, char_tokenizer, ScriptedDrafter(wrong_plan(ref, model.config.vocab_size)))
     out = eng.generate(prompt, max_new_tokens=20, chat=False)
     assert out.stats.num_accepted_tokens == 0
@@ -65,9 +57,9 @@ def test_wrong_drafter_accepts_nothing(setup, char_tokenizer):
     assert out.stats.mean_accepted_tokens == 1.0
 
 
-def test_eos_accepted_mid_draft_ends_output(setup, char_tokenizer):
+def test_eos_accepted_mid_draft_ends_output(no_eos_setup, char_tokenizer):
     # the token at index 6 of the greedy answer is declared EOS; an oracle draft covers it
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     eos = ref[6]
     first = ref.index(eos)  # the first occurrence ends the generation
     eng = make_engine(model, char_tokenizer, ScriptedDrafter(oracle_plan(ref, k=8)), eos=(eos,))
@@ -78,9 +70,9 @@ def test_eos_accepted_mid_draft_ends_output(setup, char_tokenizer):
     assert "".join(c.text for c in chunks) == char_tokenizer.decode(ref[:first], skip_special_tokens=True)
 
 
-def test_stop_string_across_two_tokens_mid_draft(setup, char_tokenizer):
+def test_stop_string_across_two_tokens_mid_draft(no_eos_setup, char_tokenizer):
     # a 2-character stop string (two tokens of the char tokenizer) completed inside an accepted draft
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     text = char_tokenizer.decode(ref)
     stop = text[5:7]
     cut = text.find(stop)
@@ -101,17 +93,17 @@ def test_stop_string_across_two_tokens_mid_draft(setup, char_tokenizer):
     assert out.stats.num_forward_passes == 1  + 1  # prefill + one step of 8 drafted tokens
 
 
-def test_max_new_tokens_never_exceeded_by_long_draft(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_max_new_tokens_never_exceeded_by_long_draft(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     eng = make_engine(model, char_tokenizer, ScriptedDrafter(oracle_plan(ref, k=16)), max_draft=16)
     out = eng.generate(prompt, max_new_tokens=5, chat=False)
     assert out.token_ids == ref[:5]
     assert out.stats.finish_reason == "length"
 
 
-def test_stop_wins_over_cap_in_same_step(setup, char_tokenizer):
+def test_stop_wins_over_cap_in_same_step(no_eos_setup, char_tokenizer):
     # the stop string completes at token 4 and the cap is 5: both fall in one accepted draft
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     text = char_tokenizer.decode(ref)
     stop = text[3:5]
     if text.find(stop) != 3:
@@ -130,8 +122,8 @@ def test_model_without_eos_generates_exactly_max_new_tokens(char_tokenizer):
     assert out.stats.finish_reason == "length"
 
 
-def test_draft_length_zero_equals_no_drafter(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_draft_length_zero_equals_no_drafter(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     a = make_engine(model, char_tokenizer, ScriptedDrafter(oracle_plan(ref)), max_draft=0)
     b = make_engine(model, char_tokenizer, None)
     oa = a.generate(prompt, max_new_tokens=25, chat=False)
@@ -141,9 +133,9 @@ def test_draft_length_zero_equals_no_drafter(setup, char_tokenizer):
     assert oa.stats.num_forward_passes == ob.stats.num_forward_passes == 25
 
 
-def test_scripted_drafter_stats_are_exact(setup, char_tokenizer):
+def test_scripted_drafter_stats_are_exact(no_eos_setup, char_tokenizer):
     # drafts of 1, 5, 5 tokens with 0, 3, 5 correct leading tokens, then 12 tokens in all
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     v = model.config.vocab_size
     script = [(1, 0), (5, 3), (5, 5)]
 
@@ -166,15 +158,15 @@ def test_scripted_drafter_stats_are_exact(setup, char_tokenizer):
     assert s.accepted_histogram == {0: 1, 3: 1, 5: 1}
 
 
-def test_prompt_lookup_is_lossless(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_prompt_lookup_is_lossless(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     for adaptive in (False, True):
         eng = make_engine(model, char_tokenizer, PromptLookupDrafter(), adaptive=adaptive)
         assert eng.generate(prompt, max_new_tokens=40, chat=False).token_ids == ref
 
 
-def test_stream_joined_equals_generate(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_stream_joined_equals_generate(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     eng = make_engine(model, char_tokenizer, PromptLookupDrafter())
     chunks = list(eng.stream(prompt, max_new_tokens=40, chat=False, stop=["zz"]))
     out = eng.generate(prompt, max_new_tokens=40, chat=False, stop=["zz"])
@@ -190,8 +182,8 @@ def test_prompt_too_long_is_refused(char_tokenizer):
         eng.generate([5] * 500, max_new_tokens=100, chat=False)
 
 
-def test_closing_stream_stops_generation(setup, char_tokenizer):
-    model, prompt, ref = setup
+def test_closing_stream_stops_generation(no_eos_setup, char_tokenizer):
+    model, prompt, ref = no_eos_setup
     eng = make_engine(model, char_tokenizer, None)
     calls = []
     it = eng.stream(prompt, max_new_tokens=40, chat=False, should_cancel=lambda: calls.append(1) or len(calls) > 3)

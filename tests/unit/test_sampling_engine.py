@@ -6,15 +6,13 @@ Distribution tests (sampling is lossless) are in tests/stat/.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
+from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PLDConfig, PolicyConfig
 from ragspec.drafting import PromptLookupDrafter
 from ragspec.target import TargetModel
 
-PROMPT = "the cat sat on the mat. the cat sat on the hat."
 
 # every torch entry point that draws random numbers
 _RANDOM_FUNCTIONS = [
@@ -41,22 +39,14 @@ _RANDOM_FUNCTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def setup(char_tokenizer):
-    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3, eos_token_id=None)
-    prompt = char_tokenizer(PROMPT)["input_ids"]
-    ref = greedy_reference(model, prompt, 40, eos_token_id=None)
-    return model, prompt, ref
-
-
 def make_engine(model, tok, drafter, adaptive=False):
     return Engine(TargetModel(model), tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=6, adaptive=adaptive))
 
 
-def test_greedy_never_draws_a_random_number(setup, char_tokenizer, monkeypatch):
+def test_greedy_never_draws_a_random_number(no_eos_setup, char_tokenizer, monkeypatch):
     # temperature 0: every torch random function raises, the sampling verifier cannot be
     # built, the global RNG state is untouched, and the output is plain greedy exactly
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     v = model.config.vocab_size
     engines = [
         make_engine(model, char_tokenizer, ScriptedDrafter(wrong_plan(ref, v))),  # a rejection every step
@@ -78,10 +68,10 @@ def test_greedy_never_draws_a_random_number(setup, char_tokenizer, monkeypatch):
     assert torch.equal(state, torch.get_rng_state())
 
 
-def test_same_seed_same_output(setup, char_tokenizer):
+def test_same_seed_same_output(no_eos_setup, char_tokenizer):
     # the request's seeded generator is the only randomness: same seed, same tokens, even
     # when the global RNG is in another state between the runs
-    model, prompt, _ = setup
+    model, prompt, _ = no_eos_setup
     eng = make_engine(model, char_tokenizer, PromptLookupDrafter(PLDConfig(max_candidates=2)), adaptive=True)
     kwargs = dict(max_new_tokens=40, chat=False, temperature=1.0, top_p=0.95, seed=123)
     torch.manual_seed(1)
@@ -91,10 +81,10 @@ def test_same_seed_same_output(setup, char_tokenizer):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 40
 
 
-def test_different_seeds_differ(setup, char_tokenizer):
+def test_different_seeds_differ(no_eos_setup, char_tokenizer):
     # temperature 50 makes every step nearly uniform over ~85 tokens: two 16-token outputs
     # coincide with probability ~85^-16; with these fixed seeds all three differ
-    model, prompt, _ = setup
+    model, prompt, _ = no_eos_setup
     eng = make_engine(model, char_tokenizer, PromptLookupDrafter(PLDConfig()))
     outs = {
         tuple(eng.generate(prompt, max_new_tokens=16, chat=False, temperature=50.0, seed=s).token_ids) for s in range(3)
@@ -102,10 +92,10 @@ def test_different_seeds_differ(setup, char_tokenizer):
     assert len(outs) == 3
 
 
-def test_sampling_commits_only_allowed_tokens(setup, char_tokenizer):
+def test_sampling_commits_only_allowed_tokens(no_eos_setup, char_tokenizer):
     # top_k=1 at any temperature is greedy in law: speculative sampling must then give the
     # greedy output exactly, whatever the drafts (oracle and wrong)
-    model, prompt, ref = setup
+    model, prompt, ref = no_eos_setup
     v = model.config.vocab_size
     for plan in (oracle_plan(ref), wrong_plan(ref, v)):
         eng = make_engine(model, char_tokenizer, ScriptedDrafter(plan))

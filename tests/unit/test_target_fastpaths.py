@@ -58,6 +58,14 @@ def test_kv_cache_accepts_keys_replaced_from_outside():
         ref = target.new_state()
         target.prefill(ref, [5, 6, 7, 8, 9])
         torch.testing.assert_close(state.cache.layers[0].keys, ref.cache.layers[0].keys)
+        # the same when a tree path is compacted right after keys were replaced
+        layer = state.cache.layers[0]
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        past = state.length
+        target.verify_forward(state, 10, make_tree([11, 12], [-1, -1], source="test"))
+        target.commit(state, past, [1])
+        target.prefill(ref, [10, 12])
+        torch.testing.assert_close(state.cache.layers[0].keys, ref.cache.layers[0].keys, rtol=1e-4, atol=1e-5)
 
 
 def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
