@@ -22,7 +22,7 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_prompts", "run_bench", "MT_BENCH_CATEGORIES", "BenchRecord"]
+__all__ = ["load_prompts", "run_bench", "make_record", "MT_BENCH_CATEGORIES", "BenchRecord"]
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -115,6 +115,42 @@ def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: Sequence[int],
     return out[0, len(ids) :].tolist()
 
 
+def make_record(
+    row: dict,
+    prompt_ids: Sequence[int],
+    baseline_tokens: Sequence[int],
+    baseline_s: float,
+    out,
+    *,
+    sampling: bool = False,
+    keep_steps: bool = True,
+) -> BenchRecord:
+    """One prompt's record: ragspec's ``GenerationOutput`` ``out`` against the baseline's
+    tokens and seconds (identity is not checked when ``sampling``)."""
+    st = out.stats
+    return BenchRecord(
+        question_id=row.get("question_id"),
+        category=row.get("category", ""),
+        prompt_tokens=len(prompt_ids),
+        baseline_tokens=len(baseline_tokens),
+        baseline_s=baseline_s,
+        ragspec_s=st.total_s,
+        ragspec_tokens=len(out.token_ids),
+        identical=(out.token_ids == baseline_tokens) if not sampling else False,
+        first_diff=_first_diff(out.token_ids, baseline_tokens) if not sampling else -1,
+        mean_accepted=st.mean_accepted_tokens,
+        acceptance_rate=st.acceptance_rate,
+        drafted=st.num_drafted_tokens,
+        accepted=st.num_accepted_tokens,
+        forward_passes=st.num_forward_passes,
+        draft_s=st.draft_s,
+        verify_s=st.verify_s,
+        prefill_s=st.prefill_s,
+        accepted_histogram={int(k): v for k, v in st.accepted_histogram.items()},
+        steps=[x.to_dict() for x in st.steps] if keep_steps else [],
+    )
+
+
 def run_bench(
     engine,
     rows: Iterable[dict],
@@ -177,29 +213,8 @@ def run_bench(
             elif name == "ragspec":
                 results[name] = run_ragspec()
         base_toks, base_s = results["baseline"]
-        out, rs_s = results["ragspec"]
-        st = out.stats
-        rec = BenchRecord(
-            question_id=row.get("question_id"),
-            category=row.get("category", ""),
-            prompt_tokens=len(ids),
-            baseline_tokens=len(base_toks),
-            baseline_s=base_s,
-            ragspec_s=rs_s,
-            ragspec_tokens=len(out.token_ids),
-            identical=(out.token_ids == base_toks) if not sampling else False,
-            first_diff=_first_diff(out.token_ids, base_toks) if not sampling else -1,
-            mean_accepted=st.mean_accepted_tokens,
-            acceptance_rate=st.acceptance_rate,
-            drafted=st.num_drafted_tokens,
-            accepted=st.num_accepted_tokens,
-            forward_passes=st.num_forward_passes,
-            draft_s=st.draft_s,
-            verify_s=st.verify_s,
-            prefill_s=st.prefill_s,
-            accepted_histogram={int(k): v for k, v in st.accepted_histogram.items()},
-            steps=[s.to_dict() for s in st.steps] if keep_steps else [],
-        )
+        out, _ = results["ragspec"]
+        rec = make_record(row, ids, base_toks, base_s, out, sampling=sampling, keep_steps=keep_steps)
         if "hf_pld" in results:
             pld_toks, pld_s = results["hf_pld"]
             rec.hf_pld_s, rec.hf_pld_tokens = pld_s, len(pld_toks)

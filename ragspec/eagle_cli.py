@@ -171,28 +171,7 @@ def cmd_eagle_bench(args) -> int:
         line = [f"  [{i + 1}/{len(rows)}] {row.get('category', ''):<14} base {len(base) / base_s:5.1f} tok/s"]
         for name in kinds:
             out = results[name]
-            st = out.stats
-            rec = bench.BenchRecord(
-                question_id=row.get("question_id"),
-                category=row.get("category", ""),
-                prompt_tokens=len(ids),
-                baseline_tokens=len(base),
-                baseline_s=base_s,
-                ragspec_s=st.total_s,
-                ragspec_tokens=len(out.token_ids),
-                identical=out.token_ids == base,
-                first_diff=bench._first_diff(out.token_ids, base),
-                mean_accepted=st.mean_accepted_tokens,
-                acceptance_rate=st.acceptance_rate,
-                drafted=st.num_drafted_tokens,
-                accepted=st.num_accepted_tokens,
-                forward_passes=st.num_forward_passes,
-                draft_s=st.draft_s,
-                verify_s=st.verify_s,
-                prefill_s=st.prefill_s,
-                accepted_histogram={int(k): v for k, v in st.accepted_histogram.items()},
-                steps=[s.to_dict() for s in st.steps],
-            )
+            rec = bench.make_record(row, ids, base, base_s, out)
             records[name].append(rec)
             line.append(
                 f"{name} {rec.ragspec_tokens / rec.ragspec_s:5.1f} tok/s acc {rec.mean_accepted:.2f}"
