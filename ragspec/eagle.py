@@ -65,6 +65,7 @@ from torch import nn
 
 from .errors import ConfigError, EagleHeadMismatchError, ModelLoadError
 from .types import DraftTree, VerifyResult
+from .target import _PACKED_MAX_ROWS, can_pack, pack_linear_forwards, pack_weight, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -478,6 +479,10 @@ class EagleDrafter:
         head: the head (on the target's device and dtype).
         target: the :class:`~ragspec.target.TargetModel` (for the KV-cache rollback helper).
         tree: tree shape.
+        pack: route the head's linear layers and its output-layer rows through pre-packed
+            oneDNN weights for few-row inputs (CPU; default: when the target's are, see
+            :meth:`~ragspec.target.TargetModel.prepack_linears`). Modifies the head's
+            linear layers in place; draft values change by float rounding only.
 
     Trees have source ``"eagle"``, ``match_len`` 0 (so a composite in ``longest_match``
     mode prefers any retrieval draft), ``scores`` = each node's conditional draft
@@ -487,13 +492,34 @@ class EagleDrafter:
 
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target, tree: EagleTreeConfig = EagleTreeConfig()) -> None:
+    def __init__(
+        self, head: EagleHead, target, tree: EagleTreeConfig = EagleTreeConfig(), *, pack: Optional[bool] = None
+    ) -> None:
         self.head = head
         self.target = target
         self.tree = tree
         # derived from the target's output layer once, shared by all sessions (read-only)
         self._lm_weight, self._lm_bias = head.draft_lm_weight()
         self._vocab_list: list[int] = head.draft_vocab.tolist()  # sub-vocabulary index -> token id
+        self._lm_packed: Optional[torch.Tensor] = None
+        if pack is None:
+            pack = bool(getattr(target, "packed_linears", 0))
+        if pack and can_pack(self._lm_weight.device, self._lm_weight.dtype):
+            # few-row GEMMs through pre-packed oneDNN weights, one row included (drafts need
+            # not be bit-exact): a 4-level draft 28 -> ~10 ms on the 2-core CPU
+            if not getattr(head, "_packed_linears", False):
+                pack_linear_forwards(head, min_rows=1)
+                head._packed_linears = True
+            self._lm_packed = pack_weight(self._lm_weight)
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features float [R, H] -> draft-vocabulary logits float32 [R, Vd] (no autograd)."""
+        if self._lm_packed is None or features.shape[0] > _PACKED_MAX_ROWS:
+            return self.head.logits(features, self._lm_weight, self._lm_bias)
+        out = packed_linear(features, self._lm_packed, self._lm_bias)
+        if self.head.logit_softcap:
+            out = torch.tanh(out / self.head.logit_softcap) * self.head.logit_softcap
+        return out.float()
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
@@ -605,7 +631,7 @@ class EagleSession:
         dep: list[int] = []
         cum: list[float] = []
         cond: list[float] = []
-        logp = torch.log_softmax(head.logits(self._last_pred[None], d._lm_weight, d._lm_bias), dim=-1)  # [1, Vd]
+        logp = torch.log_softmax(d.draft_logits(self._last_pred[None]), dim=-1)  # [1, Vd]
         vals, idx = torch.topk(logp[0], k)  # [k]
         for v, i in zip(vals.tolist(), idx.tolist()):
             tok.append(i)
@@ -654,7 +680,7 @@ class EagleSession:
             out = head(ids, parent_feat[None], pos, mask, self._state.cache)[0]  # [m, H]
             self._state.length += m
             num_entries += m
-            logp = torch.log_softmax(head.logits(out, d._lm_weight, d._lm_bias), dim=-1)  # [m, Vd]
+            logp = torch.log_softmax(d.draft_logits(out), dim=-1)  # [m, Vd]
             vals, idx = torch.topk(logp, k, dim=-1)  # [m, k]
             base = torch.tensor([cum[n] for n in frontier], dtype=vals.dtype, device=vals.device)
             tot = (vals + base[:, None]).flatten()  # [m * k]
@@ -733,6 +759,14 @@ class SelectingDrafter:
     committed (a lower bound of what it would have got), so the rule keeps learning about
     match lengths it does not pick.
 
+    With ``carry=True`` (default) these statistics also carry over between the requests of
+    one drafter: each new session starts from the drafter's running statistics (at most
+    ``carry_weight`` steps' worth per bucket, on top of the prior) instead of the prior
+    alone, so that a request does not spend its first dozen steps relearning what the
+    previous ones showed (on a 100-token answer those steps are a large share). The running
+    statistics decay (factor ``carry_decay`` per step of that kind), so they follow the
+    traffic. They are statistics only: outputs never depend on them.
+
     Why not ``CompositeDrafter(mode="longest_match")``: prompt lookup with ``min_ngram=1``
     matches some 1-gram at almost every step, so "any match wins" leaves the head nearly
     unused, while 1- and 2-token matches are mostly wrong from their first token on
@@ -744,19 +778,29 @@ class SelectingDrafter:
         min_match: shortest suffix match (tokens) that wins a priori (and always, when
             ``calibrate`` is False).
         calibrate: learn the threshold online from the request's own steps.
+        carry: start each request from the statistics of the previous ones (with
+            ``calibrate``).
 
     Raises:
         ConfigError: ``min_match`` < 1.
     """
 
-    def __init__(self, retrieval, eagle: EagleDrafter, min_match: int = 3, calibrate: bool = True) -> None:
+    carry_weight = 8.0  # steps' worth of carried statistics a new session starts with, per bucket
+    carry_decay = 0.98  # per step: the running statistics weigh the last ~50 steps of a kind
+
+    def __init__(
+        self, retrieval, eagle: EagleDrafter, min_match: int = 3, calibrate: bool = True, *, carry: bool = True
+    ) -> None:
         if min_match < 1:
             raise ConfigError(f"min_match must be >= 1, got {min_match}")
         self.retrieval = retrieval
         self.eagle = eagle
         self.min_match = min_match
         self.calibrate = calibrate
+        self.carry = carry
         self.name = f"{retrieval.name}|{eagle.name}"
+        # running statistics over this drafter's requests (see the class docstring)
+        self.carried = _SelectionStats.empty() if carry and calibrate else None
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
@@ -767,7 +811,25 @@ class SelectingDrafter:
             self.eagle.start_request(prompt_ids, documents, eos_token_ids=eos),
             self.min_match,
             self.calibrate,
+            carried=self.carried,
+            carry_weight=self.carry_weight,
+            carry_decay=self.carry_decay,
         )
+
+
+@dataclass
+class _SelectionStats:
+    """Running selection statistics: per match-length bucket of retrieval drafts and for
+    the head, [accepted tokens summed, steps] (decayed), and the seconds from one proposal
+    to the next per winner (EMA; 0 = not measured yet)."""
+
+    ret: list[list[float]]
+    head: list[float]
+    period: dict[str, float]
+
+    @classmethod
+    def empty(cls) -> "_SelectionStats":
+        return cls([[0.0, 0.0] for _ in range(6)], [0.0, 0.0], {"retrieval": 0.0, "head": 0.0, "plain": 0.0})
 
 
 def _tree_match(tree: DraftTree, tokens: Sequence[int]) -> int:
@@ -792,11 +854,23 @@ class _SelectingSession:
     prior_weight = 3.0
     _HEAD_RETRY = 16  # skipped head steps before the head is tried again
 
-    def __init__(self, retrieval, eagle: EagleSession, min_match: int, calibrate: bool = True) -> None:
+    def __init__(
+        self,
+        retrieval,
+        eagle: EagleSession,
+        min_match: int,
+        calibrate: bool = True,
+        *,
+        carried: Optional[_SelectionStats] = None,
+        carry_weight: float = 8.0,
+        carry_decay: float = 0.98,
+    ) -> None:
         self._retrieval = retrieval
         self._eagle = eagle
         self._min_match = min_match
         self._calibrate = calibrate
+        self._carried = carried if calibrate else None
+        self._decay = carry_decay
         w = self.prior_weight
         self._ret = [
             [w * (self.prior_short if m < min_match else self.prior_long), w]
@@ -807,6 +881,14 @@ class _SelectingSession:
         # the head's includes its draft time and the cost of verifying its (wider) trees
         # ("plain": nothing was verified, one token per step)
         self._period = {"retrieval": 0.0, "head": 0.0, "plain": 0.0}
+        if self._carried is not None:
+            # start from the previous requests' statistics (at most carry_weight steps each)
+            for mine, theirs in zip(self._ret + [self._head], self._carried.ret + [self._carried.head]):
+                if theirs[1] > 0:
+                    scale = min(1.0, carry_weight / theirs[1])
+                    mine[0] += theirs[0] * scale
+                    mine[1] += theirs[1] * scale
+            self._period.update(self._carried.period)
         self._last = None  # (time of the last proposal, its winner)
         self._verified = False  # observe() saw a non-empty draft since the last proposal
         self._head_skipped = 0  # consecutive steps the head was judged not worth its cost
@@ -846,6 +928,9 @@ class _SelectingSession:
             period, who = now - self._last[0], self._last[1] if self._verified else "plain"
             old = self._period[who]
             self._period[who] = period if old <= 0 else 0.8 * old + 0.2 * period
+            if self._carried is not None:
+                old = self._carried.period[who]
+                self._carried.period[who] = period if old <= 0 else 0.9 * old + 0.1 * period
         self._verified = False
         r = self._retrieval.propose(max_tokens)
         self._shadow = None
@@ -875,15 +960,26 @@ class _SelectingSession:
         if tree.num_nodes == 0:
             return
         self._verified = True
-        stats = self._head if tree.sources and tree.sources[0] == "eagle" else self._ret[self._bucket(tree.match_len)]
-        stats[0] += result.num_accepted
-        stats[1] += 1
+        if tree.sources and tree.sources[0] == "eagle":
+            self._count(lambda s: s.head, self._head, result.num_accepted)
+        else:
+            b = self._bucket(tree.match_len)
+            self._count(lambda s: s.ret[b], self._ret[b], result.num_accepted)
         shadow, self._shadow = self._shadow, None
         if shadow is not None and self._calibrate:
             # the retrieval draft not taken: how much of it the target's tokens of this step
             # confirm (a lower bound when the step committed fewer tokens than it holds), so
             # that buckets the rule does not pick still learn
             committed = list(result.accepted_tokens) + [result.bonus_token]
-            st = self._ret[self._bucket(shadow.match_len)]
-            st[0] += _tree_match(shadow, committed)
-            st[1] += 1
+            b = self._bucket(shadow.match_len)
+            self._count(lambda s: s.ret[b], self._ret[b], _tree_match(shadow, committed))
+
+    def _count(self, pick, mine: list[float], accepted: int) -> None:
+        """One step of ``accepted`` tokens into this session's statistics and (decayed) into
+        the drafter's running ones (``pick`` selects the same entry there)."""
+        mine[0] += accepted
+        mine[1] += 1
+        if self._carried is not None:
+            theirs = pick(self._carried)
+            theirs[0] = theirs[0] * self._decay + accepted
+            theirs[1] = theirs[1] * self._decay + 1

@@ -125,8 +125,10 @@ class Engine:
         spec = models.resolve_model(model, cache=Path(cache) if cache else None)
         hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
         target = TargetModel(hf_model)
-        # the model is ours: few-row (verification) linears through pre-packed weights
+        # the model is ours: few-row (verification) linears through pre-packed weights, and
+        # grouped-query attention without key/value head copies for verification forwards
         target.prepack_linears()
+        target.route_gqa_attention()
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
         if datastore:

@@ -523,3 +523,57 @@ def test_selecting_skips_a_head_slower_than_plain_decoding():
     s._last = None  # (the loop above timed its own microsecond steps)
     s._period.update(head=0.12, plain=0.06)
     assert s.propose(8).num_nodes == 4
+
+
+def test_selecting_statistics_carry_over_between_requests():
+    """Regression (head + retrieval below retrieval alone on MT-bench and summarization):
+    every request relearned the selection from the prior, spending its first dozen steps
+    on drafts the previous requests had shown to lose. A new request now starts from the
+    drafter's running statistics."""
+    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
+    head_tree = DraftTree.chain([8, 8, 8, 8], source="eagle")
+
+    def first_pick(carry):
+        sel = SelectingDrafter(_FixedDrafter(short), _FixedDrafter(head_tree), min_match=3, carry=carry)
+        # request 1: the head is always rejected, the 1-token match always fully accepted
+        _run_steps(sel.start_request([1, 2, 3]), lambda src: 4 if src == "prompt" else 0, 200)
+        if carry:
+            assert sel.carried.head[0] == 0.0 and 0 < sel.carried.head[1]
+            steps = sel.carried.ret[0][1]
+            assert sel.carried.ret[0][0] > 3.5 * steps  # (the few shadow scores of head steps count 0)
+            assert steps <= 1 / (1 - sel.carry_decay) + 1e-6  # decayed: follows the traffic
+            sel.carried.period.update(retrieval=0.06, head=0.08, plain=0.06)  # (fake steps take microseconds)
+        return _run_steps(sel.start_request([1, 2, 3]), lambda src: 4 if src == "prompt" else 0, 1)[0]
+
+    assert first_pick(carry=True) == "prompt"
+    assert first_pick(carry=False) == "eagle"  # the prior: a 1-token match loses to the head
+
+
+def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model):
+    """The draft head through pre-packed oneDNN weights (the engine's CPU default when the
+    target is packed) gives the same draft logits up to float rounding, and greedy output
+    stays identical to plain greedy."""
+    from ragspec.target import can_pack
+
+    if not can_pack(target.device, target.dtype):
+        pytest.skip("pre-packed oneDNN linears need a CPU build with oneDNN")
+    plain = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target, pack=False)
+    packed = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target, pack=True)
+    assert plain._lm_packed is None and packed._lm_packed is not None
+    prompt = tok(PROMPTS[1])["input_ids"]
+    trees = []
+    for d in (plain, packed):
+        s, _ = _prefilled_session(d, target, prompt, root=5)
+        trees.append(s.propose(8))
+        with torch.inference_mode():
+            feats = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+            trees.append(d.draft_logits(feats))
+            ids, pos = torch.tensor([[4, 5, 6]]), torch.arange(3)[None]
+            trees.append(d.head(ids, feats[None], pos))
+    torch.testing.assert_close(trees[4], trees[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(trees[5], trees[2], rtol=1e-4, atol=1e-4)
+    assert trees[3].num_nodes == trees[0].num_nodes > 0
+    eng = Engine(target, tok, drafter=packed, policy=PolicyConfig(adaptive=False))
+    for p in PROMPTS[:2]:
+        ids = tok(p)["input_ids"]
+        assert eng.generate(ids, max_new_tokens=24, chat=False).token_ids == greedy_reference(model, ids, 24)

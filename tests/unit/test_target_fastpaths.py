@@ -152,3 +152,55 @@ def test_lazy_latency_makes_an_uncertain_draft_worth_verifying():
     assert lazy.tree.num_nodes > 0
     assert latency.expected(4, 0.0) == pytest.approx(0.066)
     assert latency.expected(4, 1.0) == pytest.approx(0.090)
+
+
+def test_gqa_attention_route_keeps_verification_logits_bit_identical():
+    """Grouped-query attention without copying key/value heads for masked verification
+    forwards: the same logits bit for bit (tree and chain drafts), and greedy decoding with
+    ragspec and with ``model.generate`` (both now on the routed model) equals the reference
+    of an unrouted model."""
+    from ragspec.config import PolicyConfig
+    from ragspec.engine import Engine
+    from ragspec_testing import ScriptedDrafter, make_char_tokenizer
+
+    prompt = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    trees = [
+        make_tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0], source="test"),
+        DraftTree.chain([20, 21, 22, 23], source="test"),
+    ]
+
+    def verify_all(target):
+        outs = []
+        with torch.inference_mode():
+            for tree in trees:
+                state = target.new_state()
+                target.prefill(state, prompt)
+                outs.append(target.verify_forward(state, 7, tree, return_hidden=True))
+        return outs
+
+    reference = make_tiny_llama(layers=2)
+    ref_greedy = greedy_reference(reference, prompt, 24, eos_token_id=2)
+    model = make_tiny_llama(layers=2)
+    target = TargetModel(model)
+    before = verify_all(target)
+    assert target.route_gqa_attention() and target.route_gqa_attention()  # idempotent
+    assert model.config._attn_implementation == "ragspec_sdpa"
+    for a, b in zip(before, verify_all(target)):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+    assert greedy_reference(model, prompt, 24, eos_token_id=2) == ref_greedy
+    # drafts right on even steps, wrong from the second token on odd ones
+    plan = lambda step, gen: ref_greedy[len(gen) : len(gen) + 4] if step % 2 == 0 else ref_greedy[len(gen) : len(gen) + 1] + [3, 3]
+    eng = Engine(target, make_char_tokenizer(), drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[2])
+    out = eng.generate(prompt, max_new_tokens=24, chat=False)
+    assert list(out.token_ids) == ref_greedy and out.stats.num_accepted_tokens > 0
+
+
+def test_gqa_attention_route_is_a_no_op_without_grouped_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(cfg).eval()
+    target = TargetModel(model)
+    assert not target.route_gqa_attention()
+    assert model.config._attn_implementation == "sdpa"
