@@ -65,7 +65,14 @@ from torch import nn
 
 from .errors import ConfigError, EagleHeadMismatchError, ModelLoadError
 from .types import DraftTree, VerifyResult
-from .target import _PACKED_MAX_ROWS, can_pack, pack_linear_forwards, pack_weight, packed_linear
+from .target import (
+    _PACKED_MAX_ROWS,
+    can_pack,
+    pack_linear_forwards,
+    pack_weight,
+    packed_linear,
+    register_gqa_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -482,7 +489,8 @@ class EagleDrafter:
         pack: route the head's linear layers and its output-layer rows through pre-packed
             oneDNN weights for few-row inputs (CPU; default: when the target's are, see
             :meth:`~ragspec.target.TargetModel.prepack_linears`). Modifies the head's
-            linear layers in place; draft values change by float rounding only.
+            linear layers (and its attention, to SDPA's grouped-query mode) in place;
+            draft values change by float rounding only.
 
     Trees have source ``"eagle"``, ``match_len`` 0 (so a composite in ``longest_match``
     mode prefers any retrieval draft), ``scores`` = each node's conditional draft
@@ -510,6 +518,9 @@ class EagleDrafter:
             if not getattr(head, "_packed_linears", False):
                 pack_linear_forwards(head, min_rows=1)
                 head._packed_linears = True
+            if head.config._attn_implementation == "sdpa":
+                # the head's masked multi-row attention without key/value head copies
+                head.config._attn_implementation = register_gqa_attention()
             self._lm_packed = pack_weight(self._lm_weight)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -554,6 +565,7 @@ class EagleSession:
         self._unverified = False
         self._declined = 0
         self._skip = 0
+        self._kept_levels: Optional[float] = None  # EMA of the levels of verified head trees
 
     # ------------------------------------------------------------------ feeding
     MAX_SKIP = 16
@@ -576,6 +588,18 @@ class EagleSession:
         if tree.sources and tree.sources[0] == "eagle":
             self._unverified = False
             self._declined = 0
+            # levels of the head's tree the engine's cost model kept (it verifies a cut)
+            levels = int(tree.depth.max()) + 1
+            old = self._kept_levels
+            self._kept_levels = float(levels) if old is None else 0.8 * old + 0.2 * levels
+
+    def _levels(self, max_levels: int) -> int:
+        """Levels to grow: one past what the cost model has been keeping (EMA), so that
+        deeper nodes stay on offer; each level past the first costs one head forward
+        (~3 ms on the 2-core CPU), wasted when the cut drops it."""
+        if self._kept_levels is None:
+            return max_levels
+        return max(1, min(max_levels, math.ceil(self._kept_levels) + 1))
 
     def _catch_up(self) -> bool:
         """Feed the committed pairs not yet in the head's cache. Returns whether a
@@ -622,7 +646,7 @@ class EagleSession:
         d = self._d
         head, cfg = d.head, d.tree
         k = max(1, min(cfg.top_k, max_nodes))
-        depth = max(1, min(cfg.depth, max_nodes))
+        depth = max(1, min(cfg.depth, max_nodes, self._levels(cfg.depth)))
         log_min = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else -math.inf
         dev = self._last_pred.device
         # node pool (sub-vocabulary token indices until the end)

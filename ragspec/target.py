@@ -108,6 +108,18 @@ def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     )
 
 
+def register_gqa_attention() -> str:
+    """Register :func:`_gqa_sdpa_attention` (and transformers' SDPA mask builder) with
+    transformers' attention registries under ``"ragspec_sdpa"`` and return that name.
+    The registries are keyed by name: registering again replaces the entry by itself."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_GQA_SDPA, _gqa_sdpa_attention)
+    AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
+    return _GQA_SDPA
+
+
 def _growable_cache():
     """A new transformers ``DynamicCache`` whose layers grow in place (see ``_GrowableLayer``)."""
     return _growable_cache_class()()
@@ -367,13 +379,7 @@ class TargetModel:
         kv_heads = int(getattr(text_cfg, "num_key_value_heads", 0) or heads)
         if self._attn_impl != "sdpa" or not heads or kv_heads == heads or not hasattr(self.model, "set_attn_implementation"):
             return False
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        # registries keyed by name: registering the same function again is harmless
-        AttentionInterface.register(_GQA_SDPA, _gqa_sdpa_attention)
-        AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
-        self.model.set_attn_implementation(_GQA_SDPA)
+        self.model.set_attn_implementation(register_gqa_attention())
         self._attn_impl = getattr(self.config, "_attn_implementation", _GQA_SDPA)
         logger.debug("attention routed through %s (%d query / %d key-value heads)", self._attn_impl, heads, kv_heads)
         return self._attn_impl == _GQA_SDPA

@@ -577,3 +577,30 @@ def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model)
     for p in PROMPTS[:2]:
         ids = tok(p)["input_ids"]
         assert eng.generate(ids, max_new_tokens=24, chat=False).token_ids == greedy_reference(model, ids, 24)
+
+
+def test_head_grows_only_one_level_past_what_the_cost_model_keeps(trained_dir, target, tok):
+    """Regression (head + retrieval slower than retrieval alone on rag and summarization):
+    the head grew all 4 levels (3 head forwards) while the engine's cost model kept ~2
+    nodes of its trees on the CPU. Growth now stops one level past the levels kept."""
+    head = load_eagle_head(trained_dir[0], target=target)
+    calls = []
+    head.register_forward_hook(lambda *a: calls.append(1))
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=4, top_k=3, min_path_prob=0.0))
+    s, _ = _prefilled_session(drafter, target, tok(PROMPTS[0])["input_ids"], root=5)
+    s.propose(8)  # (feeds the prompt's features first: one more forward)
+
+    def forwards_of_one_proposal():
+        calls.clear()
+        s.propose(40)  # room for every node: no pruning by the node budget
+        return len(calls)
+
+    assert forwards_of_one_proposal() == 3  # nothing kept yet: levels 1, 2, 3 after the root's
+    one = DraftTree.chain([5], source="eagle")
+    for _ in range(5):  # the cost model keeps one node (level 0) only
+        s.observe(one, VerifyResult((), (), 5, 1))
+    assert forwards_of_one_proposal() == 1  # level 1 still on offer
+    deep = DraftTree.chain([5, 6, 7, 8], source="eagle")
+    for _ in range(10):  # ... and later whole 4-level chains
+        s.observe(deep, VerifyResult((), (), 5, 4))
+    assert forwards_of_one_proposal() == 3
