@@ -779,9 +779,9 @@ class SelectingDrafter:
     CPU, where its draft costs about half a target forward, that is what keeps it from
     slowing down text it predicts poorly. ``min_match`` sets the prior: buckets below it
     start at ``prior_short`` accepted tokens per step, the others at ``prior_long``. When the head
-    wins a step, the retrieval draft it beat is scored too, against the tokens the step
-    committed (a lower bound of what it would have got), so the rule keeps learning about
-    match lengths it does not pick.
+    wins a step, the retrieval draft it beat is scored too, against the tokens committed
+    from that step on (what greedy verification would have accepted of it), so the rule
+    keeps learning about match lengths it does not pick.
 
     With ``carry=True`` (default) these statistics also carry over between the requests of
     one drafter: each new session starts from the drafter's running statistics (at most
@@ -916,7 +916,9 @@ class _SelectingSession:
         self._last = None  # (time of the last proposal, its winner)
         self._verified = False  # observe() saw a non-empty draft since the last proposal
         self._head_skipped = 0  # consecutive steps the head was judged not worth its cost
-        self._shadow: Optional[DraftTree] = None  # retrieval draft of a step the head won
+        # retrieval drafts of steps the head won, with the tokens committed since (scored
+        # once those tokens decide how much of the draft the target would have accepted)
+        self._shadows: list[tuple[DraftTree, list[int]]] = []
 
     def _bucket(self, match_len: int) -> int:
         """Index into ``_ret`` (match lengths 0 and 1 share the first bucket)."""
@@ -925,6 +927,25 @@ class _SelectingSession:
     def extend(self, token_ids: Sequence[int]) -> None:
         self._retrieval.extend(token_ids)
         self._eagle.extend(token_ids)
+        if self._shadows:
+            self._score_shadows(token_ids)
+
+    def _score_shadows(self, token_ids: Sequence[int]) -> None:
+        """Score the retrieval drafts the head beat against the tokens committed since
+        their step: the length of the draft path those tokens follow (what greedy
+        verification would have accepted), counted once a mismatch or the draft's depth
+        decides it. Tokens of later steps count too, so the score is not capped by what
+        the head's own step committed."""
+        pending = []
+        for shadow, seen in self._shadows:
+            seen.extend(int(t) for t in token_ids)
+            matched = _tree_match(shadow, seen)
+            if matched < len(seen) or matched >= int(shadow.depth.max()) + 1:
+                b = self._bucket(shadow.match_len)
+                self._count(lambda st, b=b: st.ret[b], self._ret[b], matched)
+            else:
+                pending.append((shadow, seen))
+        self._shadows = pending
 
     def extend_hidden(self, hidden: torch.Tensor) -> None:
         self._eagle.extend_hidden(hidden)
@@ -957,7 +978,6 @@ class _SelectingSession:
                 self._carried.period[who] = period if old <= 0 else 0.9 * old + 0.1 * period
         self._verified = False
         r = self._retrieval.propose(max_tokens)
-        self._shadow = None
         # until both step times are known, the side not yet timed is tried once
         t_r, t_h = self._period["retrieval"], self._period["head"]
         try_r = self._calibrate and t_r <= 0 < t_h
@@ -974,8 +994,8 @@ class _SelectingSession:
         self._head_skipped = 0
         e = self._eagle.propose(max_tokens)
         self._last = (now, "head" if e.num_nodes else "retrieval")
-        if e.num_nodes and r.num_nodes:
-            self._shadow = r  # scored against the committed tokens in observe
+        if e.num_nodes and r.num_nodes and self._calibrate:
+            self._shadows.append((r, []))  # scored against the tokens committed from here on
         return e if e.num_nodes else r
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
@@ -989,14 +1009,6 @@ class _SelectingSession:
         else:
             b = self._bucket(tree.match_len)
             self._count(lambda s: s.ret[b], self._ret[b], result.num_accepted)
-        shadow, self._shadow = self._shadow, None
-        if shadow is not None and self._calibrate:
-            # the retrieval draft not taken: how much of it the target's tokens of this step
-            # confirm (a lower bound when the step committed fewer tokens than it holds), so
-            # that buckets the rule does not pick still learn
-            committed = list(result.accepted_tokens) + [result.bonus_token]
-            b = self._bucket(shadow.match_len)
-            self._count(lambda s: s.ret[b], self._ret[b], _tree_match(shadow, committed))
 
     def _count(self, pick, mine: list[float], accepted: int) -> None:
         """One step of ``accepted`` tokens into this session's statistics and (decayed) into

@@ -496,6 +496,7 @@ def test_selecting_learns_from_the_retrieval_draft_it_did_not_take():
         # the target's tokens are 7, 7, 7, ...: the head gets 1 token, retrieval would get all
         k = _tree_match(tree, [7, 7, 7, 7, 7])
         s.observe(tree, VerifyResult(tuple(range(k)), (7,) * k, 7, tree.num_nodes))
+        s.extend([7] * (k + 1))
     assert picked[0] == "eagle"
     assert picked[-1] == "prompt"
     assert _tree_match(short, [7, 7, 9]) == 2 and _tree_match(short, [9]) == 0
@@ -604,3 +605,24 @@ def test_head_grows_only_one_level_past_what_the_cost_model_keeps(trained_dir, t
     for _ in range(10):  # ... and later whole 4-level chains
         s.observe(deep, VerifyResult((), (), 5, 4))
     assert forwards_of_one_proposal() == 3
+
+
+def test_shadow_score_is_not_capped_by_the_head_step():
+    """Regression (summarization: head steps at 15.8 tok/s replaced short-match retrieval
+    steps worth 17.6 tok/s): a retrieval draft the head beat was scored only against the
+    tokens of that head step (1.4 on average), so short matches looked worse than they
+    were. It is now scored against the tokens committed from that step on."""
+    from ragspec.eagle import _SelectingSession
+
+    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
+    head_tree = DraftTree.chain([9, 9, 9, 9], source="eagle")
+    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
+    assert s.propose(8).sources[0] == "eagle"  # the prior: a 1-token match loses
+    before = list(s._ret[0])
+    s.observe(head_tree, VerifyResult((), (), 7, 4))  # head rejected; the correction is 7
+    s.extend([7])
+    assert s._ret[0] == before  # one token seen, all matched: not decided yet
+    s.extend([7, 7])
+    s.extend([7, 5])  # the draft's 4 tokens confirmed
+    assert s._ret[0] == [before[0] + 4, before[1] + 1]
+    assert s._shadows == []
