@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     groups = [c.strip() for c in args.categories.split(",") if c.strip()]
     rows_all = load_prompts(args.data, groups)
-    base = Engine.from_pretrained(args.model)
+    base = Engine.from_pretrained(args.model, eagle=None)  # retrieval drafters only
     pld_only = _engine_with(base, PromptLookupDrafter(PLDConfig()))
     eos = base.eos_token_ids
     records, stores = [], {}

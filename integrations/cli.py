@@ -75,7 +75,9 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NAME=DIR",
         help="a datastore requests may name (repeatable; the first is the default; RAGSPEC_DATASTORES)",
     )
-    p.add_argument("--eagle", default=None, help="EAGLE draft head directory (RAGSPEC_EAGLE)")
+    p.add_argument(
+        "--eagle", default=None, help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)"
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved step by step (default 8)")

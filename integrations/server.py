@@ -146,18 +146,27 @@ def _datastore_engines(engine, settings: ServerSettings) -> dict[str, Any]:
         return {}
     from ragspec.datastore import Datastore, DatastoreDrafter
     from ragspec.drafting import CompositeDrafter
+    from ragspec.eagle import SelectingDrafter
     from ragspec.engine import Engine
 
-    base = list(engine.drafter.drafters) if isinstance(engine.drafter, CompositeDrafter) else [engine.drafter]
+    # with an EAGLE head the datastore joins the retrieval side of the selection
+    selecting = engine.drafter if isinstance(engine.drafter, SelectingDrafter) else None
+    retrieval = selecting.retrieval if selecting is not None else engine.drafter
+    base = list(retrieval.drafters) if isinstance(retrieval, CompositeDrafter) else [retrieval]
     base = [d for d in base if d is not None]
     out = {}
     for name, directory in settings.datastores:
         ds = Datastore.open(directory, tokenizer=engine.tokenizer)
         drafters = base[:1] + [DatastoreDrafter(ds)] + base[1:]
+        drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
+        if selecting is not None:
+            drafter = SelectingDrafter(
+                drafter, selecting.eagle, selecting.min_match, selecting.calibrate, carry=selecting.carry
+            )
         variant = Engine(
             engine.target,
             engine.tokenizer,
-            drafter=drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters),
+            drafter=drafter,
             policy=engine.policy,
             latency=engine.latency,
             eos_token_ids=engine.eos_token_ids,

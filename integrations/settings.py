@@ -68,8 +68,8 @@ class ServerSettings:
     datastores: tuple[tuple[str, str], ...] = ()
     """(name, directory) of each datastore; requests name one by ``datastore``, never by
     path. The first is the default of requests that name none."""
-    eagle: Optional[str] = None
-    """EAGLE draft head directory."""
+    eagle: Optional[str] = "auto"
+    """EAGLE draft head directory; "auto": the head shipped for the model, if any; "none": no head."""
     api_key: Optional[str] = None
     """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
     max_active: int = 8

@@ -30,7 +30,11 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     if datastore:
         p.add_argument("--datastore", default=os.environ.get("RAGSPEC_DATASTORE"), help="datastore directory (ragspec datastore build)")
-        p.add_argument("--eagle", default=os.environ.get("RAGSPEC_EAGLE"), help="EAGLE draft head directory")
+        p.add_argument(
+            "--eagle",
+            default=os.environ.get("RAGSPEC_EAGLE", "auto"),
+            help="EAGLE draft head directory; 'auto' (default): the head shipped for the model, if any; 'none': no head",
+        )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -280,7 +284,7 @@ def cmd_bench(args) -> int:
                         "dtype": str(engine.target.dtype),
                         "temperature": args.temperature,
                         "datastore": args.datastore,
-                        "eagle": args.eagle,
+                        "eagle": engine.eagle_path,
                         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
                     },
                     "summary": table,

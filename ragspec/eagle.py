@@ -411,6 +411,27 @@ def check_head_matches(cfg: dict, info: dict, where: str = "") -> None:
         )
 
 
+SHIPPED_HEADS = Path(__file__).parent / "assets" / "eagle"
+"""Heads shipped with ragspec, one folder per registry model name."""
+
+
+def shipped_head(target, model_spec) -> Optional[Path]:
+    """The head shipped with ragspec for this model (``SHIPPED_HEADS / model_spec.name``),
+    or None when there is none or it was trained for other weights (checked by fingerprint,
+    as :func:`load_eagle_head` does; a mismatch is logged, not raised)."""
+    if model_spec is None:
+        return None
+    p = SHIPPED_HEADS / str(getattr(model_spec, "name", ""))
+    if not (p / "config.json").is_file():
+        return None
+    try:
+        check_head_matches(read_head_config(p), target_fingerprint(target, model_spec), where=str(p))
+    except (EagleHeadMismatchError, ModelLoadError) as e:
+        logger.info("not using the shipped EAGLE head: %s", e)
+        return None
+    return p
+
+
 def load_eagle_head(path: str | Path, *, target, model_spec=None) -> EagleHead:
     """Load a head saved by :func:`save_eagle_head` for ``target``.
 

@@ -93,6 +93,7 @@ class Engine:
         self.model_name = model_name
         self.datastore = None
         self.eagle = None
+        self.eagle_path: Optional[str] = None  # folder of the loaded EAGLE head
 
     # ------------------------------------------------------------------ factory
     @classmethod
@@ -103,7 +104,7 @@ class Engine:
         dtype: Optional[str] = None,
         *,
         datastore: Optional[str] = None,
-        eagle: Optional[str] = None,
+        eagle: Optional[str] = "auto",
         pld: PLDConfig = PLDConfig(),
         policy: PolicyConfig = PolicyConfig(),
         calibrate: bool = True,
@@ -112,6 +113,11 @@ class Engine:
         """Load a model (registry name, GGUF file or HF folder; None = the default model)
         and build an engine with prompt-lookup drafting, plus a datastore and an EAGLE head
         when given.
+
+        ``eagle``: a head folder; ``"auto"`` (default) the head shipped with ragspec for this
+        model when there is one and its fingerprint matches (one ships for the default
+        model: measured faster than retrieval alone on every Spec-Bench category, see the
+        README), else none; None, ``""`` or ``"none"``: no head.
 
         Raises:
             ModelNotFoundError: the model is not fetched / the path does not exist.
@@ -137,12 +143,18 @@ class Engine:
             ds = Datastore.open(datastore, tokenizer=tokenizer, warm=True)
             drafters.append(DatastoreDrafter(ds))
         eagle_head = None
-        if eagle:
-            from .eagle import EagleDrafter, SelectingDrafter, load_eagle_head
+        if eagle and str(eagle).lower() == "auto":
+            from .eagle import shipped_head
+
+            eagle = shipped_head(target, spec)
+        if eagle and str(eagle).lower() != "none":
+            from .eagle import load_eagle_head
 
             eagle_head = load_eagle_head(eagle, target=target, model_spec=spec)
         drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
         if eagle_head is not None:
+            from .eagle import EagleDrafter, SelectingDrafter
+
             # retrieval when its match is worth more than the head's draft (calibrated per
             # request), the head otherwise
             drafter = SelectingDrafter(drafter, EagleDrafter(eagle_head, target))
@@ -158,6 +170,7 @@ class Engine:
         )
         engine.datastore = ds
         engine.eagle = eagle_head
+        engine.eagle_path = str(eagle) if eagle_head is not None else None
         return engine
 
     @property

@@ -21,3 +21,20 @@ def test_dev_prompt_token_identical_to_generate(real_engine, dev_rows, category)
         [t for t in ref if t not in real_engine.eos_token_ids], skip_special_tokens=True
     )
     assert out.stats.num_forward_passes <= len(ref)
+
+
+def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, dev_rows):
+    """``Engine.from_pretrained()`` uses the EAGLE head shipped for the default model
+    (``eagle="auto"``); with it, a translation prompt (where the head drafts) is still
+    token-identical to ``model.generate``, and the head's drafts were verified."""
+    from ragspec.eagle import SHIPPED_HEADS, SelectingDrafter
+
+    assert real_engine.eagle is not None
+    assert real_engine.eagle_path == str(SHIPPED_HEADS / "smollm2-135m-instruct")
+    assert isinstance(real_engine.drafter, SelectingDrafter)
+    row = next(r for r in dev_rows if r["category"] == "translation")
+    ids = real_engine.encode_prompt(row["turns"][0])
+    ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+    out = real_engine.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
+    assert out.token_ids == ref
+    assert any(s.source == "eagle" for s in out.stats.steps)

@@ -422,3 +422,35 @@ def test_empty_body_says_the_body_is_missing(live_server):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "None" not in msg and "body" in msg
+
+
+def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny_engine):
+    """With an EAGLE head (now loaded by default for the default model), a named
+    datastore's engine keeps the head's selection and adds the datastore to retrieval,
+    instead of wrapping the whole selection in a longest-match composite."""
+    import torch
+
+    from ragspec.datastore import DatastoreDrafter, build_datastore
+    from ragspec.drafting import CompositeDrafter, PromptLookupDrafter
+    from ragspec.eagle import EagleDrafter, EagleHead, SelectingDrafter
+    from ragspec.engine import Engine
+    from ragspec.integrations.server import _datastore_engines
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the cat sat on the mat. " * 20)
+    build_datastore([str(corpus)], tmp_path / "ds", tiny_engine.tokenizer, progress=False)
+    torch.manual_seed(0)
+    eagle = EagleDrafter(EagleHead.from_target(tiny_engine.target).eval(), tiny_engine.target, pack=False)
+    engine = Engine(
+        tiny_engine.target,
+        tiny_engine.tokenizer,
+        drafter=SelectingDrafter(PromptLookupDrafter(), eagle),
+        eos_token_ids=tiny_engine.eos_token_ids,
+    )
+    variant = _datastore_engines(engine, ServerSettings(datastores=(("notes", str(tmp_path / "ds")),)))["notes"]
+    assert isinstance(variant.drafter, SelectingDrafter) and variant.drafter.eagle is eagle
+    assert isinstance(variant.drafter.retrieval, CompositeDrafter)
+    assert any(isinstance(d, DatastoreDrafter) for d in variant.drafter.retrieval.drafters)
+    want = tiny_engine.generate("the cat sat", max_new_tokens=16, chat=False).token_ids
+    assert variant.generate("the cat sat", max_new_tokens=16, chat=False).token_ids == want

@@ -626,3 +626,17 @@ def test_shadow_score_is_not_capped_by_the_head_step():
     s.extend([7, 5])  # the draft's 4 tokens confirmed
     assert s._ret[0] == [before[0] + 4, before[1] + 1]
     assert s._shadows == []
+
+
+def test_shipped_head_only_for_its_own_model(target, tmp_path):
+    """``eagle="auto"`` finds a shipped head by model name and takes it only when the
+    fingerprint matches: the default model's head is not used for other weights that
+    happen to carry its name, and a name without a shipped head gets none."""
+    from ragspec.eagle import SHIPPED_HEADS, shipped_head
+
+    assert (SHIPPED_HEADS / "smollm2-135m-instruct" / "config.json").is_file()
+    same_name = ModelSpec(name="smollm2-135m-instruct", kind="gguf", path=tmp_path / "x.gguf", sha256="ab" * 32)
+    assert shipped_head(target, same_name) is None  # another model's weights: not used
+    other = ModelSpec(name="no-such-model", kind="gguf", path=tmp_path / "y.gguf", sha256="cd" * 32)
+    assert shipped_head(target, other) is None
+    assert shipped_head(target, None) is None
