@@ -52,7 +52,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
-    app = create_app(engine=None, settings=settings)
+    # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
+    # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
+    from .server import _datastore_engines, _load_engine
+
+    engine = _load_engine(settings)
+    _datastore_engines(engine, settings)
+    app = create_app(engine=engine, settings=settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
     return 0
 

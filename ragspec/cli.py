@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
         p.add_argument("--datastore", default=os.environ.get("RAGSPEC_DATASTORE"), help="datastore directory (ragspec datastore build)")
         p.add_argument(
             "--eagle",
-            default=os.environ.get("RAGSPEC_EAGLE", "auto"),
+            default=os.environ.get("RAGSPEC_EAGLE") or "auto",  # empty = unset, as for the server
             help="EAGLE draft head directory; 'auto' (default): the head shipped for the model, if any; 'none': no head",
         )
 

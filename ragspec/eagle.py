@@ -416,20 +416,30 @@ SHIPPED_HEADS = Path(__file__).parent / "assets" / "eagle"
 
 
 def shipped_head(target, model_spec) -> Optional[Path]:
-    """The head shipped with ragspec for this model (``SHIPPED_HEADS / model_spec.name``),
-    or None when there is none or it was trained for other weights (checked by fingerprint,
-    as :func:`load_eagle_head` does; a mismatch is logged, not raised)."""
-    if model_spec is None:
+    """The head shipped with ragspec for the loaded weights, or None.
+
+    The folder named after the model (``SHIPPED_HEADS / model_spec.name``) is tried first,
+    then every other shipped head, so that a model loaded from its file path (whatever the
+    name) still finds its head; each is taken only when its fingerprint matches the loaded
+    weights (as :func:`load_eagle_head` checks them). No match is logged, not raised.
+    """
+    if model_spec is None or not SHIPPED_HEADS.is_dir():
         return None
-    p = SHIPPED_HEADS / str(getattr(model_spec, "name", ""))
-    if not (p / "config.json").is_file():
-        return None
-    try:
-        check_head_matches(read_head_config(p), target_fingerprint(target, model_spec), where=str(p))
-    except (EagleHeadMismatchError, ModelLoadError) as e:
-        logger.info("not using the shipped EAGLE head: %s", e)
-        return None
-    return p
+    name = str(getattr(model_spec, "name", ""))
+    folders = sorted(p for p in SHIPPED_HEADS.iterdir() if (p / "config.json").is_file())
+    folders.sort(key=lambda p: p.name != name)  # the model's own name first
+    info = None
+    for p in folders:
+        try:
+            cfg = read_head_config(p)
+            info = info or target_fingerprint(target, model_spec)
+            check_head_matches(cfg, info, where=str(p))
+        except (EagleHeadMismatchError, ModelLoadError) as e:
+            logger.debug("shipped EAGLE head %s not for this model: %s", p.name, e)
+            continue
+        return p
+    logger.info("no shipped EAGLE head matches %s: decoding without one", name or "this model")
+    return None
 
 
 def load_eagle_head(path: str | Path, *, target, model_spec=None) -> EagleHead:

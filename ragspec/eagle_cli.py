@@ -87,13 +87,16 @@ def cmd_eagle_info(args) -> int:
 
 def _make_drafter(kind: str, args, target, spec, pld):
     from .drafting import CompositeDrafter
-    from .eagle import EagleDrafter, EagleTreeConfig, SelectingDrafter, load_eagle_head
+    from .eagle import EagleDrafter, EagleTreeConfig, SelectingDrafter, load_eagle_head, shipped_head
 
     if kind == "pld":
         return pld
-    if not args.eagle:
-        raise ConfigError(f"--drafters {kind} needs --eagle DIR")
-    head = load_eagle_head(args.eagle, target=target, model_spec=spec)
+    path = args.eagle
+    if not path or str(path).lower() == "auto":
+        path = shipped_head(target, spec)
+    if not path or str(path).lower() == "none":
+        raise ConfigError(f"--drafters {kind} needs an EAGLE head: --eagle DIR (none ships for this model)")
+    head = load_eagle_head(path, target=target, model_spec=spec)
     eagle = EagleDrafter(head, target, EagleTreeConfig(depth=args.depth, top_k=args.top_k))
     if kind == "head":
         return eagle
@@ -243,7 +246,11 @@ def add_eagle_commands(subparsers) -> None:
         "head), longest_match (CompositeDrafter's rule)",
     )
     b.add_argument("--min-match", type=int, default=3, help="'both': retrieval wins from this match length")
-    b.add_argument("--eagle", default=os.environ.get("RAGSPEC_EAGLE"))
+    b.add_argument(
+        "--eagle",
+        default=os.environ.get("RAGSPEC_EAGLE") or "auto",
+        help="EAGLE head directory, or 'auto' (default): the head shipped for the model",
+    )
     b.add_argument("--depth", type=int, default=4)
     b.add_argument("--top-k", type=int, default=3)
     b.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"))

@@ -38,3 +38,16 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
     out = real_engine.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
     assert any(s.source == "eagle" for s in out.stats.steps)
+
+
+def test_shipped_head_found_by_weights_when_loaded_by_path(real_engine):
+    """Regression (fresh-user trial): ``--model path/to/SmolLM2-135M-Instruct.Q4_1.gguf``
+    loaded the default model's weights under another name, and ``eagle="auto"`` silently
+    found no head. The shipped heads are now matched by fingerprint too."""
+    from ragspec import models
+    from ragspec.eagle import SHIPPED_HEADS, shipped_head
+
+    spec = models.resolve_model(None)
+    by_path = models.ModelSpec(name=spec.path.stem, kind=spec.kind, path=spec.path, sha256=spec.sha256)
+    assert by_path.name != "smollm2-135m-instruct"
+    assert shipped_head(real_engine.target, by_path) == SHIPPED_HEADS / "smollm2-135m-instruct"

@@ -123,7 +123,7 @@ def test_serve_options_and_environment(monkeypatch):
 
 def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
     # the compose command, bound to loopback on a free port, on a tiny model folder: the
-    # parser, the settings, create_app and the lifespan's model loading all run for real;
+    # parser, the settings, the model loading and create_app all run for real;
     # only uvicorn.run is swapped for a server this test can stop
     import uvicorn
 
@@ -172,3 +172,24 @@ def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
             servers[0].should_exit = True
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_serve_with_a_bad_eagle_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Regression (fresh-user trial): ``ragspec serve --eagle /nonexistent`` (or a bad
+    model or datastore) exited after a 30-line uvicorn lifespan traceback. The engine now
+    loads before serving: a one-line ``ragspec: error:`` and exit status 2."""
+    import uvicorn
+
+    from ragspec.cli import main
+
+    tok = make_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    folder = tmp_path / "tiny"
+    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    capsys.readouterr()  # (the save's progress bar)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("served despite a bad --eagle"))
+    rc = main(["serve", "--model", str(folder), "--no-calibrate", "--eagle", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("ragspec: error:") and "not an EAGLE head folder" in err and "Traceback" not in err

@@ -640,3 +640,20 @@ def test_shipped_head_only_for_its_own_model(target, tmp_path):
     other = ModelSpec(name="no-such-model", kind="gguf", path=tmp_path / "y.gguf", sha256="cd" * 32)
     assert shipped_head(target, other) is None
     assert shipped_head(target, None) is None
+
+
+def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, monkeypatch):
+    """Regression (fresh-user trial): ``ragspec eagle bench --eagle auto`` failed with "auto
+    is not an EAGLE head folder", and an empty ``RAGSPEC_EAGLE`` meant "no head" for
+    ``generate`` but "auto" for the server."""
+    from ragspec.cli import build_parser
+    from ragspec.eagle_cli import _make_drafter
+
+    monkeypatch.setenv("RAGSPEC_EAGLE", "")
+    p = build_parser()
+    assert p.parse_args(["generate", "x"]).eagle == "auto"
+    args = p.parse_args(["eagle", "bench"])
+    assert args.eagle == "auto"
+    # a model without a shipped head: a clear error naming the option, not a missing folder
+    with pytest.raises(ConfigError, match="--eagle DIR"):
+        _make_drafter("both", args, target, None, object())
