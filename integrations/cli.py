@@ -57,8 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import _datastore_engines, _load_engine
 
     engine = _load_engine(settings)
-    _datastore_engines(engine, settings)
-    app = create_app(engine=engine, settings=settings)
+    app = create_app(engine=engine, settings=settings, datastore_engines=_datastore_engines(engine, settings))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
     return 0
 

@@ -231,9 +231,13 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def create_app(engine=None, settings: Optional[ServerSettings] = None) -> FastAPI:
+def create_app(
+    engine=None, settings: Optional[ServerSettings] = None, *, datastore_engines: Optional[dict] = None
+) -> FastAPI:
     """The FastAPI app. ``engine``: a ready :class:`ragspec.Engine` (None: the lifespan loads
-    ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables."""
+    ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables.
+    ``datastore_engines``: the named datastores' engines, already built by
+    ``_datastore_engines`` (None: the lifespan builds them)."""
     settings = settings if settings is not None else ServerSettings.from_env()
 
     @contextlib.asynccontextmanager
@@ -242,7 +246,9 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None) -> FastAP
         if eng is None:
             logger.info("loading model %s", settings.model or "(default)")
             eng = await asyncio.to_thread(_load_engine, settings)
-        variants = await asyncio.to_thread(_datastore_engines, eng, settings)
+        variants = datastore_engines
+        if variants is None:
+            variants = await asyncio.to_thread(_datastore_engines, eng, settings)
         scheduler = Scheduler(
             max_active=settings.max_active,
             max_queue=settings.max_queue,

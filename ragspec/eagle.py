@@ -217,10 +217,22 @@ class EagleHead(nn.Module):
         idx = self.draft_vocab.to(w.device)
         return w.index_select(0, idx).contiguous(), (None if b is None else b.index_select(0, idx))
 
-    def logits(self, features: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(
+        self,
+        features: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        packed: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """features [..., H] -> draft-vocabulary logits float32 [..., Vd] (``weight``,
-        ``bias`` from :meth:`draft_lm_weight`); gradients flow to ``features`` only."""
-        out = F.linear(features, weight, bias)
+        ``bias`` from :meth:`draft_lm_weight`); gradients flow to ``features`` only.
+        ``packed``: ``weight`` from :func:`~ragspec.target.pack_weight`, used for few-row
+        inputs without autograd."""
+        rows = features.numel() // features.shape[-1]
+        if packed is not None and rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
+            out = packed_linear(features, packed, bias)
+        else:
+            out = F.linear(features, weight, bias)
         if self.logit_softcap:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out.float()
@@ -442,6 +454,17 @@ def shipped_head(target, model_spec) -> Optional[Path]:
     return None
 
 
+def resolve_head(eagle, target, model_spec=None) -> Optional[Path]:
+    """The head folder an ``eagle`` option names: ``"auto"`` -> :func:`shipped_head`;
+    None, ``""`` or ``"none"`` (any case) -> None; anything else -> that folder (checked
+    when loaded)."""
+    if not eagle or str(eagle).lower() == "none":
+        return None
+    if str(eagle).lower() == "auto":
+        return shipped_head(target, model_spec)
+    return Path(eagle)
+
+
 def load_eagle_head(path: str | Path, *, target, model_spec=None) -> EagleHead:
     """Load a head saved by :func:`save_eagle_head` for ``target``.
 
@@ -556,12 +579,7 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features float [R, H] -> draft-vocabulary logits float32 [R, Vd] (no autograd)."""
-        if self._lm_packed is None or features.shape[0] > _PACKED_MAX_ROWS:
-            return self.head.logits(features, self._lm_weight, self._lm_bias)
-        out = packed_linear(features, self._lm_packed, self._lm_bias)
-        if self.head.logit_softcap:
-            out = torch.tanh(out / self.head.logit_softcap) * self.head.logit_softcap
-        return out.float()
+        return self.head.logits(features, self._lm_weight, self._lm_bias, packed=self._lm_packed)
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
@@ -972,8 +990,7 @@ class _SelectingSession:
             seen.extend(int(t) for t in token_ids)
             matched = _tree_match(shadow, seen)
             if matched < len(seen) or matched >= int(shadow.depth.max()) + 1:
-                b = self._bucket(shadow.match_len)
-                self._count(lambda st, b=b: st.ret[b], self._ret[b], matched)
+                self._count(self._bucket(shadow.match_len), matched)
             else:
                 pending.append((shadow, seen))
         self._shadows = pending
@@ -1035,18 +1052,16 @@ class _SelectingSession:
         if tree.num_nodes == 0:
             return
         self._verified = True
-        if tree.sources and tree.sources[0] == "eagle":
-            self._count(lambda s: s.head, self._head, result.num_accepted)
-        else:
-            b = self._bucket(tree.match_len)
-            self._count(lambda s: s.ret[b], self._ret[b], result.num_accepted)
+        head = tree.sources and tree.sources[0] == "eagle"
+        self._count(None if head else self._bucket(tree.match_len), result.num_accepted)
 
-    def _count(self, pick, mine: list[float], accepted: int) -> None:
+    def _count(self, bucket: Optional[int], accepted: int) -> None:
         """One step of ``accepted`` tokens into this session's statistics and (decayed) into
-        the drafter's running ones (``pick`` selects the same entry there)."""
+        the drafter's running ones: retrieval match-length ``bucket``, or the head (None)."""
+        mine = self._head if bucket is None else self._ret[bucket]
         mine[0] += accepted
         mine[1] += 1
         if self._carried is not None:
-            theirs = pick(self._carried)
+            theirs = self._carried.head if bucket is None else self._carried.ret[bucket]
             theirs[0] = theirs[0] * self._decay + accepted
             theirs[1] = theirs[1] * self._decay + 1

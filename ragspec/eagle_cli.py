@@ -87,14 +87,12 @@ def cmd_eagle_info(args) -> int:
 
 def _make_drafter(kind: str, args, target, spec, pld):
     from .drafting import CompositeDrafter
-    from .eagle import EagleDrafter, EagleTreeConfig, SelectingDrafter, load_eagle_head, shipped_head
+    from .eagle import EagleDrafter, EagleTreeConfig, SelectingDrafter, load_eagle_head, resolve_head
 
     if kind == "pld":
         return pld
-    path = args.eagle
-    if not path or str(path).lower() == "auto":
-        path = shipped_head(target, spec)
-    if not path or str(path).lower() == "none":
+    path = resolve_head(args.eagle or "auto", target, spec)
+    if path is None:
         raise ConfigError(f"--drafters {kind} needs an EAGLE head: --eagle DIR (none ships for this model)")
     head = load_eagle_head(path, target=target, model_spec=spec)
     eagle = EagleDrafter(head, target, EagleTreeConfig(depth=args.depth, top_k=args.top_k))

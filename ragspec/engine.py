@@ -142,19 +142,12 @@ class Engine:
 
             ds = Datastore.open(datastore, tokenizer=tokenizer, warm=True)
             drafters.append(DatastoreDrafter(ds))
-        eagle_head = None
-        if eagle and str(eagle).lower() == "auto":
-            from .eagle import shipped_head
+        from .eagle import EagleDrafter, SelectingDrafter, load_eagle_head, resolve_head
 
-            eagle = shipped_head(target, spec)
-        if eagle and str(eagle).lower() != "none":
-            from .eagle import load_eagle_head
-
-            eagle_head = load_eagle_head(eagle, target=target, model_spec=spec)
+        eagle = resolve_head(eagle, target, spec)
+        eagle_head = load_eagle_head(eagle, target=target, model_spec=spec) if eagle is not None else None
         drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
         if eagle_head is not None:
-            from .eagle import EagleDrafter, SelectingDrafter
-
             # retrieval when its match is worth more than the head's draft (calibrated per
             # request), the head otherwise
             drafter = SelectingDrafter(drafter, EagleDrafter(eagle_head, target))
