@@ -22,6 +22,11 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1
 
 WORKDIR /app
+# a C++ compiler and ninja build ragspec's CPU decoding kernel (ragspec/kernels.py; without
+# them torch's slower kernels are used)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY ragspec ./ragspec
@@ -33,6 +38,9 @@ RUN pip install . \
     && chown -R ragspec /data
 
 USER ragspec
+# build the kernel into the image (~45 s) instead of at the first start (on a build host
+# without AVX2 this does nothing and the container builds it at first start, if it can)
+RUN python -c "from ragspec.kernels import load_skinny_linear; load_skinny_linear()"
 VOLUME ["/data"]
 EXPOSE 8000
 

@@ -285,6 +285,8 @@ def cmd_bench(args) -> int:
                         "temperature": args.temperature,
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
+                        "cpu_kernel": engine.target.skinny is not None,
+                        "threads": __import__("torch").get_num_threads(),
                         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
                     },
                     "summary": table,

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, EagleHeadMismatchError, ModelLoadError
+from .kernels import SKINNY_MAX_ROWS, SkinnyLinear
 from .types import DraftTree, VerifyResult
 from .target import (
     _PACKED_MAX_ROWS,
@@ -223,13 +224,22 @@ class EagleHead(nn.Module):
         weight: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
         packed: Optional[torch.Tensor] = None,
+        skinny: Optional[SkinnyLinear] = None,
     ) -> torch.Tensor:
         """features [..., H] -> draft-vocabulary logits float32 [..., Vd] (``weight``,
         ``bias`` from :meth:`draft_lm_weight`); gradients flow to ``features`` only.
         ``packed``: ``weight`` from :func:`~ragspec.target.pack_weight`, used for few-row
-        inputs without autograd."""
+        inputs without autograd; ``skinny``: the compiled kernel of :mod:`ragspec.kernels`,
+        used (before ``packed``) for up to ``SKINNY_MAX_ROWS`` float32 rows."""
         rows = features.numel() // features.shape[-1]
-        if packed is not None and rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
+        if (
+            skinny is not None
+            and rows <= SKINNY_MAX_ROWS
+            and features.dtype == weight.dtype == torch.float32
+            and not torch.is_grad_enabled()
+        ):
+            out = skinny(features.reshape(rows, features.shape[-1]), weight, bias).view(*features.shape[:-1], -1)
+        elif packed is not None and rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
             out = packed_linear(features, packed, bias)
         else:
             out = F.linear(features, weight, bias)
@@ -564,13 +574,16 @@ class EagleDrafter:
         self._lm_weight, self._lm_bias = head.draft_lm_weight()
         self._vocab_list: list[int] = head.draft_vocab.tolist()  # sub-vocabulary index -> token id
         self._lm_packed: Optional[torch.Tensor] = None
+        self._skinny: Optional[SkinnyLinear] = None
         if pack is None:
             pack = bool(getattr(target, "packed_linears", 0))
         if pack and can_pack(self._lm_weight.device, self._lm_weight.dtype):
             # few-row GEMMs through pre-packed oneDNN weights, one row included (drafts need
             # not be bit-exact): a 4-level draft 28 -> ~10 ms on the 2-core CPU
+            # and through the target's compiled few-row kernel where it has one
+            self._skinny = getattr(target, "skinny", None) if self._lm_weight.is_contiguous() else None
             if not getattr(head, "_packed_linears", False):
-                pack_linear_forwards(head, min_rows=1)
+                pack_linear_forwards(head, min_rows=1, skinny=self._skinny)
                 head._packed_linears = True
             if head.config._attn_implementation == "sdpa":
                 # the head's masked multi-row attention without key/value head copies
@@ -579,7 +592,7 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features float [R, H] -> draft-vocabulary logits float32 [R, Vd] (no autograd)."""
-        return self.head.logits(features, self._lm_weight, self._lm_bias, packed=self._lm_packed)
+        return self.head.logits(features, self._lm_weight, self._lm_bias, packed=self._lm_packed, skinny=self._skinny)
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

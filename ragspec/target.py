@@ -10,12 +10,16 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from .kernels import SKINNY_MAX_ROWS
 from .tree import tree_attention_mask, tree_position_ids
 from .types import DraftTree
+
+if TYPE_CHECKING:
+    from .kernels import SkinnyLinear
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +46,34 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_linear_forwards(root: torch.nn.Module, *, min_rows: int) -> int:
-    """Route every ``nn.Linear`` under ``root`` through a pre-packed oneDNN weight for
-    inputs of ``min_rows`` .. ``_PACKED_MAX_ROWS`` rows when autograd is off; other inputs
-    keep ``F.linear``. Modifies the modules in place (their ``forward``); the caller checks
-    :func:`can_pack`. Returns the number of layers routed.
+class KernelScope:
+    """Marks when fast few-row linear kernels apply to a model's layers: while ``active``
+    (set by :class:`TargetModel` around its own forwards). Outside it (``model.generate``,
+    training, user code) the layers compute with torch's ``F.linear``, unchanged. One per
+    :class:`TargetModel`; not thread-safe across concurrent forwards (the engine runs one
+    forward at a time)."""
+
+    __slots__ = ("active", "skinny_rows")
+
+    def __init__(self, skinny_rows: int = SKINNY_MAX_ROWS) -> None:
+        self.active = False
+        self.skinny_rows = skinny_rows  # inputs of at most this many rows take the compiled kernel
+
+
+def pack_linear_forwards(
+    root: torch.nn.Module,
+    *,
+    min_rows: int,
+    skinny: Optional["SkinnyLinear"] = None,
+    scope: Optional[KernelScope] = None,
+) -> int:
+    """Route every ``nn.Linear`` under ``root`` through fast few-row kernels when autograd
+    is off: inputs of 1 .. ``SKINNY_MAX_ROWS`` rows through ``skinny`` (the compiled kernel
+    of :mod:`ragspec.kernels`, float32) when given, else inputs of ``min_rows`` ..
+    ``_PACKED_MAX_ROWS`` rows through a pre-packed oneDNN weight; other inputs keep
+    ``F.linear``. With a ``scope``, only while ``scope.active``. Modifies the modules in
+    place (their ``forward``); the caller checks :func:`can_pack`. Returns the number of
+    layers routed.
 
     For few-row inputs MKL's sgemm re-packs the weight on every call (measured on the
     2-core CPU, two threads: 3 x 576 -> 8192 takes 4.6 ms through MKL, ~1 ms packed).
@@ -60,11 +87,15 @@ def pack_linear_forwards(root: torch.nn.Module, *, min_rows: int) -> int:
         weight = module.weight
         bias = None if module.bias is None else module.bias.detach()
         packed = pack_weight(weight)
+        use_skinny = skinny is not None and weight.dtype == torch.float32 and weight.is_contiguous()
 
-        def forward(x, _w=weight, _b=bias, _p=packed):
-            rows = x.numel() // x.shape[-1]
-            if min_rows <= rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
-                return packed_linear(x, _p, _b)
+        def forward(x, _w=weight, _b=bias, _p=packed, _skinny=use_skinny):
+            if (scope is None or scope.active) and not torch.is_grad_enabled():
+                rows = x.numel() // x.shape[-1]
+                if _skinny and rows <= (SKINNY_MAX_ROWS if scope is None else scope.skinny_rows) and x.dtype == torch.float32:
+                    return skinny(x.reshape(rows, x.shape[-1]), _w, _b).view(*x.shape[:-1], _w.shape[0])
+                if min_rows <= rows <= _PACKED_MAX_ROWS:
+                    return packed_linear(x, _p, _b)
             return F.linear(x, _w, _b)
 
         module.forward = forward
@@ -289,6 +320,8 @@ class TargetModel:
         self._packed: Optional[torch.Tensor] = None
         self._packed_bias: Optional[torch.Tensor] = None
         self.packed_linears = 0
+        self._skinny: Optional["SkinnyLinear"] = None  # compiled few-row kernel, see prepack_linears
+        self._scope = KernelScope()  # fast linear kernels apply inside our own forwards only
         self._decoder = model.get_decoder()
         self._lm_head = model.get_output_embeddings()
         text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -337,28 +370,42 @@ class TargetModel:
             self._packed_bias = None if getattr(self._lm_head, "bias", None) is None else self._lm_head.bias.detach()
         return self._packed
 
-    def prepack_linears(self) -> int:
-        """Route the decoder's few-row linear layers through pre-packed oneDNN weights.
+    def prepack_linears(self, skinny: Optional["SkinnyLinear"] = None) -> int:
+        """Route the decoder's few-row linear layers through faster kernels than MKL's.
 
         Verification runs every linear layer on 2-17 rows; for such shapes MKL's sgemm
         re-packs the weight on every call, so a 4-8-row forward costs ~1.5x a one-row one on
         a CPU. After this call each ``nn.Linear`` of the decoder computes inputs of 2-64 rows
         with a weight packed once for oneDNN (measured on the 2-core CPU, 2 threads, 512
-        tokens of context: 8 new tokens 124 -> 87 ms, 1 new token unchanged). One-row inputs
-        (plain decoding) and long inputs (prefill) keep the ordinary kernel, so plain decoding
-        stays bit-identical to ``model.generate``. Modifies the model in place (each layer's
-        ``forward``), costs one extra copy of the decoder's linear weights, and is a no-op
-        off CPU or without oneDNN.
+        tokens of context: 8 new tokens 124 -> 87 ms). With ``skinny`` (the compiled kernel
+        from :func:`ragspec.kernels.load_skinny_linear`), inputs of 1-16 rows, plain
+        decoding included, go through it instead (decoder linears for one row 36-47 -> 25
+        ms, for 8 rows 49 -> 36 ms) and so does the output layer. Either way only inside
+        this object's own forwards: ``model.generate`` and other callers of the model keep
+        transformers' kernels. Values change by float32 rounding only (summation order), so
+        greedy output equals ``model.generate``'s except where two logits tie to ~1e-5.
+        Modifies the model in place (each layer's ``forward``), costs one extra copy of the
+        decoder's linear weights, and is a no-op off CPU or without oneDNN.
 
         Returns:
             the number of linear layers routed (0 where not applicable).
         """
         if self.packed_linears or not can_pack(self.device, self.dtype):
             return self.packed_linears
-        n = pack_linear_forwards(self._decoder, min_rows=2)
+        self._skinny = skinny if self.dtype == torch.float32 else None
+        n = pack_linear_forwards(self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope)
         self.packed_linears = n
-        logger.debug("routed %d decoder linear layers through pre-packed oneDNN weights", n)
+        logger.debug(
+            "routed %d decoder linear layers through %s",
+            n,
+            "the compiled few-row kernel" if self._skinny is not None else "pre-packed oneDNN weights",
+        )
         return n
+
+    @property
+    def skinny(self) -> Optional["SkinnyLinear"]:
+        """The compiled few-row linear kernel this model's forwards use, or None."""
+        return self._skinny
 
     def route_gqa_attention(self) -> bool:
         """Run the model's attention through :func:`_gqa_sdpa_attention` (registered with
@@ -387,8 +434,13 @@ class TargetModel:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, H] -> logits float32 [R, V]."""
         rows = hidden.shape[0]
-        packed = self._packed_lm_head() if rows <= _PACKED_MAX_ROWS else None
-        if packed is not None:
+        weight = self._lm_head.weight
+        skinny = self._skinny is not None and rows <= self._scope.skinny_rows and weight.is_contiguous()
+        packed = self._packed_lm_head() if rows <= _PACKED_MAX_ROWS and not skinny else None
+        if skinny:
+            bias = getattr(self._lm_head, "bias", None)
+            logits = self._skinny(hidden.to(weight.dtype), weight, None if bias is None else bias.detach())
+        elif packed is not None:
             logits = packed_linear(hidden, packed, self._packed_bias)
         else:
             if 1 < rows < self.min_logit_rows:
@@ -407,13 +459,17 @@ class TargetModel:
         attention_mask: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids: int64 [1, Q] -> last hidden states [Q, H]; appends Q entries to the cache."""
-        out = self._decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **{self._cache_kw: state.cache},
-        )
+        self._scope.active = True
+        try:
+            out = self._decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                **{self._cache_kw: state.cache},
+            )
+        finally:
+            self._scope.active = False
         state.length += int(input_ids.shape[1])
         return out.last_hidden_state[0]  # [Q, H]
 
