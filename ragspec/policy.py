@@ -118,7 +118,12 @@ class LatencyModel:
         """Time the target's verification forward for each q at a ``context``-token cache:
         with all N + 1 rows of logits, and (``early``) with the first row only.
 
-        A few seconds on a 2-core CPU for a 135M model. Returns the median per q.
+        The q values are timed in interleaved rounds (q = 1, 2, ..., 16, then again), so a
+        burst of load on a shared machine inflates one sample of several q instead of
+        every sample of one q; the median per q is kept. A forward of fewer tokens is never
+        slower than one of more, so each q's cost is capped by every larger q's (a
+        disturbed q = 1 sample read 80 ms beside 63 ms for q = 2 on the 2-core CPU and made
+        drafting look cheaper than it was). A few seconds on a 2-core CPU for a 135M model.
         """
         import time
 
@@ -126,29 +131,46 @@ class LatencyModel:
 
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
-        table: dict[int, float] = {}
-        early_table: dict[int, float] = {}
+        samples: dict[tuple[int, bool], list[float]] = {}
+        modes = (False, True) if early else (False,)
         with torch.inference_mode():
             state = target.new_state()
             target.prefill(state, ids)
             base = state.length
-            for q in qs:
-                for lazy in (False, True) if early else (False,):
-                    times = []
-                    for _ in range(repeats + 1):
+            for rnd in range(repeats + 1):
+                for q in qs:
+                    for lazy in modes:
                         tree = DraftTree.chain(ids[: q - 1]) if q > 1 else DraftTree.empty()
                         t0 = time.perf_counter()
                         out = target.verify_forward(state, ids[-1], tree, lazy_logits=lazy)
                         if lazy:
                             out.row_logits.argmax(0)
-                        times.append(time.perf_counter() - t0)
+                        dt = time.perf_counter() - t0
                         target.rollback(state, base)
-                    times = sorted(times[1:])  # first run warms up
-                    (early_table if lazy else table)[q] = times[len(times) // 2]
+                        if rnd:  # the first round warms up
+                            samples.setdefault((q, lazy), []).append(dt)
+        table = _monotone({q: _median(samples[(q, False)]) for q in qs})
+        early_table = _monotone({q: _median(samples[(q, True)]) for q in qs}) if early else {}
         logger.info("latency model (ms): %s", {q: round(v * 1e3, 1) for q, v in table.items()})
         if early_table:
             logger.info("latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()})
         return cls(table, early=early_table or None)
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """Cap each q's seconds by every larger q's: {1: 0.080, 2: 0.063, 4: 0.070} ->
+    {1: 0.063, 2: 0.063, 4: 0.070}."""
+    out: dict[int, float] = {}
+    cap = float("inf")
+    for q in sorted(table, reverse=True):
+        cap = min(cap, table[q])
+        out[q] = cap
+    return dict(sorted(out.items()))
 
 
 @dataclass

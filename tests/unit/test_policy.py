@@ -87,3 +87,16 @@ def test_oracle_drafter_drafts_long(setup, char_tokenizer):
     assert out.token_ids == ref
     assert out.stats.mean_accepted_tokens > 5
     assert max(s.num_drafted for s in out.stats.steps) == 8
+
+
+def test_latency_calibration_is_monotone_in_q_after_a_disturbed_sample():
+    from ragspec.policy import _monotone
+
+    # a burst of load during the q = 1 samples read 80 ms beside 63 ms for q = 2
+    assert _monotone({1: 0.080, 2: 0.063, 4: 0.070, 8: 0.065}) == {1: 0.063, 2: 0.063, 4: 0.065, 8: 0.065}
+    target = TargetModel(make_tiny_llama(layers=1))
+    lat = LatencyModel.measure(target, qs=(1, 2, 4, 8), context=32, repeats=2)
+    for table in (lat.table, {q: lat.early(q) for q in (1, 2, 4, 8)}):
+        values = [table[q] for q in (1, 2, 4, 8)]
+        assert all(v > 0 for v in values)
+        assert values == sorted(values)
