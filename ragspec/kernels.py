@@ -87,7 +87,7 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
 
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            logger.info("compiling the CPU decoding kernel (first use only, ~45 s) into %s", build)
+            logger.warning("compiling the CPU decoding kernel (first use only, ~45 s) into %s", build)
         module = load(
             name="ragspec_skinny_linear",
             sources=[str(_SOURCE)],
