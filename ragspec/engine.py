@@ -141,7 +141,7 @@ class Engine:
         # the model is ours: few-row (decoding, verification) linears through the compiled
         # kernel or pre-packed weights, and grouped-query attention without key/value head
         # copies for verification forwards
-        target.prepack_linears(cls.load_cpu_kernel(target, cpu_kernels))
+        target.prepack_linears(cls.load_cpu_kernel(target, cpu_kernels, cache=cache))
         target.route_gqa_attention()
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
@@ -175,17 +175,20 @@ class Engine:
         return engine
 
     @staticmethod
-    def load_cpu_kernel(target: TargetModel, wanted: Optional[bool] = None):
+    def load_cpu_kernel(target: TargetModel, wanted: Optional[bool] = None, cache: Optional[str] = None):
         """The compiled few-row linear kernel for ``target`` (see :mod:`ragspec.kernels`), or
         None: off CPU, for other dtypes than float32, when ``wanted`` is False (None: the
-        ``RAGSPEC_CPU_KERNELS`` variable decides, on by default) or when it cannot be built."""
+        ``RAGSPEC_CPU_KERNELS`` variable decides, on by default) or when it cannot be built.
+        ``cache``: ragspec's cache folder (default: ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``)."""
+        from pathlib import Path
+
         from .kernels import cpu_kernels_enabled, load_skinny_linear
 
         if target.device.type != "cpu" or target.dtype != torch.float32:
             return None
         if wanted is False or (wanted is None and not cpu_kernels_enabled()):
             return None
-        return load_skinny_linear()
+        return load_skinny_linear(Path(cache) if cache else None)
 
     @property
     def model(self):

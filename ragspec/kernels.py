@@ -9,19 +9,25 @@ reaches ~20 GB/s: the decoder's linear layers of SmolLM2-135M for one row 36-47 
 for 8 rows (oneDNN) 49 -> 36 ms.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (about 45 s;
-needs a C++ compiler and ninja) into ``~/.cache/ragspec/kernels/<torch version>``, and
-loaded from there afterwards (~1 s). Where it cannot be built or loaded (no compiler, no
-AVX2, another platform), :func:`load_skinny_linear` returns None and callers keep torch's
-own kernels (as they do with ``RAGSPEC_CPU_KERNELS=0``): the kernel only makes things faster, never different
-in kind (its values equal ``F.linear``'s up to float32 summation order).
+needs a C++ compiler and ninja) into ragspec's cache (``<cache>/kernels/``, see
+:func:`kernel_dir`), and imported from there afterwards (well under a second; a read-only
+cache works). Where it cannot be built or loaded (no compiler, no AVX2, another
+platform), :func:`load_skinny_linear` returns None and callers keep torch's own kernels (as
+they do with ``RAGSPEC_CPU_KERNELS=0``): the kernel only makes things faster, never
+different in kind (its values equal ``F.linear``'s up to float32 summation order).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SKINNY_MAX_ROWS", "SkinnyLinear", "load_skinny_linear", "cpu_kernels_enabled"]
+__all__ = ["SKINNY_MAX_ROWS", "SkinnyLinear", "load_skinny_linear", "kernel_dir", "cpu_kernels_enabled"]
 
 # rows up to which the compiled kernel beats oneDNN's pre-packed linear (measured on the
 # 2-core CPU for the default model's shapes: 16 rows 62 vs 64 ms, 24 rows 68 vs 77 ms but
@@ -60,43 +66,114 @@ def _cpu_supported() -> bool:
     return capability in ("AVX2", "AVX512")
 
 
+_NAME = "ragspec_skinny_linear"  # the extension module's name (its PyInit_ symbol)
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+_STALE_BUILD_S = 3600.0  # unfinished build folders older than this are removed
+
+
+def kernel_dir(cache_dir: Optional[Path] = None) -> Path:
+    """Folder of the compiled kernel: ``<cache>/kernels/<torch>-<python>-<hash>``, the hash
+    over the kernel's source and compile flags, so a changed source builds anew and any
+    checkout or environment with the same torch reuses the same build. ``cache_dir``
+    default: ragspec's cache (``$RAGSPEC_CACHE``, else ``$XDG_CACHE_HOME/ragspec``, else
+    ``~/.cache/ragspec``)."""
+    if cache_dir is None:
+        from .models import cache_dir as default_cache
+
+        cache_dir = default_cache()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    tag = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    return Path(cache_dir) / "kernels" / tag
+
+
+def _import_built(path: Path):
+    """Import the built extension from ``path`` (no build system, no lock: works from a
+    read-only cache); once per process (``sys.modules``)."""
+    loaded = sys.modules.get(_NAME)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[_NAME] = module
+    return module
+
+
+def _build(final: Path) -> object:
+    """Compile into a private temporary folder next to ``final`` and move the library into
+    place (an atomic rename): concurrent builders never wait on each other's lock, and a
+    build killed half-way leaves only its own temporary folder (removed by later builds
+    once stale) instead of a lock that blocks every later start."""
+    from torch.utils.cpp_extension import load
+
+    base = final.parent
+    base.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for old in base.glob(f"{final.name}.build-*"):
+        try:
+            if now - old.stat().st_mtime > _STALE_BUILD_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.build-", dir=base))
+    try:
+        module = load(
+            name=_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(tmp),
+            verbose=False,
+        )
+        final.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / f"{_NAME}.so", final / f"{_NAME}.so")
+        return module
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinear]:
-    """Build (first call) or load the few-row linear kernel; None where it is unavailable.
+    """Load the few-row linear kernel, building it first when it is not in the cache; None
+    where it is unavailable.
 
     Args:
-        cache_dir: where compiled kernels live (default ``~/.cache/ragspec/kernels``); one
-            sub-folder per torch version.
+        cache_dir: ragspec's cache folder (default as :func:`kernel_dir`); the kernel lives
+            in its ``kernels/`` sub-folder.
 
     Returns:
         ``skinny_linear(x, weight, bias)``: x float32 [R, I], weight float32 [O, I]
         contiguous, bias float32 [O] or None -> float32 [R, O] (no autograd), or None when
-        the CPU lacks AVX2/FMA, no C++ compiler is found or the build fails (logged as
-        a warning). ``RAGSPEC_CPU_KERNELS`` is the caller's to check
-        (:func:`cpu_kernels_enabled`; ``Engine.from_pretrained`` does).
+        the CPU lacks AVX2/FMA or the kernel can be neither loaded nor built (no C++
+        compiler or ninja, a failed build: logged as a warning, torch's kernels are used).
+        A cached library that fails to load (a corrupt file) is rebuilt once.
+        ``RAGSPEC_CPU_KERNELS`` is the caller's to check (:func:`cpu_kernels_enabled`;
+        ``Engine.from_pretrained`` does).
     """
     if not _cpu_supported():
         logger.debug("compiled CPU kernels skipped: needs Linux x86-64 with AVX2")
         return None
+    final = kernel_dir(cache_dir)
+    built = final / f"{_NAME}.so"
+    if built.is_file():
+        try:
+            return _import_built(built).skinny_linear
+        except Exception as exc:  # a truncated or corrupt file: rebuild it below
+            logger.warning("cached CPU kernel %s does not load (%s); rebuilding it", built, str(exc)[:200])
+            try:
+                built.unlink()
+            except OSError:
+                pass
     if not (shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
-        logger.info("compiled CPU kernels skipped: no C++ compiler or ninja found (torch's kernels are used)")
-        return None
-    base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "ragspec" / "kernels"
-    build = base / f"torch-{torch.__version__.replace('+', '-')}"
-    try:
-        from torch.utils.cpp_extension import load
-
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            logger.warning("compiling the CPU decoding kernel (first use only, ~45 s) into %s", build)
-        module = load(
-            name="ragspec_skinny_linear",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
+        logger.warning(
+            "ragspec's CPU decoding kernel is not built and cannot be (no C++ compiler or ninja found): "
+            "torch's kernels are used (slower; RAGSPEC_CPU_KERNELS=0 silences this)"
         )
-    except Exception as exc:  # compiler errors, missing headers, a broken cache folder
+        return None
+    logger.warning("compiling the CPU decoding kernel (first use only, ~45 s) into %s", final)
+    try:
+        return _build(final).skinny_linear
+    except Exception as exc:  # compiler errors, missing headers, an unwritable cache
         logger.warning("compiled CPU kernel unavailable (%s); torch's kernels are used", str(exc).splitlines()[0][:200])
         return None
-    return module.skinny_linear

@@ -31,8 +31,21 @@ _PACKED_MAX_ROWS = 64
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pre-packed oneDNN linears apply: CPU, float32 / bfloat16, oneDNN built in."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """Whether pre-packed oneDNN linears apply: CPU, oneDNN built in, float32, or bfloat16
+    where the CPU has oneDNN's bfloat16 support (AVX-512 BF16 / AVX-NE-CONVERT; elsewhere
+    oneDNN refuses to pack a bfloat16 weight)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and _mkldnn_bf16_supported()
+
+
+def _mkldnn_bf16_supported() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

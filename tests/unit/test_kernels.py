@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragspec.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, load_skinny_linear
+from ragspec import kernels
+from ragspec.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
 from ragspec.target import TargetModel
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
@@ -135,3 +136,103 @@ def test_kernel_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, c
     with caplog.at_level(logging.WARNING, logger="ragspec.kernels"):
         assert load_skinny_linear(tmp_path / "kernels2") is None
     assert "compiled CPU kernel unavailable" in caplog.text
+
+
+def _fake_build(real_so, calls):
+    """Stands in for torch's ``cpp_extension.load``: 'builds' by copying the real library
+    into the build folder it is given (which must be fresh: no other build's lock)."""
+
+    def load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        calls.append(build_directory)
+        assert not any(os.scandir(build_directory)), "a build must start in its own empty folder"
+        shutil.copy(real_so, os.path.join(build_directory, f"{name}.so"))
+        return kernels._import_built(real_so)
+
+    return load
+
+
+def test_killed_kernel_build_does_not_block_later_loads(skinny, tmp_path, monkeypatch):
+    """Regression (fresh-user trial): a build killed by SIGTERM/SIGKILL left torch's
+    ``lock`` file in the shared build folder and every later start waited on it forever.
+    Builds now run in private folders and move the library into place."""
+    real_so = kernel_dir() / "ragspec_skinny_linear.so"
+    target = kernel_dir(tmp_path)
+    target.parent.mkdir(parents=True)
+    stale = target.parent / f"{target.name}.build-killed"
+    stale.mkdir()
+    (stale / "lock").touch()
+    os.utime(stale, (0, 0))  # long ago
+    fresh = target.parent / f"{target.name}.build-running"
+    fresh.mkdir()
+    (fresh / "lock").touch()  # a build killed a moment ago (or still running)
+    calls: list[str] = []
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load", _fake_build(real_so, calls))
+    kernel = load_skinny_linear(tmp_path)
+    assert kernel is not None and len(calls) == 1
+    assert (target / "ragspec_skinny_linear.so").is_file()
+    assert not stale.exists() and fresh.exists()  # only stale leftovers are removed
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_cached_kernel_loads_without_the_build_system(skinny, tmp_path, monkeypatch):
+    """Regression (fresh-user trial): loading a built kernel went through torch's build
+    step, which takes a write lock (a read-only cache fell back to torch's kernels) and
+    rebuilt whenever another checkout had used the cache. A cached library is imported
+    directly."""
+    target = kernel_dir(tmp_path)
+    target.mkdir(parents=True)
+    shutil.copy(kernel_dir() / "ragspec_skinny_linear.so", target / "ragspec_skinny_linear.so")
+    import torch.utils.cpp_extension as cpp
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the cached kernel must load without building")
+
+    monkeypatch.setattr(cpp, "load", no_build)
+    kernel = load_skinny_linear(tmp_path)
+    assert kernel is not None
+    x, w = torch.randn(3, 24), torch.randn(5, 24)
+    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # the folder is keyed by the source and flags, not by the checkout
+    assert kernel_dir(tmp_path) == target and target.name.startswith(f"torch-{torch.__version__.replace('+', '-')}")
+
+
+def test_corrupt_cached_kernel_is_rebuilt(skinny, tmp_path, monkeypatch, caplog):
+    """Regression (fresh-user trial): a corrupt cached library made every later start fall
+    back to torch's kernels (the build system thought it up to date). It is rebuilt once."""
+    real_so = kernel_dir() / "ragspec_skinny_linear.so"
+    target = kernel_dir(tmp_path)
+    target.mkdir(parents=True)
+    (target / "ragspec_skinny_linear.so").write_bytes(os.urandom(1000))
+    calls: list[str] = []
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load", _fake_build(real_so, calls))
+    with caplog.at_level(logging.WARNING, logger="ragspec.kernels"):
+        kernel = load_skinny_linear(tmp_path)
+    assert kernel is not None and len(calls) == 1
+    assert "does not load" in caplog.text
+    assert (target / "ragspec_skinny_linear.so").read_bytes() == real_so.read_bytes()
+
+
+def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
+    """Regression (fresh-user trial): ``--dtype bf16`` on a CPU without oneDNN's bfloat16
+    support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
+    is skipped there and the model decodes with torch's kernels."""
+    from ragspec.config import PLDConfig
+    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.engine import Engine
+    from ragspec.target import _mkldnn_bf16_supported, can_pack
+    from ragspec_testing import make_char_tokenizer
+
+    tok = make_char_tokenizer()
+    target = TargetModel(make_tiny_llama(layers=1).to(torch.bfloat16))
+    assert can_pack(target.device, torch.bfloat16) == _mkldnn_bf16_supported()
+    n = target.prepack_linears(load_skinny_linear() if _BUILDABLE else None)
+    assert n == (7 if _mkldnn_bf16_supported() else 0)
+    assert target.skinny is None  # float32 only
+    engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[])
+    out = engine.generate(tok("the cat sat on the mat. the cat")["input_ids"], max_new_tokens=12)
+    assert len(out.token_ids) == 12

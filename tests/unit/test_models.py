@@ -467,3 +467,20 @@ def test_eos_token_ids(gen_eos, cfg_eos, tok_eos, expected):
 def test_eos_token_ids_without_generation_config_or_tokenizer():
     model = SimpleNamespace(config=SimpleNamespace(eos_token_id=4))
     assert eos_token_ids(model) == [4]
+
+
+def test_model_fetch_takes_the_name_as_model_option_too(monkeypatch, capsys):
+    """Regression (fresh-user trial): ``ragspec model fetch --model gemma3-270m`` was
+    rejected (only the positional NAME was accepted, while every other command takes
+    ``--model``)."""
+    from ragspec import cli, models as models_mod
+
+    fetched = []
+    monkeypatch.setattr(models_mod, "fetch_model", lambda name, force=False: fetched.append(name) or f"/cache/{name}.gguf")
+    assert cli.main(["model", "fetch", "--model", "gemma3-270m"]) == 0
+    assert cli.main(["model", "fetch", "gemma3-270m"]) == 0
+    assert cli.main(["model", "fetch"]) == 0
+    assert fetched == ["gemma3-270m", "gemma3-270m", "smollm2-135m-instruct"]
+    assert "/cache/gemma3-270m.gguf" in capsys.readouterr().out
+    assert cli.main(["model", "fetch", "gemma3-270m", "--model", "smollm2-135m-instruct"]) == 2
+    assert "two different models" in capsys.readouterr().err
