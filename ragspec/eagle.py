@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, EagleHeadMismatchError, ModelLoadError
-from .kernels import SKINNY_MAX_ROWS, SkinnyLinear
+from .kernels import SkinnyLinear
 from .types import DraftTree, VerifyResult
 from .target import (
     _PACKED_MAX_ROWS,
@@ -73,6 +73,7 @@ from .target import (
     pack_weight,
     packed_linear,
     register_gqa_attention,
+    skinny_linear,
 )
 
 logger = logging.getLogger(__name__)
@@ -230,19 +231,14 @@ class EagleHead(nn.Module):
         ``bias`` from :meth:`draft_lm_weight`); gradients flow to ``features`` only.
         ``packed``: ``weight`` from :func:`~ragspec.target.pack_weight`, used for few-row
         inputs without autograd; ``skinny``: the compiled kernel of :mod:`ragspec.kernels`,
-        used (before ``packed``) for up to ``SKINNY_MAX_ROWS`` float32 rows."""
+        used before ``packed`` where it applies (:func:`~ragspec.target.skinny_linear`)."""
         rows = features.numel() // features.shape[-1]
-        if (
-            skinny is not None
-            and rows <= SKINNY_MAX_ROWS
-            and features.dtype == weight.dtype == torch.float32
-            and not torch.is_grad_enabled()
-        ):
-            out = skinny(features.reshape(rows, features.shape[-1]), weight, bias).view(*features.shape[:-1], -1)
-        elif packed is not None and rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
-            out = packed_linear(features, packed, bias)
-        else:
-            out = F.linear(features, weight, bias)
+        out = skinny_linear(skinny, features, weight, bias)
+        if out is None:
+            if packed is not None and rows <= _PACKED_MAX_ROWS and not torch.is_grad_enabled():
+                out = packed_linear(features, packed, bias)
+            else:
+                out = F.linear(features, weight, bias)
         if self.logit_softcap:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out.float()
@@ -581,7 +577,7 @@ class EagleDrafter:
             # few-row GEMMs through pre-packed oneDNN weights, one row included (drafts need
             # not be bit-exact): a 4-level draft 28 -> ~10 ms on the 2-core CPU
             # and through the target's compiled few-row kernel where it has one
-            self._skinny = getattr(target, "skinny", None) if self._lm_weight.is_contiguous() else None
+            self._skinny = getattr(target, "skinny", None)
             if not getattr(head, "_packed_linears", False):
                 pack_linear_forwards(head, min_rows=1, skinny=self._skinny)
                 head._packed_linears = True

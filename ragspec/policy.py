@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -149,17 +150,12 @@ class LatencyModel:
                         target.rollback(state, base)
                         if rnd:  # the first round warms up
                             samples.setdefault((q, lazy), []).append(dt)
-        table = _monotone({q: _median(samples[(q, False)]) for q in qs})
-        early_table = _monotone({q: _median(samples[(q, True)]) for q in qs}) if early else {}
+        table = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
+        early_table = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs}) if early else {}
         logger.info("latency model (ms): %s", {q: round(v * 1e3, 1) for q, v in table.items()})
         if early_table:
             logger.info("latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()})
         return cls(table, early=early_table or None)
-
-
-def _median(values: Sequence[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2]
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

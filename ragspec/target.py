@@ -66,11 +66,31 @@ class KernelScope:
     :class:`TargetModel`; not thread-safe across concurrent forwards (the engine runs one
     forward at a time)."""
 
-    __slots__ = ("active", "skinny_rows")
+    __slots__ = ("active",)
 
-    def __init__(self, skinny_rows: int = SKINNY_MAX_ROWS) -> None:
+    def __init__(self) -> None:
         self.active = False
-        self.skinny_rows = skinny_rows  # inputs of at most this many rows take the compiled kernel
+
+
+def skinny_linear(
+    skinny: Optional["SkinnyLinear"], x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """``x`` [..., in] -> [..., out] through the compiled few-row kernel of
+    :mod:`ragspec.kernels` where it applies (a kernel given, autograd off, float32 input and
+    weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows); None elsewhere, for the
+    caller's other path."""
+    if (
+        skinny is None
+        or torch.is_grad_enabled()
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or not weight.is_contiguous()
+    ):
+        return None
+    rows = x.numel() // x.shape[-1]
+    if rows > SKINNY_MAX_ROWS:
+        return None
+    return skinny(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 def pack_linear_forwards(
@@ -100,14 +120,13 @@ def pack_linear_forwards(
         weight = module.weight
         bias = None if module.bias is None else module.bias.detach()
         packed = pack_weight(weight)
-        use_skinny = skinny is not None and weight.dtype == torch.float32 and weight.is_contiguous()
 
-        def forward(x, _w=weight, _b=bias, _p=packed, _skinny=use_skinny):
+        def forward(x, _w=weight, _b=bias, _p=packed):
             if (scope is None or scope.active) and not torch.is_grad_enabled():
-                rows = x.numel() // x.shape[-1]
-                if _skinny and rows <= (SKINNY_MAX_ROWS if scope is None else scope.skinny_rows) and x.dtype == torch.float32:
-                    return skinny(x.reshape(rows, x.shape[-1]), _w, _b).view(*x.shape[:-1], _w.shape[0])
-                if min_rows <= rows <= _PACKED_MAX_ROWS:
+                y = skinny_linear(skinny, x, _w, _b)
+                if y is not None:
+                    return y
+                if min_rows <= x.numel() // x.shape[-1] <= _PACKED_MAX_ROWS:
                     return packed_linear(x, _p, _b)
             return F.linear(x, _w, _b)
 
@@ -447,19 +466,17 @@ class TargetModel:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, H] -> logits float32 [R, V]."""
         rows = hidden.shape[0]
-        weight = self._lm_head.weight
-        skinny = self._skinny is not None and rows <= self._scope.skinny_rows and weight.is_contiguous()
-        packed = self._packed_lm_head() if rows <= _PACKED_MAX_ROWS and not skinny else None
-        if skinny:
-            bias = getattr(self._lm_head, "bias", None)
-            logits = self._skinny(hidden.to(weight.dtype), weight, None if bias is None else bias.detach())
-        elif packed is not None:
-            logits = packed_linear(hidden, packed, self._packed_bias)
-        else:
-            if 1 < rows < self.min_logit_rows:
-                pad = hidden[-1:].expand(self.min_logit_rows - rows, -1)
-                hidden = torch.cat([hidden, pad], dim=0)  # [min_rows, H]
-            logits = self._lm_head(hidden)[:rows]  # [R, V]
+        bias = getattr(self._lm_head, "bias", None)
+        logits = skinny_linear(self._skinny, hidden, self._lm_head.weight, None if bias is None else bias.detach())
+        if logits is None:
+            packed = self._packed_lm_head() if rows <= _PACKED_MAX_ROWS else None
+            if packed is not None:
+                logits = packed_linear(hidden, packed, self._packed_bias)
+            else:
+                if 1 < rows < self.min_logit_rows:
+                    pad = hidden[-1:].expand(self.min_logit_rows - rows, -1)
+                    hidden = torch.cat([hidden, pad], dim=0)  # [min_rows, H]
+                logits = self._lm_head(hidden)[:rows]  # [R, V]
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits.float()
