@@ -141,8 +141,14 @@ class Engine:
         # the model is ours: few-row (decoding, verification) linears through the compiled
         # kernel or pre-packed weights, and grouped-query attention without key/value head
         # copies for verification forwards
-        target.prepack_linears(cls.load_cpu_kernel(target, cpu_kernels, cache=cache))
+        skinny = cls.load_cpu_kernel(target, cpu_kernels, cache=cache)
+        target.prepack_linears(skinny)
         target.route_gqa_attention()
+        if skinny is not None:
+            from .kernels import load_few_query_attention
+
+            # the same compiled library: already built and imported by load_cpu_kernel
+            target.use_attention_kernel(load_few_query_attention(Path(cache) if cache else None))
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
         if datastore:

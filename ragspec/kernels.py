@@ -35,7 +35,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SKINNY_MAX_ROWS", "SkinnyLinear", "load_skinny_linear", "kernel_dir", "cpu_kernels_enabled"]
+__all__ = [
+    "SKINNY_MAX_ROWS",
+    "SkinnyLinear",
+    "FewQueryAttention",
+    "load_skinny_linear",
+    "load_few_query_attention",
+    "kernel_dir",
+    "cpu_kernels_enabled",
+]
 
 # rows up to which the compiled kernel beats oneDNN's pre-packed linear (measured on the
 # 2-core CPU for the default model's shapes: 16 rows 62 vs 64 ms, 24 rows 68 vs 77 ms but
@@ -44,6 +52,9 @@ SKINNY_MAX_ROWS = 16
 
 # x float32 [R, I], weight float32 [O, I] (contiguous), bias float32 [O] or None -> [R, O]
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+# query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
+FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
 _SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 
@@ -151,6 +162,27 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
         ``RAGSPEC_CPU_KERNELS`` is the caller's to check (:func:`cpu_kernels_enabled`;
         ``Engine.from_pretrained`` does).
     """
+    module = _load_module(cache_dir)
+    return None if module is None else module.skinny_linear
+
+
+def load_few_query_attention(cache_dir: Optional[Path] = None) -> Optional[FewQueryAttention]:
+    """Load the few-query attention kernel (same library and conditions as
+    :func:`load_skinny_linear`; loading both builds and imports once).
+
+    Returns:
+        ``few_query_attention(query, key, value, mask, scale)``: query float32 [1, Hq, Q, d],
+        key/value float32 [1, Hkv, S, d] (Hq a multiple of Hkv, d a multiple of 8, last
+        dimension contiguous), mask bool [1, 1, Q, S] (True = attend) or None, scale float
+        -> float32 [1, Q, Hq, d] (no autograd), or None where unavailable.
+    """
+    module = _load_module(cache_dir)
+    return None if module is None else module.few_query_attention
+
+
+def _load_module(cache_dir: Optional[Path] = None):
+    """The compiled extension module (imported from the cache, built first when missing),
+    or None where it is unavailable (see :func:`load_skinny_linear`)."""
     if not _cpu_supported():
         logger.debug("compiled CPU kernels skipped: needs Linux x86-64 with AVX2")
         return None
@@ -158,7 +190,7 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
     built = final / f"{_NAME}.so"
     if built.is_file():
         try:
-            return _import_built(built).skinny_linear
+            return _import_built(built)
         except Exception as exc:  # a truncated or corrupt file: rebuild it below
             logger.warning("cached CPU kernel %s does not load (%s); rebuilding it", built, str(exc)[:200])
             try:
@@ -173,7 +205,7 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
         return None
     logger.warning("compiling the CPU decoding kernel (first use only, ~45 s) into %s", final)
     try:
-        return _build(final).skinny_linear
+        return _build(final)
     except Exception as exc:  # compiler errors, missing headers, an unwritable cache
         logger.warning("compiled CPU kernel unavailable (%s); torch's kernels are used", str(exc).splitlines()[0][:200])
         return None

@@ -25,8 +25,11 @@ def make_char_tokenizer():
     return tok
 
 
-def make_tiny_llama(vocab_size: int = 96, seed: int = 0, eos_token_id=2, layers: int = 2, std: float = 0.5):
-    """A tiny random Llama. ``std=0.5`` gives varied greedy outputs (0.02 repeats one token)."""
+def make_tiny_llama(
+    vocab_size: int = 96, seed: int = 0, eos_token_id=2, layers: int = 2, std: float = 0.5, head_dim=None
+):
+    """A tiny random Llama (4 query / 2 key-value heads of ``head_dim``, default 8).
+    ``std=0.5`` gives varied greedy outputs (0.02 repeats one token)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -36,6 +39,7 @@ def make_tiny_llama(vocab_size: int = 96, seed: int = 0, eos_token_id=2, layers:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=eos_token_id,

@@ -236,3 +236,109 @@ def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[])
     out = engine.generate(tok("the cat sat on the mat. the cat")["input_ids"], max_new_tokens=12)
     assert len(out.token_ids) == 12
+
+
+# ---------------------------------------------------------------------------------------
+# the few-query attention kernel (same library)
+
+
+@pytest.fixture(scope="module")
+def attention(skinny):
+    kernel = kernels.load_few_query_attention()
+    assert kernel is not None
+    return kernel
+
+
+def _sdpa(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 5, 16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 4, 1)])
+@pytest.mark.parametrize("keys", [19, 64, 65, 200])
+def test_few_query_attention_matches_sdpa(attention, q_len, head_dim, heads, kv_heads, keys):
+    gen = torch.Generator().manual_seed(q_len * 7919 + head_dim + keys)
+    # the query as transformers hands it over ([1, Q, H, d] transposed), keys and values as
+    # views of a larger cache buffer (ragspec's growable cache)
+    q = torch.randn(1, q_len, heads, head_dim, generator=gen).transpose(1, 2)
+    kbuf = torch.randn(1, kv_heads, keys + 37, head_dim, generator=gen)
+    vbuf = torch.randn(1, kv_heads, keys + 37, head_dim, generator=gen)
+    k, v = kbuf[:, :, :keys], vbuf[:, :, :keys]
+    # a draft tree's mask: every cached key, then the tree's own ancestors (holes included)
+    mask = torch.ones(1, 1, q_len, keys, dtype=torch.bool)
+    mask[..., keys - q_len :] = torch.rand(q_len, q_len, generator=gen).tril() > 0.4
+    mask[..., keys - q_len :] |= torch.eye(q_len, dtype=torch.bool)
+    if keys > q_len + 2:
+        mask[0, 0, 0, : keys - q_len - 1] = False  # a row that sees only its last cached key
+    scale = head_dim**-0.5
+    torch.testing.assert_close(attention(q, k, v, mask, scale), _sdpa(q, k, v, mask, scale), rtol=1e-5, atol=1e-5)
+    if q_len == 1:  # one-token decoding: no mask, every key
+        torch.testing.assert_close(attention(q, k, v, None, 0.3), _sdpa(q, k, v, None, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_few_query_attention_rejects_what_it_does_not_compute(attention):
+    q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 2, 10, 64)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        attention(torch.randn(1, 4, 2, 48), torch.randn(1, 2, 10, 48), torch.randn(1, 2, 10, 48), None, 1.0)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        attention(torch.randn(1, 3, 2, 64), k, k, None, 1.0)  # 3 query heads over 2 key/value heads
+    with pytest.raises(RuntimeError, match="float32 only"):
+        attention(q.double(), k.double(), k.double(), None, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        attention(q, k, k, torch.ones(1, 1, 2, 9, dtype=torch.bool), 1.0)
+
+
+class _CountingAttention:
+    """Stands in for the compiled attention: SDPA, counting calls by query count."""
+
+    def __init__(self) -> None:
+        self.queries: list[int] = []
+
+    def __call__(self, q, k, v, mask, scale):
+        self.queries.append(int(q.shape[2]))
+        return _sdpa(q, k, v, mask, scale).contiguous()
+
+
+def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
+    model = make_tiny_llama(layers=2, head_dim=32)
+    kernel = _CountingAttention()
+    target = TargetModel(model)
+    assert target.route_gqa_attention()
+    assert target.use_attention_kernel(kernel)
+    ids = torch.tensor([[5, 9, 12, 40]])
+    with torch.inference_mode():
+        model(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        assert kernel.queries == []
+        state = target.new_state()
+        target.prefill(state, list(range(3, 23)))  # prefill: torch's SDPA
+        assert kernel.queries == []
+        target.verify_forward(state, 7, make_tree([8, 9, 10], [-1, 0, 0], source="test"))  # a tree
+        target.rollback(state, 20)
+        target.verify_forward(state, 7, DraftTree.chain([8, 9]))  # a chain (transformers' causal mask)
+        target.verify_forward(state, 7, DraftTree.empty())  # a plain step
+        assert kernel.queries == [4, 4, 3, 3, 1, 1]  # 2 layers each
+        target.use_attention_kernel(None)
+        target.verify_forward(state, 7, DraftTree.empty())
+        assert kernel.queries == [4, 4, 3, 3, 1, 1]
+
+
+def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention):
+    from ragspec.config import PolicyConfig
+    from ragspec.engine import Engine
+    from ragspec_testing import ScriptedDrafter, make_char_tokenizer, oracle_plan, wrong_plan
+
+    tok = make_char_tokenizer()
+    prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
+    ref = greedy_reference(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None), prompt, 60)
+    target = TargetModel(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
+    target.prepack_linears(skinny)
+    target.route_gqa_attention()
+    assert target.use_attention_kernel(attention)
+    # drafts the true continuation (accepted 8-token chains) / wrong tokens (rejected): both
+    # verified through the kernel, every draft verified (no cost model in the way)
+    for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
+        engine = Engine(target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[])
+        out = engine.generate(prompt, max_new_tokens=60, chat=False)
+        assert out.stats.num_drafted_tokens > 0
+        assert list(out.token_ids) == ref
