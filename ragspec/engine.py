@@ -424,20 +424,23 @@ class Engine:
         t0 = time.perf_counter()
         tree = DraftTree.empty()
         predicted = 0.0
+        lazy = greedy
         if req.session is not None and budget > 0:
             proposal = req.session.propose(budget)
             if proposal.num_nodes:
                 if self.policy.adaptive:
                     choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
                     tree, predicted = choice.tree, choice.expected_accepted
+                    # a draft likely accepted from its first token: all rows' logits at once
+                    lazy = greedy and choice.lazy_logits
                 else:
                     tree = proposal.truncate(budget)
         t1 = time.perf_counter()
         # 2. verify
         past = state.length
         if greedy:
-            out = target.verify_forward(state, root, tree, return_hidden=want_hidden, lazy_logits=True)
-            res = verify_greedy(tree, out.row_logits)
+            out = target.verify_forward(state, root, tree, return_hidden=want_hidden, lazy_logits=lazy)
+            res = verify_greedy(tree, out.row_logits if lazy else out.logits)
         else:
             out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
             res = req.verifier(tree, out.logits, req.generator)

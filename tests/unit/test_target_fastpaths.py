@@ -154,6 +154,48 @@ def test_lazy_latency_makes_an_uncertain_draft_worth_verifying():
     assert latency.expected(4, 1.0) == pytest.approx(0.090)
 
 
+def test_likely_accepted_draft_computes_every_row_at_once():
+    """A draft whose first token is likely accepted is verified with all rows' logits in one
+    pass (two lazy passes would cost more); an uncertain one lazily. The cost model prices
+    each way accordingly."""
+    full = {1: 0.060, 2: 0.080, 4: 0.090, 8: 0.100}
+    early = {1: 0.060, 2: 0.062, 4: 0.066, 8: 0.072}
+    latency = LatencyModel(full, early=early)
+    tree = DraftTree.chain([5, 6, 7])
+    sure = choose_draft(tree, latency, AcceptanceModel(prior_first=0.9, prior_next=0.9), 8, lazy=True)
+    unsure = choose_draft(tree, latency, AcceptanceModel(prior_first=0.2, prior_next=0.8), 8, lazy=True)
+    assert sure.tree.num_nodes == 3 and sure.p_first == pytest.approx(0.9) and not sure.lazy_logits
+    assert sure.expected_s == pytest.approx(0.090)  # the full cost
+    assert unsure.tree.num_nodes > 0 and unsure.lazy_logits
+    assert latency.expected(4, 0.6) == pytest.approx(0.090)
+
+
+def test_engine_verifies_likely_accepted_drafts_with_full_logits():
+    from ragspec.engine import Engine
+    from ragspec_testing import ScriptedDrafter, make_char_tokenizer, oracle_plan
+
+    prompt = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = greedy_reference(make_tiny_llama(layers=2, eos_token_id=None), prompt, 40)
+    target = TargetModel(make_tiny_llama(layers=2, eos_token_id=None))
+    calls = []
+    forward = target.verify_forward
+
+    def recording(state, root, tree, **kw):
+        calls.append((tree.num_nodes, kw.get("lazy_logits", False)))
+        return forward(state, root, tree, **kw)
+
+    target.verify_forward = recording
+    flat = {1: 0.040, 4: 0.044, 8: 0.046, 16: 0.050}
+    eng = Engine(target, make_char_tokenizer(), drafter=ScriptedDrafter(oracle_plan(ref)), eos_token_ids=[],
+                 latency=LatencyModel(dict(flat), ema=0.0, early=dict(flat)))
+    out = eng.generate(prompt, max_new_tokens=40, chat=False)
+    assert list(out.token_ids) == ref
+    drafted = [lazy for n, lazy in calls if n]
+    # the oracle's drafts are all accepted: once the acceptance model has seen that, the
+    # verification computes every row at once
+    assert drafted and drafted[0] is True and drafted[-1] is False
+
+
 def test_gqa_attention_route_keeps_verification_logits_bit_identical():
     """Grouped-query attention without copying key/value heads for masked verification
     forwards: the same logits bit for bit (tree and chain drafts), and greedy decoding with
