@@ -138,17 +138,7 @@ class Engine:
         spec = models.resolve_model(model, cache=Path(cache) if cache else None)
         hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
         target = TargetModel(hf_model)
-        # the model is ours: few-row (decoding, verification) linears through the compiled
-        # kernel or pre-packed weights, and grouped-query attention without key/value head
-        # copies for verification forwards
-        skinny = cls.load_cpu_kernel(target, cpu_kernels, cache=cache)
-        target.prepack_linears(skinny)
-        target.route_gqa_attention()
-        if skinny is not None:
-            from .kernels import load_few_query_attention
-
-            # the same compiled library: already built and imported by load_cpu_kernel
-            target.use_attention_kernel(load_few_query_attention(Path(cache) if cache else None))
+        cls.speed_up(target, cpu_kernels, cache=cache)
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
         if datastore:
@@ -179,6 +169,23 @@ class Engine:
         engine.eagle = eagle_head
         engine.eagle_path = str(eagle) if eagle_head is not None else None
         return engine
+
+    @classmethod
+    def speed_up(cls, target: TargetModel, cpu_kernels: Optional[bool] = None, cache: Optional[str] = None) -> None:
+        """Make ``target``'s own forwards fast (the model is ragspec's from here on): few-row
+        linear layers (decoding, verification) through the compiled kernel or pre-packed
+        weights, grouped-query attention without key/value head copies, and on CPU the
+        compiled few-query attention; ``cpu_kernels`` as in :meth:`from_pretrained`."""
+        from pathlib import Path
+
+        skinny = cls.load_cpu_kernel(target, cpu_kernels, cache=cache)
+        target.prepack_linears(skinny)
+        target.route_gqa_attention()
+        if skinny is not None:
+            from .kernels import load_few_query_attention
+
+            # the same compiled library: already built and imported by load_cpu_kernel
+            target.use_attention_kernel(load_few_query_attention(Path(cache) if cache else None))
 
     @staticmethod
     def load_cpu_kernel(target: TargetModel, wanted: Optional[bool] = None, cache: Optional[str] = None):

@@ -480,6 +480,11 @@ class TargetModel:
         """The compiled few-row linear kernel this model's forwards use, or None."""
         return self._skinny
 
+    @property
+    def attention_kernel(self) -> Optional["FewQueryAttention"]:
+        """The compiled few-query attention in use (:meth:`use_attention_kernel`), or None."""
+        return self._attention_kernel
+
     def use_attention_kernel(self, kernel: Optional["FewQueryAttention"]) -> bool:
         """Compute the attention of ragspec's own decoding and verification forwards (at most
         ``SKINNY_MAX_ROWS`` new tokens, float32 on CPU) with the compiled few-query kernel of

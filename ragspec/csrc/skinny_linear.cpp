@@ -1,4 +1,5 @@
-// Few-row linear layer y = x W^T (+ b) for float32 on AVX2/FMA CPUs.
+// Few-row linear layer y = x W^T (+ b) for float32 on AVX2/FMA CPUs, and (below) the
+// attention of a few query rows over a KV cache.
 //
 // Decoding and draft verification multiply 1-16 activation rows with each weight matrix,
 // so the cost is streaming the weight from memory once. BLAS sgemm/sgemv kernels reach

@@ -342,3 +342,14 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
         out = engine.generate(prompt, max_new_tokens=60, chat=False)
         assert out.stats.num_drafted_tokens > 0
         assert list(out.token_ids) == ref
+
+
+def test_speed_up_installs_both_compiled_kernels(skinny, attention):
+    from ragspec.engine import Engine
+
+    target = TargetModel(make_tiny_llama(layers=1, head_dim=32))
+    Engine.speed_up(target)
+    assert target.skinny is skinny and target.attention_kernel is attention
+    plain = TargetModel(make_tiny_llama(layers=1, head_dim=32))
+    Engine.speed_up(plain, cpu_kernels=False)
+    assert plain.skinny is None and plain.attention_kernel is None
