@@ -288,6 +288,7 @@ def cmd_bench(args) -> int:
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
                         "cpu_kernel": engine.target.skinny is not None,
+                        "gguf_weights": engine.target.gguf_weights,
                         "threads": __import__("torch").get_num_threads(),
                         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
                     },

@@ -9,6 +9,9 @@ while the memory system delivers ~25 GB/s to a plain reduction. ``csrc/skinny_li
 reaches ~20 GB/s: the decoder's linear layers of SmolLM2-135M for one row 36-47 ms -> 25 ms,
 for 8 rows (oneDNN) 49 -> 36 ms.
 
+``quant_linear`` (:func:`load_quant_linear`) is the same kernel over weights kept in their
+GGUF block format (:mod:`ragspec.quant`): the same sums bit for bit, a fifth of the bytes.
+
 The same library holds ``few_query_attention`` (:func:`load_few_query_attention`): the
 attention of 1-16 new tokens over the cache, split over blocks of cached keys (torch's CPU
 SDPA splits only over heads and query blocks, 9 small items for a decoding step of the
@@ -45,8 +48,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SKINNY_MAX_ROWS",
     "SkinnyLinear",
+    "QuantLinear",
     "FewQueryAttention",
     "load_skinny_linear",
+    "load_quant_linear",
     "load_few_query_attention",
     "kernel_dir",
     "cpu_kernels_enabled",
@@ -59,6 +64,10 @@ SKINNY_MAX_ROWS = 16
 
 # x float32 [R, I], weight float32 [O, I] (contiguous), bias float32 [O] or None -> [R, O]
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+# x float32 [R, I], qs uint8 [O, I/2] (Q4_1) or int8 [O, I] (Q8_0), scales float32, format
+# code (ragspec.quant.Q4_1 / Q8_0), bias float32 [O] or None -> [R, O]
+QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]], torch.Tensor]
 
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
 FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
@@ -171,6 +180,20 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
     """
     module = _load_module(cache_dir)
     return None if module is None else module.skinny_linear
+
+
+def load_quant_linear(cache_dir: Optional[Path] = None) -> Optional[QuantLinear]:
+    """Load the few-row linear kernel over GGUF blocks (same library and conditions as
+    :func:`load_skinny_linear`).
+
+    Returns:
+        ``quant_linear(x, qs, scales, fmt, bias)``: x float32 [R, I] (I a multiple of 32),
+        the weight as a :class:`ragspec.quant.GGUFWeight`'s ``qs``/``scales``/``fmt``, bias
+        float32 [O] or None -> float32 [R, O], bit for bit ``skinny_linear`` over the
+        de-quantized weight (no autograd); or None where unavailable.
+    """
+    module = _load_module(cache_dir)
+    return None if module is None else module.quant_linear
 
 
 def load_few_query_attention(cache_dir: Optional[Path] = None) -> Optional[FewQueryAttention]:

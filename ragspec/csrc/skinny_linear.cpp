@@ -27,7 +27,7 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// NW weight rows (output features o .. o+NW) times NX activation rows.
+// NW weight rows (output features o .. o+NW, the first at w) times NX activation rows.
 template <int NW, int NX>
 inline void block(const float* w, const float* x, float* y, int64_t o, int64_t r0, int64_t I, int64_t O) {
   __m256 acc[NW][NX];
@@ -38,14 +38,14 @@ inline void block(const float* w, const float* x, float* y, int64_t o, int64_t r
     __m256 xv[NX];
     for (int b = 0; b < NX; ++b) xv[b] = _mm256_loadu_ps(x + (r0 + b) * I + i);
     for (int a = 0; a < NW; ++a) {
-      const __m256 wv = _mm256_loadu_ps(w + (o + a) * I + i);
+      const __m256 wv = _mm256_loadu_ps(w + a * I + i);
       for (int b = 0; b < NX; ++b) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
     }
   }
   for (int a = 0; a < NW; ++a) {
     for (int b = 0; b < NX; ++b) {
       float s = hsum(acc[a][b]);
-      for (int64_t i = I8; i < I; ++i) s += w[(o + a) * I + i] * x[(r0 + b) * I + i];
+      for (int64_t i = I8; i < I; ++i) s += w[a * I + i] * x[(r0 + b) * I + i];
       y[(r0 + b) * O + o + a] = s;
     }
   }
@@ -80,10 +80,94 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
   // blocks of 4 weight rows x up to 3 activation rows (12 accumulators in 16 registers)
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      rows_block<4>(w, xp, yp, 4 * b, R, I, O);
+      rows_block<4>(w + 4 * b * I, xp, yp, 4 * b, R, I, O);
     }
   });
-  for (int64_t o = 4 * blocks; o < O; ++o) rows_block<1>(w, xp, yp, o, R, I, O);
+  for (int64_t o = 4 * blocks; o < O; ++o) rows_block<1>(w + o * I, xp, yp, o, R, I, O);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------
+// The same few-row linear layer over weights kept in a GGUF block format (llama.cpp's
+// ggml-quants: Q4_1 for the default model's decoder, Q8_0 for its output layer), streamed
+// at 0.75 / 1.125 bytes per weight instead of 4. Each group of 4 weight rows is de-quantized
+// into a small float32 buffer and multiplied by the code above, so the output is bit for
+// bit that of skinny_linear over the de-quantized float32 weight: the de-quantization is
+// exact in float32 (a float16 scale times a 4- or 8-bit integer needs at most 19 bits;
+// Q4_1's `d * q + m` is one rounding, as fmadd), the same arithmetic as gguf-py's
+// dequantize, which is how transformers loads a GGUF.
+namespace {
+
+constexpr int64_t kQBlock = 32;  // weights per GGUF block (Q4_1, Q8_0)
+
+// Q4_1 row: per block 16 bytes (byte j: element j in the low nibble, j + 16 in the high
+// one) and float32 (d, m) -> w[i] = d * q[i] + m
+inline void dequant_q4_1(const uint8_t* q, const float* dm, float* w, int64_t I) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < I / kQBlock; ++blk) {
+    const __m256 d = _mm256_set1_ps(dm[2 * blk]), m = _mm256_set1_ps(dm[2 * blk + 1]);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * blk));
+    const __m128i lo = _mm_and_si128(bytes, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    float* o = w + kQBlock * blk;
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
+  }
+}
+
+// Q8_0 row: per block 32 int8 and a float32 d -> w[i] = d * q[i]
+inline void dequant_q8_0(const int8_t* q, const float* dscale, float* w, int64_t I) {
+  for (int64_t blk = 0; blk < I / kQBlock; ++blk) {
+    const __m256 d = _mm256_set1_ps(dscale[blk]);
+    for (int c = 0; c < 4; ++c) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kQBlock * blk + 8 * c));
+      _mm256_storeu_ps(w + kQBlock * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    }
+  }
+}
+
+}  // namespace
+
+// x: float32 [R, I] (I a multiple of 32); qs: uint8 [O, I / 2] (fmt 0, Q4_1) or int8 [O, I]
+// (fmt 1, Q8_0); scales: float32 [O, I / 32, 2] (Q4_1: d, m) or [O, I / 32] (Q8_0: d);
+// bias float32 [O] or empty -> float32 [R, O], equal to skinny_linear(x, dequantized, bias).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "quant_linear: fmt must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be float32 [R, I]");
+  const int64_t R = x.size(0), I = x.size(1), O = qs.size(0);
+  TORCH_CHECK(I % kQBlock == 0, "quant_linear: in-features must be a multiple of 32");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == 0 ? I / 2 : I) &&
+                  qs.scalar_type() == (fmt == 0 ? at::kByte : at::kChar), "quant_linear: qs shape or dtype");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == O * (I / kQBlock) * (fmt == 0 ? 2 : 1), "quant_linear: scales shape or dtype");
+  x = x.contiguous();
+  auto y = torch::empty({R, O}, x.options());
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t qrow = fmt == 0 ? I / 2 : I, srow = (I / kQBlock) * (fmt == 0 ? 2 : 1);
+  auto dequant = [&](int64_t o, float* w) {
+    if (fmt == 0) dequant_q4_1(qp + o * qrow, sp + o * srow, w, I);
+    else dequant_q8_0(reinterpret_cast<const int8_t*>(qp + o * qrow), sp + o * srow, w, I);
+  };
+  const int64_t blocks = O / 4;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(4 * I);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int a = 0; a < 4; ++a) dequant(4 * b + a, buf.data() + a * I);
+      rows_block<4>(buf.data(), xp, yp, 4 * b, R, I, O);
+    }
+  });
+  std::vector<float> row(I);
+  for (int64_t o = 4 * blocks; o < O; ++o) {
+    dequant(o, row.data());
+    rows_block<1>(row.data(), xp, yp, o, R, I, O);
+  }
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -289,5 +373,6 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "few-row float32 linear layer (AVX2/FMA)");
+  m.def("quant_linear", &quant_linear, "few-row linear layer over Q4_1 / Q8_0 GGUF weights (AVX2/FMA)");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX2/FMA)");
 }

@@ -71,3 +71,19 @@ def test_shipped_head_found_by_weights_when_loaded_by_path(real_engine):
     by_path = models.ModelSpec(name=spec.path.stem, kind=spec.kind, path=spec.path, sha256=spec.sha256)
     assert by_path.name != "smollm2-135m-instruct"
     assert shipped_head(real_engine.target, by_path) == SHIPPED_HEADS / "smollm2-135m-instruct"
+
+
+def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engine, dev_rows):
+    """With the compiled kernel, every decoder linear (30 layers x 7) and the tied output
+    layer of the default model are read from the GGUF's own Q4_1 / Q8_0 blocks, and a
+    summarization prompt stays token-identical to ``model.generate`` (float32 weights)."""
+    from ragspec.kernels import load_quant_linear
+
+    if real_engine.target.skinny is None:  # no compiler here: the float32 path, nothing read from blocks
+        assert real_engine.target.gguf_weights == 0 and load_quant_linear() is None
+        return
+    assert real_engine.target.gguf_weights == 30 * 7 + 1
+    row = [r for r in dev_rows if r["category"] == "summarization"][1]
+    ids = real_engine.encode_prompt(row["turns"][0])
+    ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+    assert real_engine.generate(ids, max_new_tokens=48, chat=False).token_ids == ref

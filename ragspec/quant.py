@@ -1,0 +1,247 @@
+"""Linear weights kept in their GGUF block format, for the compiled few-row kernel.
+
+A plain decoding step of the default model streams every weight once: 540 MB as the float32
+that transformers de-quantizes a GGUF to, 110 MB in the file's own formats (Q4_1 for the
+decoder, Q8_0 for the tied output layer). ``quant_linear`` of :mod:`ragspec.kernels`
+multiplies few activation rows with such blocks directly (llama.cpp's layouts,
+``ggml-quants``), and its output is bit for bit that of the float32 kernel over the
+de-quantized weight (the de-quantization is exact in float32, see the kernel's source), so
+greedy output is unchanged. Measured on the 2-core CPU, all 210 decoder linears of
+SmolLM2-135M for one row: 22-25 ms float32, 14 ms from Q4_1; the output layer 5.3 -> 2.9 ms.
+
+Each weight of the loaded model is matched to a GGUF tensor by content, not by name:
+transformers permutes the rows of some tensors while loading (the query and key
+projections of llama-family models), so the rows are paired by a hash of their bits and the
+pairing is checked with ``torch.equal`` against the loaded weight. A weight with no exact
+match keeps the float32 path; only the formats above are read (others, e.g. Q4_K of the
+gemma3 file, keep it too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GGUFWeight", "read_gguf_weights", "match_gguf_weights", "load_gguf_weights", "Q4_1", "Q8_0"]
+
+Q4_1 = 0  # format codes of the compiled kernel's quant_linear
+Q8_0 = 1
+_BLOCK = 32  # weights per block in both formats
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One linear weight [O, I] in a GGUF block format, laid out for ``quant_linear``.
+
+    Attributes:
+        qs: Q4_1: uint8 [O, I / 2] (per block of 32: byte j holds weight j in its low
+            nibble, j + 16 in its high one); Q8_0: int8 [O, I].
+        scales: float32, Q4_1: [O, I / 32, 2] (d, m: w = d * q + m); Q8_0: [O, I / 32] (d:
+            w = d * q).
+        fmt: :data:`Q4_1` or :data:`Q8_0`.
+    """
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    fmt: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        rows = int(self.qs.shape[0])
+        return rows, int(self.qs.shape[1]) * (2 if self.fmt == Q4_1 else 1)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [O, I], the values gguf-py's ``dequantize`` gives (and so transformers)."""
+        rows, cols = self.shape
+        if self.fmt == Q4_1:
+            q = self.qs.view(rows, cols // _BLOCK, 16)
+            nibbles = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [O, I / 32, 32]
+            w = nibbles * self.scales[..., :1] + self.scales[..., 1:]  # d * q exact: one rounding
+        else:
+            w = self.qs.view(rows, cols // _BLOCK, _BLOCK).float() * self.scales.unsqueeze(-1)
+        return w.reshape(rows, cols)
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, fmt: int, cols: int) -> "GGUFWeight":
+        """From a GGUF tensor's raw bytes, uint8 [O, bytes per row] (Q4_1: 20 bytes per
+        block of 32, float16 d and m then the nibbles; Q8_0: 34, float16 d then 32 int8),
+        ``cols`` = I weights per row."""
+        rows = int(raw.shape[0])
+        blocks = np.asarray(raw).reshape(rows, cols // _BLOCK, -1)
+        if fmt == Q4_1:
+            scales = torch.stack([_half(blocks[..., 0:2]), _half(blocks[..., 2:4])], dim=-1)
+            qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(rows, cols // 2))
+            return cls(qs, scales.contiguous(), Q4_1)
+        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols))
+        return cls(qs, _half(blocks[..., 0:2]).contiguous(), Q8_0)
+
+    def take_rows(self, index: torch.Tensor) -> "GGUFWeight":
+        """The same weight with its rows reordered: row i of the result is row index[i]."""
+        return GGUFWeight(self.qs[index].contiguous(), self.scales[index].contiguous(), self.fmt)
+
+
+def _half(raw: np.ndarray) -> torch.Tensor:
+    """uint8 [..., 2] (little-endian float16) -> float32 [...]."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
+    """The 2-D Q4_1 and Q8_0 tensors of a GGUF file as :class:`GGUFWeight` (rows = the
+    file's ``ne1``, i.e. a linear layer's out-features); other tensors are skipped.
+
+    Raises:
+        OSError, ValueError: the file cannot be read or parsed (gguf-py's errors).
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(path))
+    out: list[GGUFWeight] = []
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type
+        if len(tensor.shape) != 2 or kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+            continue
+        cols, rows = (int(n) for n in tensor.shape)
+        if cols % _BLOCK:
+            continue
+        fmt = Q4_1 if kind == GGMLQuantizationType.Q4_1 else Q8_0
+        out.append(GGUFWeight.from_blocks(np.asarray(tensor.data).reshape(rows, -1), fmt, cols))
+    return out
+
+
+def _row_hashes(weight: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """int64 [O]: a hash of each row's float32 bits (exact integer arithmetic, so equal rows
+    hash equal wherever they sit)."""
+    out = []
+    for chunk in weight.split(4096):
+        bits = chunk.contiguous().view(torch.int32).to(torch.int64)  # |bits| < 2^31
+        out.append((bits * salt).sum(dim=1))  # salt < 2^20, I <= 2^11: no overflow
+    return torch.cat(out)
+
+
+def match_gguf_weights(
+    candidates: list[GGUFWeight], weights: Mapping[str, torch.Tensor]
+) -> dict[str, GGUFWeight]:
+    """Pair loaded float32 weights with GGUF tensors holding exactly their values.
+
+    Args:
+        candidates: from :func:`read_gguf_weights`.
+        weights: name -> float32 [O, I] (a model's linear weights).
+
+    Returns:
+        name -> the GGUF weight, rows reordered as the loaded weight's, for every weight
+        whose values some candidate's de-quantization equals exactly (``torch.equal``);
+        the others are left out.
+    """
+    gen = torch.Generator().manual_seed(0x5EED)
+    salts: dict[int, torch.Tensor] = {}
+
+    def salt(cols: int) -> torch.Tensor:
+        if cols not in salts:
+            salts[cols] = torch.randint(1, 1 << 20, (cols,), generator=gen, dtype=torch.int64)
+        return salts[cols]
+
+    def key(rows: torch.Tensor, shape: tuple[int, int]) -> tuple:
+        return (shape, hashlib.sha256(np.sort(rows.numpy()).tobytes()).hexdigest())
+
+    wanted = {n: w for n, w in weights.items() if w.dim() == 2 and w.dtype == torch.float32}
+    shapes = {tuple(w.shape) for w in wanted.values()}
+    pool: dict[tuple, tuple[GGUFWeight, torch.Tensor, torch.Tensor]] = {}
+    for cand in candidates:
+        if cand.shape not in shapes:
+            continue
+        deq = cand.dequantize()
+        h = _row_hashes(deq, salt(cand.shape[1]))
+        pool.setdefault(key(h, cand.shape), (cand, h, deq))
+    matched: dict[str, GGUFWeight] = {}
+    for name, w in wanted.items():
+        h = _row_hashes(w.detach(), salt(w.shape[1]))
+        hit = pool.get(key(h, tuple(w.shape)))
+        if hit is None:
+            continue
+        cand, ch, deq = hit
+        index = torch.empty_like(h)
+        index[torch.argsort(h)] = torch.argsort(ch)  # loaded row i = candidate row index[i]
+        if torch.equal(deq[index], w.detach()):
+            matched[name] = cand.take_rows(index)
+    logger.debug("%d of %d weights matched to GGUF blocks", len(matched), len(wanted))
+    return matched
+
+
+_CACHE_FORMAT = "ragspec-gguf-blocks-1"
+
+
+def _load_cached(cache: Path, weights: Mapping[str, torch.Tensor]) -> Optional[dict[str, GGUFWeight]]:
+    """The matches saved by :func:`load_gguf_weights`, if the file reads and every entry
+    still equals its loaded weight exactly; else None."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(cache), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != _CACHE_FORMAT:
+                return None
+            names = [n for n in meta if n != "format"]
+            out = {n: GGUFWeight(f.get_tensor(f"{n}.qs"), f.get_tensor(f"{n}.scales"), int(meta[n])) for n in names}
+    except Exception:  # unreadable, truncated, another format: match from the GGUF again
+        return None
+    for name, q in out.items():
+        w = weights.get(name)
+        if w is None or tuple(w.shape) != q.shape or not torch.equal(q.dequantize(), w.detach()):
+            return None
+    return out
+
+
+def _save_cached(cache: Path, matched: Mapping[str, GGUFWeight]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {"format": _CACHE_FORMAT}
+    for name, q in matched.items():
+        tensors[f"{name}.qs"], tensors[f"{name}.scales"] = q.qs, q.scales
+        meta[name] = str(q.fmt)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
+        os.close(fd)
+        os.chmod(tmp, 0o644)  # as the converted model's files
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, cache)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:  # a read-only cache: matched again at the next load
+        logger.info("cannot save GGUF block matches to %s (%s)", cache, e)
+
+
+def load_gguf_weights(
+    path: Union[str, Path], weights: Mapping[str, torch.Tensor], cache: Optional[Path] = None
+) -> dict[str, GGUFWeight]:
+    """:func:`match_gguf_weights` over the tensors of the GGUF at ``path``, remembered in
+    ``cache`` (a safetensors file): gguf-py parses the default model's file in ~4 s (its
+    49152-entry vocabulary), the cached matches load and are re-checked (``torch.equal``
+    of every entry with its loaded weight) in well under a second. A cache that does not
+    read or no longer matches is rebuilt.
+
+    Raises:
+        OSError, ValueError: the GGUF cannot be read (gguf-py's errors).
+    """
+    if cache is not None and cache.is_file():
+        cached = _load_cached(cache, weights)
+        if cached is not None:
+            return cached
+    matched = match_gguf_weights(read_gguf_weights(path), weights)
+    if cache is not None:
+        _save_cached(cache, matched)
+    return matched

@@ -1,0 +1,196 @@
+"""Linear weights read from GGUF blocks (ragspec/quant.py, quant_linear in the compiled kernel).
+
+The tiny models here are quantized in the test with gguf-py (the library transformers loads
+GGUF files with) and written to a real GGUF file with its ``GGUFWriter``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ragspec.kernels import load_quant_linear
+from ragspec.quant import Q4_1, Q8_0, GGUFWeight, load_gguf_weights, match_gguf_weights, read_gguf_weights
+from ragspec.target import TargetModel
+from ragspec.types import DraftTree
+from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
+
+from test_kernels import _BUILDABLE
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not _BUILDABLE:
+        pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
+    from ragspec.kernels import load_skinny_linear
+
+    skinny, quant = load_skinny_linear(), load_quant_linear()
+    assert skinny is not None and quant is not None, "the kernel failed to build on a machine that can build it"
+    return skinny, quant
+
+
+def _quantize(w: torch.Tensor, fmt: int) -> tuple[np.ndarray, torch.Tensor]:
+    """gguf-py's quantization of ``w`` [O, I]: (raw block bytes uint8 [O, bytes per row],
+    gguf-py's de-quantization float32 [O, I])."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType.Q4_1 if fmt == Q4_1 else GGMLQuantizationType.Q8_0
+    raw = quants.quantize(w.detach().numpy().astype(np.float32), qtype)
+    return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (13, 32), (1536, 576)])
+def test_quant_linear_equals_the_float32_kernel_bit_for_bit(kernels, fmt, out_features, in_features):
+    skinny, quant = kernels
+    gen = torch.Generator().manual_seed(out_features + fmt)
+    raw, deq = _quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, fmt)
+    q = GGUFWeight.from_blocks(raw, fmt, in_features)
+    assert torch.equal(q.dequantize(), deq)  # our de-quantization is gguf-py's, exactly
+    bias = torch.randn(out_features, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17):
+        x = torch.randn(rows, in_features, generator=gen)
+        assert torch.equal(quant(x, q.qs, q.scales, q.fmt, None), skinny(x, deq, None))
+        assert torch.equal(quant(x, q.qs, q.scales, q.fmt, bias), skinny(x, deq, bias))
+
+
+def test_quant_linear_rejects_bad_shapes(kernels):
+    _, quant = kernels
+    raw, _ = _quantize(torch.randn(8, 64), Q4_1)
+    q = GGUFWeight.from_blocks(raw, Q4_1, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant(torch.randn(1, 48), q.qs, q.scales, Q4_1, None)
+    with pytest.raises(RuntimeError, match="qs shape"):
+        quant(torch.randn(1, 64), q.qs, q.scales, Q8_0, None)  # Q4_1 bytes read as Q8_0
+    with pytest.raises(RuntimeError, match="fmt"):
+        quant(torch.randn(1, 64), q.qs, q.scales, 7, None)
+
+
+def _quantized_tiny_model(path, *, permute: str, perturb: str, layers: int = 2):
+    """A tiny Llama whose linear weights are gguf-py round trips (Q4_1; the tied output
+    layer Q8_0), written to a GGUF at ``path``. The rows of ``permute`` are stored
+    shuffled in the file (as llama.cpp stores query/key projections); ``perturb`` is
+    changed in the model after writing, so the file no longer holds it."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    model = make_tiny_llama(layers=layers)
+    writer = GGUFWriter(str(path), "llama")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        named = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        for name, weight in named.items():
+            fmt = Q8_0 if name == "lm_head" else Q4_1
+            raw, deq = _quantize(weight, fmt)
+            weight.copy_(deq)
+            if name == permute:
+                raw = raw[torch.randperm(raw.shape[0], generator=gen).numpy()]
+            qtype = GGMLQuantizationType.Q4_1 if fmt == Q4_1 else GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+        # a tensor in another format and a 1-D one: skipped
+        writer.add_tensor("norm", np.ones(32, dtype=np.float32))
+        writer.add_tensor("f16", np.zeros((4, 32), dtype=np.float16))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        named[perturb][0, 0] += 1e-3
+    return model, named
+
+
+def test_gguf_weights_are_matched_by_content_rows_permuted_or_not(tmp_path):
+    model, named = _quantized_tiny_model(
+        tmp_path / "m.gguf", permute="model.layers.0.self_attn.q_proj", perturb="model.layers.1.mlp.down_proj"
+    )
+    candidates = read_gguf_weights(tmp_path / "m.gguf")
+    assert len(candidates) == len(named)  # the float32 and float16 tensors are skipped
+    matched = match_gguf_weights(candidates, named)
+    assert set(matched) == set(named) - {"model.layers.1.mlp.down_proj"}
+    assert matched["lm_head"].fmt == Q8_0 and matched["model.layers.0.self_attn.q_proj"].fmt == Q4_1
+    for name, q in matched.items():  # every match, the permuted one included, is exact
+        assert torch.equal(q.dequantize(), named[name].detach())
+
+
+def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
+    """The forwards read 13 of the 15 linear weights from GGUF blocks (one was permuted in
+    the file, one is no longer in it) and give the same logits bit for bit as the float32
+    kernel, and greedy output equal to transformers'."""
+    skinny, quant = kernels
+    path = tmp_path / "m.gguf"
+    model, named = _quantized_tiny_model(path, permute="model.layers.0.self_attn.k_proj", perturb="model.layers.0.mlp.up_proj")
+    calls: list[int] = []
+
+    def counting(x, qs, scales, fmt, bias):
+        calls.append(int(x.shape[0]))
+        return quant(x, qs, scales, fmt, bias)
+
+    target = TargetModel(model)
+    assert target.use_gguf_weights(path, counting) == len(named) - 1
+    target.prepack_linears(skinny)
+    assert target.gguf_weights == len(named) - 1
+    plain = TargetModel(_quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0])
+    plain.prepack_linears(skinny)
+    prompt = list(range(5, 17))
+    tree = make_tree([8, 9, 10, 11], [-1, 0, 1, 0], source="test")
+    with torch.inference_mode():
+        a, b = target.new_state(), plain.new_state()
+        target.prefill(a, prompt)
+        plain.prefill(b, prompt)
+        calls.clear()
+        for t in (tree, DraftTree.empty()):
+            fa = target.verify_forward(a, 7, t)
+            fb = plain.verify_forward(b, 7, t)
+            assert torch.equal(fa.logits, fb.logits)
+        # 5 rows: 13 decoder weights and the output layer, then the plain step
+        assert calls.count(5) == 13 + 1 and calls.count(1) == 13 + 1
+        model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)  # transformers' own path
+    assert calls.count(5) == 14 and calls.count(1) == 14
+
+    from ragspec.config import PLDConfig
+    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.engine import Engine
+    from ragspec_testing import make_char_tokenizer
+
+    tok = make_char_tokenizer()
+    engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
+    ids = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
+    out = engine.generate(ids, max_new_tokens=40)
+    assert list(out.token_ids) == greedy_reference(model, ids, 40, eos_token_id=2)
+
+
+def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, monkeypatch):
+    import ragspec.quant as quant_mod
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache" / "blocks.safetensors"
+    model, named = _quantized_tiny_model(path, permute="lm_head", perturb="model.layers.0.mlp.gate_proj")
+    first = load_gguf_weights(path, named, cache)
+    assert cache.is_file() and len(first) == len(named) - 1
+
+    reads: list[str] = []
+    real_read = quant_mod.read_gguf_weights
+    monkeypatch.setattr(quant_mod, "read_gguf_weights", lambda p: reads.append(str(p)) or real_read(p))
+    again = load_gguf_weights(path, named, cache)
+    assert reads == [] and set(again) == set(first)  # from the cache, the GGUF not parsed
+    assert all(torch.equal(again[n].qs, first[n].qs) for n in first)
+
+    cache.write_bytes(cache.read_bytes()[:100])  # a truncated cache: matched from the GGUF again
+    assert set(load_gguf_weights(path, named, cache)) == set(first) and len(reads) == 1
+
+    with torch.no_grad():  # weights changed since the cache was written: it is not trusted
+        named["model.layers.1.self_attn.o_proj"][1, 2] += 1e-3
+    stale = load_gguf_weights(path, named, cache)
+    assert len(reads) == 2 and set(stale) == set(first) - {"model.layers.1.self_attn.o_proj"}
+
+
+def test_gguf_weights_are_a_no_op_without_the_kernel_or_for_other_dtypes(tmp_path):
+    path = tmp_path / "m.gguf"
+    model, _ = _quantized_tiny_model(path, permute="", perturb="lm_head")
+    assert TargetModel(model).use_gguf_weights(path, None) == 0
+    assert TargetModel(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
+
+
+def test_unreadable_gguf_keeps_the_float32_weights_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 64)
+    with caplog.at_level("WARNING", logger="ragspec.target"):
+        assert TargetModel(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
+    assert "cannot read GGUF blocks" in caplog.text
