@@ -123,8 +123,10 @@ class Engine:
         ``cpu_kernels``: on a CPU with float32 weights, route the model's few-row linear
         layers (plain decoding and verification) through ragspec's compiled kernel
         (:mod:`ragspec.kernels`: built on first use, ~45 s, then cached; a step ~20% faster
-        on the 2-core CI CPU). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``; where it
-        cannot be built, torch's kernels are used.
+        on the 2-core CI CPU) and, for a GGUF model, read the weights the file holds in
+        Q4_1/Q8_0 blocks from those blocks (:mod:`ragspec.quant`: the same output bit for
+        bit, a plain step of the default model ~47 -> ~28 ms). None (default): on unless
+        ``RAGSPEC_CPU_KERNELS=0``; where it cannot be built, torch's kernels are used.
 
         Raises:
             ModelNotFoundError: the model is not fetched / the path does not exist.
