@@ -13,6 +13,7 @@ Each step (one target forward):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -174,7 +175,11 @@ class Engine:
 
     @classmethod
     def speed_up(
-        cls, target: TargetModel, cpu_kernels: Optional[bool] = None, cache: Optional[str] = None, gguf=None
+        cls,
+        target: TargetModel,
+        cpu_kernels: Optional[bool] = None,
+        cache: Optional[str] = None,
+        gguf: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         """Make ``target``'s own forwards fast (the model is ragspec's from here on): few-row
         linear layers (decoding, verification) through the compiled kernel or pre-packed

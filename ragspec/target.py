@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -505,7 +505,7 @@ class TargetModel:
         )
         return n
 
-    def use_gguf_weights(self, path, kernel: Optional["QuantLinear"]) -> int:
+    def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"]) -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
         block formats (:mod:`ragspec.quant`: Q4_1, Q8_0) for ragspec's few-row forwards,
         through the compiled ``quant_linear`` kernel: the same output bit for bit as the
