@@ -13,8 +13,9 @@ Each weight of the loaded model is matched to a GGUF tensor by content, not by n
 transformers permutes the rows of some tensors while loading (the query and key
 projections of llama-family models), so the rows are paired by a hash of their bits and the
 pairing is checked with ``torch.equal`` against the loaded weight. A weight with no exact
-match keeps the float32 path; only the formats above are read (others, e.g. Q4_K of the
-gemma3 file, keep it too).
+match keeps the float32 path. Read: Q4_1, Q8_0 and Q5_0 (kept as Q8_0: gemma3-270m's
+Q4_K_M file holds its output layer in Q8_0 and most of its decoder in Q5_0); others (Q4_K,
+Q6_K) keep float32.
 """
 
 from __future__ import annotations
@@ -73,12 +74,21 @@ class GGUFWeight:
         return w.reshape(rows, cols)
 
     @classmethod
-    def from_blocks(cls, raw: np.ndarray, fmt: int, cols: int) -> "GGUFWeight":
+    def from_blocks(cls, raw: np.ndarray, fmt: Union[int, str], cols: int) -> "GGUFWeight":
         """From a GGUF tensor's raw bytes, uint8 [O, bytes per row] (Q4_1: 20 bytes per
-        block of 32, float16 d and m then the nibbles; Q8_0: 34, float16 d then 32 int8),
-        ``cols`` = I weights per row."""
+        block of 32, float16 d and m then the nibbles; Q8_0: 34, float16 d then 32 int8;
+        ``"Q5_0"``: 22, float16 d, 32 high bits, then the low nibbles, w = d * (q - 16),
+        kept as Q8_0 with q - 16 as the int8: 1.125 bytes a weight instead of 0.69, the
+        same values), ``cols`` = I weights per row."""
         rows = int(raw.shape[0])
         blocks = np.asarray(raw).reshape(rows, cols // _BLOCK, -1)
+        if fmt == "Q5_0":
+            nibbles = blocks[..., 6:, None] >> np.array([0, 4], dtype=np.uint8)  # [O, B, 16, 2]
+            low = (nibbles & 0x0F).transpose(0, 1, 3, 2).reshape(rows, -1, _BLOCK)  # weight j, j + 16
+            high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [O, B, 1]: bit j for weight j
+            high = ((high >> np.arange(_BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
+            q = (low | (high << 4)).astype(np.int8) - np.int8(16)
+            return cls(torch.from_numpy(q.reshape(rows, cols)), _half(blocks[..., 0:2]).contiguous(), Q8_0)
         if fmt == Q4_1:
             scales = torch.stack([_half(blocks[..., 0:2]), _half(blocks[..., 2:4])], dim=-1)
             qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(rows, cols // 2))
@@ -97,7 +107,7 @@ def _half(raw: np.ndarray) -> torch.Tensor:
 
 
 def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
-    """The 2-D Q4_1 and Q8_0 tensors of a GGUF file as :class:`GGUFWeight` (rows = the
+    """The 2-D Q4_1, Q8_0 and Q5_0 tensors of a GGUF file as :class:`GGUFWeight` (rows = the
     file's ``ne1``, i.e. a linear layer's out-features); other tensors are skipped.
 
     Raises:
@@ -109,12 +119,13 @@ def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
     out: list[GGUFWeight] = []
     for tensor in reader.tensors:
         kind = tensor.tensor_type
-        if len(tensor.shape) != 2 or kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        formats = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q5_0: "Q5_0"}
+        if len(tensor.shape) != 2 or kind not in formats:
             continue
         cols, rows = (int(n) for n in tensor.shape)
         if cols % _BLOCK:
             continue
-        fmt = Q4_1 if kind == GGMLQuantizationType.Q4_1 else Q8_0
+        fmt = formats[kind]
         out.append(GGUFWeight.from_blocks(np.asarray(tensor.data).reshape(rows, -1), fmt, cols))
     return out
 
@@ -178,7 +189,7 @@ def match_gguf_weights(
     return matched
 
 
-_CACHE_FORMAT = "ragspec-gguf-blocks-1"
+_CACHE_FORMAT = "ragspec-gguf-blocks-2"  # bump when the formats read change: older caches are rebuilt
 
 
 def _load_cached(cache: Path, weights: Mapping[str, torch.Tensor]) -> Optional[dict[str, GGUFWeight]]:

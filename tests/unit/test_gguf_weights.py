@@ -29,21 +29,27 @@ def kernels():
     return skinny, quant
 
 
-def _quantize(w: torch.Tensor, fmt: int) -> tuple[np.ndarray, torch.Tensor]:
-    """gguf-py's quantization of ``w`` [O, I]: (raw block bytes uint8 [O, bytes per row],
-    gguf-py's de-quantization float32 [O, I])."""
-    from gguf import GGMLQuantizationType, quants
+def _qtype(fmt):
+    from gguf import GGMLQuantizationType
 
-    qtype = GGMLQuantizationType.Q4_1 if fmt == Q4_1 else GGMLQuantizationType.Q8_0
+    return {Q4_1: GGMLQuantizationType.Q4_1, Q8_0: GGMLQuantizationType.Q8_0, "Q5_0": GGMLQuantizationType.Q5_0}[fmt]
+
+
+def _quantize(w: torch.Tensor, fmt) -> tuple[np.ndarray, torch.Tensor]:
+    """gguf-py's quantization of ``w`` [O, I] (``fmt``: Q4_1, Q8_0 or "Q5_0"): (raw block
+    bytes uint8 [O, bytes per row], gguf-py's de-quantization float32 [O, I])."""
+    from gguf import quants
+
+    qtype = _qtype(fmt)
     raw = quants.quantize(w.detach().numpy().astype(np.float32), qtype)
     return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0, "Q5_0"])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (13, 32), (1536, 576)])
 def test_quant_linear_equals_the_float32_kernel_bit_for_bit(kernels, fmt, out_features, in_features):
     skinny, quant = kernels
-    gen = torch.Generator().manual_seed(out_features + fmt)
+    gen = torch.Generator().manual_seed(out_features + len(str(fmt)))
     raw, deq = _quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, fmt)
     q = GGUFWeight.from_blocks(raw, fmt, in_features)
     assert torch.equal(q.dequantize(), deq)  # our de-quantization is gguf-py's, exactly
@@ -67,11 +73,11 @@ def test_quant_linear_rejects_bad_shapes(kernels):
 
 
 def _quantized_tiny_model(path, *, permute: str, perturb: str, layers: int = 2):
-    """A tiny Llama whose linear weights are gguf-py round trips (Q4_1; the tied output
-    layer Q8_0), written to a GGUF at ``path``. The rows of ``permute`` are stored
+    """A tiny Llama whose linear weights are gguf-py round trips (Q4_1; the value
+    projections Q5_0; the tied output layer Q8_0), written to a GGUF at ``path``. The rows of ``permute`` are stored
     shuffled in the file (as llama.cpp stores query/key projections); ``perturb`` is
     changed in the model after writing, so the file no longer holds it."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
 
     model = make_tiny_llama(layers=layers)
     writer = GGUFWriter(str(path), "llama")
@@ -79,13 +85,12 @@ def _quantized_tiny_model(path, *, permute: str, perturb: str, layers: int = 2):
     with torch.no_grad():
         named = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         for name, weight in named.items():
-            fmt = Q8_0 if name == "lm_head" else Q4_1
+            fmt = Q8_0 if name == "lm_head" else "Q5_0" if name.endswith("v_proj") else Q4_1
             raw, deq = _quantize(weight, fmt)
             weight.copy_(deq)
             if name == permute:
                 raw = raw[torch.randperm(raw.shape[0], generator=gen).numpy()]
-            qtype = GGMLQuantizationType.Q4_1 if fmt == Q4_1 else GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, raw, raw_dtype=qtype)
+            writer.add_tensor(name, raw, raw_dtype=_qtype(fmt))
         # a tensor in another format and a 1-D one: skipped
         writer.add_tensor("norm", np.ones(32, dtype=np.float32))
         writer.add_tensor("f16", np.zeros((4, 32), dtype=np.float16))
@@ -106,6 +111,7 @@ def test_gguf_weights_are_matched_by_content_rows_permuted_or_not(tmp_path):
     matched = match_gguf_weights(candidates, named)
     assert set(matched) == set(named) - {"model.layers.1.mlp.down_proj"}
     assert matched["lm_head"].fmt == Q8_0 and matched["model.layers.0.self_attn.q_proj"].fmt == Q4_1
+    assert matched["model.layers.0.self_attn.v_proj"].fmt == Q8_0  # Q5_0 in the file, read as int8
     for name, q in matched.items():  # every match, the permuted one included, is exact
         assert torch.equal(q.dequantize(), named[name].detach())
 
@@ -194,3 +200,21 @@ def test_unreadable_gguf_keeps_the_float32_weights_with_a_warning(tmp_path, capl
     with caplog.at_level("WARNING", logger="ragspec.target"):
         assert TargetModel(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
     assert "cannot read GGUF blocks" in caplog.text
+
+
+def test_gguf_block_cache_of_an_older_ragspec_is_rebuilt(tmp_path, monkeypatch):
+    """A cache written before a format was supported (Q5_0 came after Q4_1/Q8_0) holds
+    fewer matches, all still exact: it must be rebuilt, not trusted, or the newly read
+    weights would never be used."""
+    import ragspec.quant as quant_mod
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "blocks.safetensors"
+    _, named = _quantized_tiny_model(path, permute="", perturb="model.layers.0.mlp.gate_proj")
+    monkeypatch.setattr(quant_mod, "_CACHE_FORMAT", "ragspec-gguf-blocks-older")
+    older = {n: q for n, q in load_gguf_weights(path, named, cache).items() if not n.endswith("v_proj")}
+    quant_mod._save_cached(cache, older)  # what a ragspec without Q5_0 would have cached
+    monkeypatch.undo()
+    assert set(load_gguf_weights(path, named, cache)) == set(older) | {
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.v_proj",
+    }
