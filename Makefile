@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 DATA   ?= ../shared/data/specbench-dev.jsonl
 STAMP  := $(VENV)/.ragspec-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup data run test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-run: setup
+data:
+	@test -f $(DATA) || { echo "Spec-Bench dev data not found at $(DATA): run make in a checkout beside shared/, or give its path: make run DATA=path/to/specbench-dev.jsonl" >&2; exit 2; }
+
+run: data setup
 	$(BIN)/ragspec model fetch
 	$(BIN)/ragspec summarize --specbench $(DATA) --category rag --index 0 --compare
 

@@ -50,7 +50,13 @@ class DraftSession(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Factory of per-request draft sessions."""
+    """Factory of per-request draft sessions.
+
+    Optional: a drafter whose proposals depend on more than the request's own tokens
+    (step timings, statistics of earlier requests) defines ``reproducible()``, returning
+    one whose proposals do not; the engine uses it for seeded sampled requests, whose
+    output must then follow from the seed alone (:func:`reproducible_drafter`).
+    """
 
     name: str
 
@@ -65,6 +71,13 @@ class Drafter(Protocol):
                 its own: no match runs across two documents).
             eos_token_ids: drafts are cut after an EOS token.
         """
+
+
+def reproducible_drafter(drafter: Optional[Drafter]) -> Optional[Drafter]:
+    """``drafter.reproducible()`` where the drafter defines it (see :class:`Drafter`), else
+    ``drafter`` itself."""
+    make = getattr(drafter, "reproducible", None)
+    return make() if callable(make) else drafter
 
 
 def ngram_match(tokens: Sequence[int], *, min_ngram: int, max_ngram: int, max_tokens: int) -> tuple[list[int], int]:

@@ -883,6 +883,19 @@ class SelectingDrafter:
         self.name = f"{retrieval.name}|{eagle.name}"
         # running statistics over this drafter's requests (see the class docstring)
         self.carried = _SelectionStats.empty() if carry and calibrate else None
+        self._reproducible: Optional["SelectingDrafter"] = None
+
+    def reproducible(self) -> "SelectingDrafter":
+        """The drafter for requests whose output must follow from their seed alone (seeded
+        sampling): the same retrieval and head, chosen by the fixed ``min_match`` rule,
+        without step timing or statistics from other requests. A calibrated selection's
+        choice changes which drafts are verified, hence how many random draws a request
+        uses and so its samples (not their distribution). ``self`` when not calibrated."""
+        if not self.calibrate:
+            return self
+        if self._reproducible is None:
+            self._reproducible = SelectingDrafter(self.retrieval, self.eagle, self.min_match, calibrate=False)
+        return self._reproducible
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .config import DecodeConfig, PLDConfig, PolicyConfig, SamplingParams
-from .drafting import CompositeDrafter, Drafter, PromptLookupDrafter
+from .drafting import CompositeDrafter, Drafter, PromptLookupDrafter, reproducible_drafter
 from .detok import TextAssembler
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
@@ -343,9 +343,12 @@ class Engine:
                 generator.manual_seed(int(sampling.seed))
             else:
                 generator.seed()
+        seeded = not sampling.greedy and sampling.seed is not None
         session = None
         if documents is not None and self.drafter is not None:
-            session = self.drafter.start_request(prompt_ids, documents, eos_token_ids=self.eos_token_ids)
+            # a seeded sampled request drafts only from its own tokens: same seed, same output
+            drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
+            session = drafter.start_request(prompt_ids, documents, eos_token_ids=self.eos_token_ids)
         return _Request(
             prompt_ids=prompt_ids,
             decode=decode,
@@ -358,11 +361,7 @@ class Engine:
             # request uses the fixed reference table instead, so its drafts (and thus its
             # samples) depend neither on timing noise, other requests, nor on the latency
             # measured at this process's start: same seed, same output, in any process
-            latency=(
-                LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0)
-                if (not sampling.greedy and sampling.seed is not None)
-                else self.latency.fork()
-            ),
+            latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
         )
 

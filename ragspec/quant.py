@@ -56,6 +56,22 @@ class GGUFWeight:
     scales: torch.Tensor
     fmt: int
 
+    def well_formed(self) -> bool:
+        """Whether the kernel takes these tensors: a known format, ``qs`` uint8 (Q4_1) or
+        int8 (Q8_0) [O, *], ``scales`` float32 of the matching shape, both contiguous."""
+        if self.fmt not in (Q4_1, Q8_0) or self.qs.dim() != 2 or not self.qs.is_contiguous():
+            return False
+        if self.qs.dtype != (torch.uint8 if self.fmt == Q4_1 else torch.int8):
+            return False
+        rows, cols = self.shape
+        scales = (rows, cols // _BLOCK, 2) if self.fmt == Q4_1 else (rows, cols // _BLOCK)
+        return (
+            cols % _BLOCK == 0
+            and self.scales.dtype == torch.float32
+            and self.scales.is_contiguous()
+            and tuple(self.scales.shape) == scales
+        )
+
     @property
     def shape(self) -> tuple[int, int]:
         """(out_features, in_features)."""
@@ -208,7 +224,12 @@ def _load_cached(cache: Path, weights: Mapping[str, torch.Tensor]) -> Optional[d
         return None
     for name, q in out.items():
         w = weights.get(name)
-        if w is None or tuple(w.shape) != q.shape or not torch.equal(q.dequantize(), w.detach()):
+        if (
+            w is None
+            or not q.well_formed()
+            or tuple(w.shape) != q.shape
+            or not torch.equal(q.dequantize(), w.detach())
+        ):
             return None
     return out
 
@@ -225,9 +246,9 @@ def _save_cached(cache: Path, matched: Mapping[str, GGUFWeight]) -> None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
         os.close(fd)
-        os.chmod(tmp, 0o644)  # as the converted model's files
         try:
-            save_file(tensors, tmp, metadata=meta)
+            save_file(tensors, tmp, metadata=meta)  # (writes a new file: mkstemp's mode is lost)
+            os.chmod(tmp, 0o644)  # readable by every user of a shared cache, as the converted model
             os.replace(tmp, cache)
         finally:
             if os.path.exists(tmp):

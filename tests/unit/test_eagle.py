@@ -657,3 +657,39 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     # a model without a shipped head: a clear error naming the option, not a missing folder
     with pytest.raises(ConfigError, match="--eagle DIR"):
         _make_drafter("both", args, target, None, object())
+
+
+def test_seeded_sampling_with_a_calibrated_selection_repeats_exactly(head, target, tok, monkeypatch):
+    """Regression (fresh-user trial): with the shipped head on (the default: a calibrated
+    SelectingDrafter that carries statistics between requests and times its steps), the
+    same seed gave different samples call after call and process after process; the
+    distribution was right, but which drafts were verified, and so how many random draws
+    a request used, followed the clock and the earlier requests. Seeded sampled requests
+    now draft through ``SelectingDrafter.reproducible()``."""
+    import itertools
+    import random
+
+    from ragspec.drafting import PromptLookupDrafter
+
+    drafter = SelectingDrafter(PromptLookupDrafter(), EagleDrafter(head, target), min_match=2)
+    eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(adaptive=False))  # every draft verified
+    ids = tok(PROMPTS[0])["input_ids"]
+    jitter = random.Random(0)
+
+    def sample(clock_steps):
+        ticks = itertools.accumulate(clock_steps)  # step timings as the selection sees them
+        monkeypatch.setattr("ragspec.eagle.time.perf_counter", lambda: next(ticks))
+        out = eng.generate(ids, max_new_tokens=40, chat=False, temperature=0.9, seed=11, return_steps=True)
+        eng.generate(ids, max_new_tokens=16, chat=False)  # an unseeded greedy request in between
+        return out
+
+    outs = [
+        sample(itertools.repeat(0.05)),
+        sample(jitter.uniform(0.001, 0.3) for _ in itertools.count()),
+        sample(itertools.cycle([0.5, 0.001])),
+    ]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert any(s.source == "eagle" and s.num_drafted for s in outs[0].stats.steps)  # the head drafted
+    carried = (drafter.carried.head[1], [b[1] for b in drafter.carried.ret])
+    eng.generate(ids, max_new_tokens=40, chat=False, temperature=0.9, seed=11)
+    assert (drafter.carried.head[1], [b[1] for b in drafter.carried.ret]) == carried  # seeded: nothing carried

@@ -218,3 +218,39 @@ def test_gguf_block_cache_of_an_older_ragspec_is_rebuilt(tmp_path, monkeypatch):
         "model.layers.0.self_attn.v_proj",
         "model.layers.1.self_attn.v_proj",
     }
+
+
+@pytest.mark.parametrize("damage", ["format code", "qs dtype", "scales dtype", "scales shape"])
+def test_gguf_block_cache_with_values_right_but_types_wrong_is_rebuilt(tmp_path, damage):
+    """Regression (fresh-user trial): a cache whose de-quantized values still equal the
+    weights but whose format code, dtypes or shapes the kernel refuses passed the load-time
+    check, and every later load crashed in the kernel. Such a cache is now rebuilt."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "blocks.safetensors"
+    _, named = _quantized_tiny_model(path, permute="", perturb="model.layers.0.mlp.gate_proj")
+    good = load_gguf_weights(path, named, cache)
+    with safe_open(str(cache), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    if damage == "format code":
+        meta["lm_head"] = "7"
+    elif damage == "qs dtype":  # same values, another integer type
+        tensors["model.layers.0.self_attn.q_proj.qs"] = tensors["model.layers.0.self_attn.q_proj.qs"].to(torch.int16)
+    elif damage == "scales dtype":
+        tensors["lm_head.scales"] = tensors["lm_head.scales"].double()
+    else:
+        tensors["lm_head.scales"] = tensors["lm_head.scales"].reshape(-1, 1).contiguous()
+    save_file(tensors, str(cache), metadata=meta)
+    rebuilt = load_gguf_weights(path, named, cache)
+    assert set(rebuilt) == set(good) and all(q.well_formed() for q in rebuilt.values())
+    assert all(q.well_formed() for q in load_gguf_weights(path, named, cache).values())  # the rewritten cache
+
+
+def test_gguf_block_cache_is_readable_by_other_users(tmp_path):
+    """Regression (fresh-user trial): the cache file came out mode 0600 (safetensors writes
+    a new file, so the mode set on the temporary file was lost)."""
+    path, cache = tmp_path / "m.gguf", tmp_path / "blocks.safetensors"
+    _, named = _quantized_tiny_model(path, permute="", perturb="lm_head")
+    load_gguf_weights(path, named, cache)
+    assert cache.stat().st_mode & 0o777 == 0o644
