@@ -37,7 +37,7 @@ __all__ = ["GGUFWeight", "read_gguf_weights", "match_gguf_weights", "load_gguf_w
 
 Q4_1 = 0  # format codes of the compiled kernel's quant_linear
 Q8_0 = 1
-_BLOCK = 32  # weights per block in both formats
+_BLOCK = 32  # weights per block in every format read
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,11 @@ def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
+    formats = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q5_0: "Q5_0"}
     reader = GGUFReader(str(path))
     out: list[GGUFWeight] = []
     for tensor in reader.tensors:
         kind = tensor.tensor_type
-        formats = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q5_0: "Q5_0"}
         if len(tensor.shape) != 2 or kind not in formats:
             continue
         cols, rows = (int(n) for n in tensor.shape)
@@ -152,7 +152,7 @@ def _row_hashes(weight: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     out = []
     for chunk in weight.split(4096):
         bits = chunk.contiguous().view(torch.int32).to(torch.int64)  # |bits| < 2^31
-        out.append((bits * salt).sum(dim=1))  # salt < 2^20, I <= 2^11: no overflow
+        out.append((bits * salt).sum(dim=1))  # salt < 2^16: no overflow below 2^16 columns
     return torch.cat(out)
 
 
@@ -175,7 +175,7 @@ def match_gguf_weights(
 
     def salt(cols: int) -> torch.Tensor:
         if cols not in salts:
-            salts[cols] = torch.randint(1, 1 << 20, (cols,), generator=gen, dtype=torch.int64)
+            salts[cols] = torch.randint(1, 1 << 16, (cols,), generator=gen, dtype=torch.int64)
         return salts[cols]
 
     def key(rows: torch.Tensor, shape: tuple[int, int]) -> tuple:
@@ -183,24 +183,24 @@ def match_gguf_weights(
 
     wanted = {n: w for n, w in weights.items() if w.dim() == 2 and w.dtype == torch.float32}
     shapes = {tuple(w.shape) for w in wanted.values()}
-    pool: dict[tuple, tuple[GGUFWeight, torch.Tensor, torch.Tensor]] = {}
+    pool: dict[tuple, tuple[GGUFWeight, torch.Tensor]] = {}  # (no de-quantized copies kept: 4 bytes a weight)
     for cand in candidates:
         if cand.shape not in shapes:
             continue
-        deq = cand.dequantize()
-        h = _row_hashes(deq, salt(cand.shape[1]))
-        pool.setdefault(key(h, cand.shape), (cand, h, deq))
+        h = _row_hashes(cand.dequantize(), salt(cand.shape[1]))
+        pool.setdefault(key(h, cand.shape), (cand, h))
     matched: dict[str, GGUFWeight] = {}
     for name, w in wanted.items():
         h = _row_hashes(w.detach(), salt(w.shape[1]))
         hit = pool.get(key(h, tuple(w.shape)))
         if hit is None:
             continue
-        cand, ch, deq = hit
+        cand, ch = hit
         index = torch.empty_like(h)
         index[torch.argsort(h)] = torch.argsort(ch)  # loaded row i = candidate row index[i]
-        if torch.equal(deq[index], w.detach()):
-            matched[name] = cand.take_rows(index)
+        twin = cand.take_rows(index)
+        if torch.equal(twin.dequantize(), w.detach()):
+            matched[name] = twin
     logger.debug("%d of %d weights matched to GGUF blocks", len(matched), len(wanted))
     return matched
 
