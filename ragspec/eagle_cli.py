@@ -130,7 +130,7 @@ def cmd_eagle_bench(args) -> int:
     spec = models.resolve_model(args.model)
     model, tok = models.load_model(spec, device=args.device, dtype=args.dtype)
     target = TargetModel(model)
-    Engine.speed_up(target, gguf=spec.path if spec.kind == "gguf" else None)  # as Engine.from_pretrained does
+    Engine.speed_up(target, gguf=spec.gguf_file)  # as Engine.from_pretrained does
     pld = PromptLookupDrafter(PLDConfig())
     # measuring on a loaded machine can give an absurd shape (q=2 six times q=1) that the
     # online refinement (one scale factor) never corrects; the reference table is the

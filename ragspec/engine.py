@@ -125,7 +125,7 @@ class Engine:
         layers (plain decoding and verification) through ragspec's compiled kernel
         (:mod:`ragspec.kernels`: built on first use, ~45 s, then cached; a step ~20% faster
         on the 2-core CI CPU) and, for a GGUF model, read the weights the file holds in
-        Q4_1/Q8_0 blocks from those blocks (:mod:`ragspec.quant`: the same output bit for
+        Q4_1/Q8_0/Q5_0 blocks from those blocks (:mod:`ragspec.quant`: the same output bit for
         bit, a plain step of the default model ~47 -> ~28 ms). None (default): on unless
         ``RAGSPEC_CPU_KERNELS=0``; where it cannot be built, torch's kernels are used.
 
@@ -141,7 +141,7 @@ class Engine:
         spec = models.resolve_model(model, cache=Path(cache) if cache else None)
         hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
         target = TargetModel(hf_model)
-        cls.speed_up(target, cpu_kernels, cache=cache, gguf=spec.path if spec.kind == "gguf" else None)
+        cls.speed_up(target, cpu_kernels, cache=cache, gguf=spec.gguf_file)
         drafters: list[Drafter] = [PromptLookupDrafter(pld)]
         ds = None
         if datastore:

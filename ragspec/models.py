@@ -198,6 +198,11 @@ class ModelSpec:
     path: Path
     sha256: Optional[str] = None
 
+    @property
+    def gguf_file(self) -> Optional[Path]:
+        """``path`` for a GGUF model, None for a Hugging Face folder."""
+        return self.path if self.kind == "gguf" else None
+
 
 # --------------------------------------------------------------------------- cache paths
 def cache_dir() -> Path:

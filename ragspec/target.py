@@ -507,7 +507,7 @@ class TargetModel:
 
     def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"]) -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
-        block formats (:mod:`ragspec.quant`: Q4_1, Q8_0) for ragspec's few-row forwards,
+        block formats (:mod:`ragspec.quant`: Q4_1, Q8_0, Q5_0) for ragspec's few-row forwards,
         through the compiled ``quant_linear`` kernel: the same output bit for bit as the
         float32 kernel, a fifth of the bytes streamed per step (default model, 2-core CPU:
         decoder linears for one row 22-25 -> 14 ms, the output layer 5.3 -> 2.9 ms). Each
