@@ -30,8 +30,6 @@ RUN apt-get update \
 RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY ragspec ./ragspec
-COPY datastore ./datastore
-COPY integrations ./integrations
 RUN pip install . \
     && useradd --create-home --uid 10001 ragspec \
     && mkdir -p /data/cache /data/datastores \
