@@ -26,24 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ragspec import Engine
 from ragspec.bench import _hf_generate, category_group, load_prompts
-from ragspec.config import PLDConfig
-from ragspec.datastore import Datastore, DatastoreDrafter, build_datastore
-from ragspec.drafting import CompositeDrafter, PromptLookupDrafter
-
-
-def _engine_with(base: Engine, drafter) -> Engine:
-    """An engine sharing ``base``'s model, tokenizer, policy and latency model."""
-    return Engine(
-        base.target,
-        base.tokenizer,
-        drafter=drafter,
-        policy=base.policy,
-        latency=base.latency,
-        eos_token_ids=base.eos_token_ids,
-        model_name=base.model_name,
-    )
+from ragspec.datastore import Datastore, build_datastore
+from ragspec.loading import load_engine, with_datastore
 
 
 def main(argv=None) -> int:
@@ -60,8 +45,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     groups = [c.strip() for c in args.categories.split(",") if c.strip()]
     rows_all = load_prompts(args.data, groups)
-    base = Engine.from_pretrained(args.model, eagle=None)  # retrieval drafters only
-    pld_only = _engine_with(base, PromptLookupDrafter(PLDConfig()))
+    pld_only = load_engine(args.model, eagle=None)  # retrieval drafters only: prompt lookup
+    base = pld_only
     eos = base.eos_token_ids
     records, stores = [], {}
     with tempfile.TemporaryDirectory() as work:
@@ -76,7 +61,7 @@ def main(argv=None) -> int:
             info = build_datastore([corpus], Path(work) / group, base.tokenizer, progress=False)
             stores[group] = {"prompts": len(others), "documents": info.num_documents, "tokens": info.num_tokens}
             ds = Datastore.open(Path(work) / group, tokenizer=base.tokenizer, warm=True)
-            with_ds = _engine_with(base, CompositeDrafter([PromptLookupDrafter(PLDConfig()), DatastoreDrafter(ds)]))
+            with_ds = with_datastore(base, ds)  # prompt lookup, then the datastore
             for i, row in enumerate(bench_rows):
                 ids = base.encode_prompt(row["turns"][0], chat=True)
                 res = {}

@@ -225,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
     args = ap.parse_args(argv)
 
-    from ragspec.engine import Engine
+    from ragspec.loading import load_engine
     from ragspec.integrations.langchain import RagspecLLM
 
     tmp = None
@@ -243,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"no .txt/.md documents in {folder}")
 
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(args.model)
+    engine = load_engine(args.model)
     print(f"# model {engine.model_name} loaded in {time.perf_counter() - t0:.1f} s")
     embeddings, emb_name = make_embeddings(engine)
     retriever, store_name = make_retriever(docs, embeddings, k=args.k)

@@ -1,7 +1,7 @@
 """ragspec: lossless speculative decoding with drafts from prompts, documents and datastores."""
 
 from .config import DecodeConfig, PLDConfig, PolicyConfig, SamplingParams
-from .engine import Engine
+from .engine import Engine, Request
 from .errors import (
     CapacityError,
     ConfigError,
@@ -15,12 +15,15 @@ from .errors import (
     RagspecError,
     TokenizerMismatchError,
 )
+from .loading import load_engine
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Engine",
+    "Request",
+    "load_engine",
     "DecodeConfig",
     "PLDConfig",
     "PolicyConfig",

@@ -46,9 +46,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _engine(args, calibrate: bool = True):
     from .config import PolicyConfig
-    from .engine import Engine
+    from .loading import load_engine
 
-    return Engine.from_pretrained(
+    return load_engine(
         args.model,
         device=args.device,
         dtype=args.dtype,
@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod, fn in (
         ("ragspec.datastore.cli", "add_datastore_commands"),
         ("ragspec.integrations.cli", "add_serve_command"),
-        ("ragspec.eagle_cli", "add_eagle_commands"),
+        ("ragspec.eagle.cli", "add_eagle_commands"),
     ):
         try:
             module = __import__(mod, fromlist=[fn])
@@ -392,13 +392,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.verbose:
         # transformers' de-quantization progress bars and deprecation notices are noise here
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        import warnings
+        from .models import quiet_transformers
 
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        quiet_transformers()
     if args.threads is not None:
         if args.threads < 1:
             print("ragspec: error: --threads must be >= 1", file=sys.stderr)

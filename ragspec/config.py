@@ -47,8 +47,14 @@ class DecodeConfig:
     """Most tokens generated (never exceeded, whatever the draft length)."""
     stop: tuple[str, ...] = ()
     """Stop strings, matched on decoded text; the text from the stop on is never emitted."""
+    speculative: bool = True
+    """Draft and verify; False: plain decoding (one token per target forward)."""
+    return_steps: bool = False
+    """Keep per-step stats in ``GenerationStats.steps``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):

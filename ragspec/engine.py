@@ -1,89 +1,164 @@
-"""The decode loop: prefill, then steps of draft -> verify -> commit, streamed as text chunks.
+"""The decode loop: requests started with :meth:`Engine.start`, advanced by
+:meth:`Engine.step`, streamed as text chunks.
 
-Each step (one target forward):
-  1. draft: the request's draft session proposes a tree; the policy keeps the part worth
+A request's first step is its prefill (the first generated token comes from the prompt's
+last logits). Every later step is one target forward for all requests of the step:
+  1. draft: each request's draft session proposes a tree; the policy keeps the part worth
      verifying (possibly nothing: plain decoding);
-  2. verify: one forward over root + tree, the verifier picks the accepted path and the
-     bonus token;
-  3. commit: the KV cache is rolled back to the accepted path; committed tokens pass one by
-     one through the stop conditions (EOS, stop strings, ``max_new_tokens``);
+  2. verify: one ``Target.verify`` call over every request's root + tree; the verifier
+     picks each request's accepted path and bonus token;
+  3. commit: each KV state is rolled back to its accepted path; committed tokens pass one
+     by one through the stop conditions (EOS, stop strings, ``max_new_tokens``);
   4. feedback: the drafter and the acceptance model learn what was accepted.
+
+:meth:`Engine.stream` and :meth:`Engine.generate` are thin loops over ``start``/``step``;
+servers call ``step`` once per round for the requests they hold.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .config import DecodeConfig, PLDConfig, PolicyConfig, SamplingParams
-from .drafting import CompositeDrafter, Drafter, PromptLookupDrafter, reproducible_drafter
+from .backend.base import Capability, Target, VerifyItem
+from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
+from .drafters.base import Drafter, DraftSession, reproducible_drafter
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
-from .target import TargetModel
-from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk
+from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
+
+if TYPE_CHECKING:
+    from .config import PLDConfig
+    from .datastore import Datastore
+    from .eagle import EagleDrafter, EagleHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Request", "DrafterParts"]
 
 Prompt = Union[str, Sequence[int]]
 
 # Default latency table (seconds per forward of q new tokens) measured on the reference
 # 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md). Used
-# only until the engine measures its own (Engine.from_pretrained does).
+# only until the engine measures its own (ragspec.loading does).
 _DEFAULT_LATENCY = {1: 0.0419, 2: 0.0677, 3: 0.0827, 4: 0.0631, 6: 0.0638, 8: 0.0643, 12: 0.0712, 16: 0.0796, 32: 0.1065}
 
 
-@dataclass
-class _Request:
-    """Per-request state: KV cache, draft session, generator, stats. Never shared."""
+@dataclass(frozen=True)
+class DrafterParts:
+    """What an engine's drafter was composed of (:mod:`ragspec.loading` composes it), so
+    that an engine for another datastore can be composed the same way.
+
+    Attributes:
+        pld: prompt-lookup settings of the retrieval drafter (None: no prompt lookup).
+        datastore: the datastore drafted from, or None.
+        eagle: the EAGLE head's drafter, or None.
+        eagle_path: folder the head was loaded from, or None.
+    """
+
+    pld: Optional["PLDConfig"] = None
+    datastore: Optional["Datastore"] = None
+    eagle: Optional["EagleDrafter"] = None
+    eagle_path: Optional[str] = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: everything that is per request, never shared.
+
+    Made by :meth:`Engine.start`; advanced by :meth:`Engine.step`. Its first step is the
+    prefill; it is finished once a step returned its final chunk (``finish_reason`` set).
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        decode: limits (``max_new_tokens``, stop strings, speculation on/off).
+        sampling: how tokens are chosen (temperature 0 = greedy).
+        state: the backend's KV state of this request.
+        session: the drafter's per-request session, or None (plain decoding).
+        generator: the request's random generator (None when greedy).
+        root: the last committed token, whose KV entry is not in the cache yet (None
+            before the prefill).
+        stats: counters and timings so far.
+        finish_reason: "stop", "length" or "cancelled" once finished, else "".
+    """
 
     prompt_ids: list[int]
     decode: DecodeConfig
     sampling: SamplingParams
+    state: Any
     verifier: Verifier
-    session: Any
+    session: Optional[DraftSession]
     generator: Optional[torch.Generator]
     acceptance: AcceptanceModel
     latency: LatencyModel
     assembler: TextAssembler
+    want_hidden: bool = False
+    root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
+    cancel_requested: bool = False
+    done: bool = False
+    """The final chunk has been returned; stepping it again is an error."""
+    started_s: float = 0.0
+    """``time.perf_counter()`` at its first step (0 before)."""
+
+    def cancel(self) -> None:
+        """Ask the engine to end this request at its next step (with ``finish_reason``
+        "cancelled"; no forward is run for it)."""
+        self.cancel_requested = True
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.assembler.token_ids)
+
+
+@dataclass
+class _Pending:
+    """A request's part of a step between drafting and verification."""
+
+    index: int
+    request: Request
+    tree: DraftTree
+    predicted: float
+    lazy: bool
+    draft_s: float
+    past: int
 
 
 class Engine:
-    """Lossless speculative decoding over a transformers causal LM.
+    """Lossless speculative decoding over a :class:`~ragspec.backend.base.Target`.
 
     Args:
-        target: the wrapped target model.
+        target: the target model's backend.
         tokenizer: its tokenizer.
         drafter: who proposes drafts (None: plain decoding only).
         policy: draft-size settings.
         latency: forward latency model (None: the reference CPU's table until refined).
         eos_token_ids: ids that end a generation (all EOS ids of the generation config).
         model_name: reported in stats and by the servers.
+        parts: what ``drafter`` was composed of (see :class:`DrafterParts`).
 
-    Constructing does no I/O: use :meth:`from_pretrained` to load.
+    Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine` (or
+    :meth:`from_pretrained`, which calls it).
     """
 
     def __init__(
         self,
-        target: TargetModel,
-        tokenizer,
+        target: Target,
+        tokenizer: Any,
         *,
         drafter: Optional[Drafter] = None,
         policy: PolicyConfig = PolicyConfig(),
         latency: Optional[LatencyModel] = None,
         eos_token_ids: Sequence[int] = (),
         model_name: str = "",
+        parts: DrafterParts = DrafterParts(),
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -92,142 +167,61 @@ class Engine:
         self.latency = latency if latency is not None else LatencyModel(dict(_DEFAULT_LATENCY))
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self.model_name = model_name
-        self.datastore = None
-        self.eagle = None
-        self.eagle_path: Optional[str] = None  # folder of the loaded EAGLE head
+        self.parts = parts
+        self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
+        self._lazy_rows = bool(target.capability(Capability.LAZY_ROWS))
 
-    # ------------------------------------------------------------------ factory
+    # ------------------------------------------------------------------ factories
     @classmethod
-    def from_pretrained(
-        cls,
-        model: Optional[str] = None,
-        device: Optional[str] = None,
-        dtype: Optional[str] = None,
-        *,
-        datastore: Optional[str] = None,
-        eagle: Optional[str] = "auto",
-        pld: PLDConfig = PLDConfig(),
-        policy: PolicyConfig = PolicyConfig(),
-        calibrate: bool = True,
-        cache: Optional[str] = None,
-        cpu_kernels: Optional[bool] = None,
-    ) -> "Engine":
-        """Load a model (registry name, GGUF file or HF folder; None = the default model)
-        and build an engine with prompt-lookup drafting, plus a datastore and an EAGLE head
-        when given.
+    def from_pretrained(cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs: Any) -> "Engine":
+        """Load a model and build its engine: :func:`ragspec.loading.load_engine` (see
+        there for the arguments and errors)."""
+        from .loading import load_engine
 
-        ``eagle``: a head folder; ``"auto"`` (default) the head shipped with ragspec for this
-        model when there is one and its fingerprint matches (one ships for the default
-        model: measured faster than retrieval alone on every Spec-Bench category, see the
-        README), else none; None, ``""`` or ``"none"``: no head.
+        return load_engine(model, device, dtype, **kwargs)
 
-        ``cpu_kernels``: on a CPU with float32 weights, route the model's few-row linear
-        layers (plain decoding and verification) through ragspec's compiled kernel
-        (:mod:`ragspec.kernels`: built on first use, ~45 s, then cached; a step ~20% faster
-        on the 2-core CI CPU) and, for a GGUF model, read the weights the file holds in
-        Q4_1/Q8_0/Q5_0 blocks from those blocks (:mod:`ragspec.quant`: the same output bit for
-        bit, a plain step of the default model ~47 -> ~28 ms). None (default): on unless
-        ``RAGSPEC_CPU_KERNELS=0``; where it cannot be built, torch's kernels are used.
-
-        Raises:
-            ModelNotFoundError: the model is not fetched / the path does not exist.
-            ModelLoadError: the file is broken.
-            DatastoreError: the datastore cannot be opened for this tokenizer.
-        """
-        from pathlib import Path
-
-        from . import models
-
-        spec = models.resolve_model(model, cache=Path(cache) if cache else None)
-        hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
-        target = TargetModel(hf_model)
-        cls.speed_up(target, cpu_kernels, cache=cache, gguf=spec.gguf_file)
-        drafters: list[Drafter] = [PromptLookupDrafter(pld)]
-        ds = None
-        if datastore:
-            from ragspec.datastore import Datastore, DatastoreDrafter
-
-            ds = Datastore.open(datastore, tokenizer=tokenizer, warm=True)
-            drafters.append(DatastoreDrafter(ds))
-        from .eagle import EagleDrafter, SelectingDrafter, load_eagle_head, resolve_head
-
-        eagle = resolve_head(eagle, target, spec)
-        eagle_head = load_eagle_head(eagle, target=target, model_spec=spec) if eagle is not None else None
-        drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
-        if eagle_head is not None:
-            # retrieval when its match is worth more than the head's draft (calibrated per
-            # request), the head otherwise
-            drafter = SelectingDrafter(drafter, EagleDrafter(eagle_head, target))
-        latency = LatencyModel.measure(target) if calibrate else None
-        engine = cls(
-            target,
-            tokenizer,
+    def with_drafter(self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None) -> "Engine":
+        """An engine sharing this one's target, tokenizer, policy and latency model, drafting
+        with ``drafter`` (``parts``: what it was composed of). No I/O."""
+        return Engine(
+            self.target,
+            self.tokenizer,
             drafter=drafter,
-            policy=policy,
-            latency=latency,
-            eos_token_ids=models.eos_token_ids(hf_model, tokenizer),
-            model_name=spec.name,
+            policy=self.policy,
+            latency=self.latency,
+            eos_token_ids=self.eos_token_ids,
+            model_name=self.model_name,
+            parts=parts if parts is not None else self.parts,
         )
-        engine.datastore = ds
-        engine.eagle = eagle_head
-        engine.eagle_path = str(eagle) if eagle_head is not None else None
-        return engine
-
-    @classmethod
-    def speed_up(
-        cls,
-        target: TargetModel,
-        cpu_kernels: Optional[bool] = None,
-        cache: Optional[str] = None,
-        gguf: Optional[Union[str, os.PathLike]] = None,
-    ) -> None:
-        """Make ``target``'s own forwards fast (the model is ragspec's from here on): few-row
-        linear layers (decoding, verification) through the compiled kernel or pre-packed
-        weights, grouped-query attention without key/value head copies, and on CPU the
-        compiled few-query attention; ``cpu_kernels`` as in :meth:`from_pretrained`.
-        ``gguf``: the GGUF file the model was loaded from: with the compiled kernel, the
-        linear weights it holds exactly are read from its blocks
-        (:meth:`TargetModel.use_gguf_weights`; same output, fewer bytes per step)."""
-        from pathlib import Path
-
-        skinny = cls.load_cpu_kernel(target, cpu_kernels, cache=cache)
-        if skinny is not None and gguf is not None:
-            from .kernels import load_quant_linear
-
-            target.use_gguf_weights(gguf, load_quant_linear(Path(cache) if cache else None))
-        target.prepack_linears(skinny)
-        target.route_gqa_attention()
-        if skinny is not None:
-            from .kernels import load_few_query_attention
-
-            # the same compiled library: already built and imported by load_cpu_kernel
-            target.use_attention_kernel(load_few_query_attention(Path(cache) if cache else None))
-
-    @staticmethod
-    def load_cpu_kernel(target: TargetModel, wanted: Optional[bool] = None, cache: Optional[str] = None):
-        """The compiled few-row linear kernel for ``target`` (see :mod:`ragspec.kernels`), or
-        None: off CPU, for other dtypes than float32, when ``wanted`` is False (None: the
-        ``RAGSPEC_CPU_KERNELS`` variable decides, on by default) or when it cannot be built.
-        ``cache``: ragspec's cache folder (default: ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``)."""
-        from pathlib import Path
-
-        from .kernels import cpu_kernels_enabled, load_skinny_linear
-
-        if target.device.type != "cpu" or target.dtype != torch.float32:
-            return None
-        if wanted is False or (wanted is None and not cpu_kernels_enabled()):
-            return None
-        return load_skinny_linear(Path(cache) if cache else None)
 
     @property
-    def model(self):
-        """The transformers model."""
-        return self.target.model
+    def model(self) -> Any:
+        """The backend's underlying model (the transformers model for ``HFTarget``)."""
+        return getattr(self.target, "model", None)
+
+    @property
+    def datastore(self) -> Optional["Datastore"]:
+        """The datastore this engine drafts from, or None."""
+        return self.parts.datastore
+
+    @property
+    def eagle(self) -> Optional["EagleHead"]:
+        """The EAGLE head this engine drafts with, or None."""
+        return self.parts.eagle.head if self.parts.eagle is not None else None
+
+    @property
+    def eagle_path(self) -> Optional[str]:
+        """Folder of the loaded EAGLE head, or None."""
+        return self.parts.eagle_path
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: text goes through the chat template when ``chat`` (and the
-        tokenizer has one); a list of ids is taken as is."""
+        tokenizer has one); a list of ids is taken as is.
+
+        Raises:
+            ConfigError: the prompt is empty.
+        """
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -249,8 +243,180 @@ class Engine:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    # ------------------------------------------------------------------ API
-    def generate(self, prompt: Prompt, **kwargs) -> GenerationOutput:
+    def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
+        """Token ids of each document (no special tokens).
+
+        Raises:
+            ConfigError: a document is not a string.
+        """
+        out = []
+        for d in documents:
+            if not isinstance(d, str):
+                raise ConfigError(f"documents must be strings, got {type(d).__name__}")
+            out.append(list(self.tokenizer(d, add_special_tokens=False)["input_ids"]))
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def start(
+        self,
+        prompt: Prompt,
+        decode: DecodeConfig = DecodeConfig(),
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        documents: Optional[Sequence[str]] = None,
+        document_ids: Optional[Sequence[Sequence[int]]] = None,
+        chat: bool = True,
+    ) -> Request:
+        """A new request, ready for :meth:`step` (no forward runs here).
+
+        Args:
+            prompt: text (chat-templated when ``chat``) or token ids.
+            decode: limits and whether to speculate.
+            sampling: temperature 0 = greedy; else seeded or fresh sampling.
+            documents: extra texts the drafter may copy from.
+            document_ids: the same, already tokenized.
+
+        Raises:
+            PromptTooLongError: prompt + max_new_tokens exceed the context length.
+            ConfigError: an empty prompt, a non-string document.
+        """
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        limit = self.target.max_length
+        if limit is not None and len(prompt_ids) + decode.max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {decode.max_new_tokens} exceeds the "
+                f"context length of {limit} tokens"
+            )
+        doc_ids = [list(d) for d in (document_ids or ())] + self.encode_documents(documents or ())
+        if sampling.greedy:
+            verifier: Verifier = GreedyVerifier()
+            generator = None
+        else:
+            from .sampling import SamplingVerifier
+
+            verifier = SamplingVerifier(sampling)
+            generator = torch.Generator(device="cpu")
+            if sampling.seed is not None:
+                generator.manual_seed(int(sampling.seed))
+            else:
+                generator.seed()
+        seeded = not sampling.greedy and sampling.seed is not None
+        session = None
+        if decode.speculative and self.drafter is not None:
+            # a seeded sampled request drafts only from its own tokens: same seed, same output
+            drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
+            if drafter is not None:
+                session = drafter.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        req = Request(
+            prompt_ids=prompt_ids,
+            decode=decode,
+            sampling=sampling,
+            state=self.target.new_state(),
+            verifier=verifier,
+            session=session,
+            generator=generator,
+            acceptance=AcceptanceModel(),
+            # each request refines its own copy of the latency model; a seeded sampled
+            # request uses the fixed reference table instead, so its drafts (and thus its
+            # samples) depend neither on timing noise, other requests, nor on the latency
+            # measured at this process's start: same seed, same output, in any process
+            latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
+            assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
+            want_hidden=session is not None and self._hidden_states and hasattr(session, "extend_hidden"),
+        )
+        req.stats.num_prompt_tokens = len(prompt_ids)
+        if decode.max_new_tokens == 0:
+            req.finish_reason = "length"
+        return req
+
+    def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
+        """Advance each request by one step: its prefill, or one draft-verify-commit round
+        in one ``Target.verify`` call for all of them.
+
+        Returns:
+            one :class:`~ragspec.types.StreamChunk` per request, in order: the text and
+            tokens committed by this step (possibly empty), and for a request that finished
+            in it ``finish_reason`` and ``stats`` (its last chunk).
+
+        Raises:
+            ConfigError: a request was already finished.
+        """
+        for req in requests:
+            if req.done:
+                raise ConfigError("request already finished: its final chunk was returned")
+        pending: list[_Pending] = []
+        with torch.inference_mode():
+            for i, req in enumerate(requests):
+                if not req.started_s:
+                    req.started_s = time.perf_counter()
+                if req.finish_reason:
+                    continue
+                if req.cancel_requested:
+                    req.finish_reason = "cancelled"
+                elif req.root is None:
+                    self._prefill(req)
+                else:
+                    pending.append(self._draft(i, req))
+            if pending:
+                items = [
+                    VerifyItem(p.request.state, int(p.request.root), p.tree, p.request.want_hidden, p.lazy)  # type: ignore[arg-type]
+                    for p in pending
+                ]
+                t1 = time.perf_counter()
+                outs = self.target.verify(items)
+                for p, out in zip(pending, outs):
+                    self._accept(p, out, t1, solo=len(pending) == 1)
+        return [self._emit(req) for req in requests]
+
+    # ------------------------------------------------------------------ thin loops
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        stop: Optional[Union[str, Sequence[str]]] = None,
+        documents: Optional[Sequence[str]] = None,
+        speculative: bool = True,
+        chat: bool = True,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        return_steps: bool = False,
+        document_ids: Optional[Sequence[Sequence[int]]] = None,
+        should_cancel: Optional[Callable[[], bool]] = None,
+    ) -> Iterator[StreamChunk]:
+        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
+
+        No chunk ever carries text that a later stop string removes. The last chunk has
+        ``finish_reason`` ("stop", "length" or "cancelled") and ``stats``. Closing the
+        iterator, or ``should_cancel()`` returning True, ends the generation within one step.
+
+        Raises (at the call, before any forward):
+            PromptTooLongError, ConfigError: as :meth:`start`.
+        """
+        if isinstance(stop, str):
+            stop = [stop]
+        decode = DecodeConfig(
+            max_new_tokens=max_new_tokens, stop=tuple(stop or ()), speculative=speculative, return_steps=return_steps
+        )
+        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
+        req = self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
+        return self.iterate(req, should_cancel)
+
+    def iterate(self, req: Request, should_cancel: Optional[Callable[[], bool]] = None) -> Iterator[StreamChunk]:
+        """Step ``req`` alone until it finishes, yielding its non-empty chunks and the last.
+        ``should_cancel`` is asked before every step after the prefill."""
+        while True:
+            if should_cancel is not None and req.root is not None and should_cancel():
+                req.cancel()
+            (chunk,) = self.step([req])
+            if chunk.text or chunk.token_ids or chunk.finish_reason:
+                yield chunk
+            if chunk.finish_reason:
+                return
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationOutput:
         """Generate a completion.
 
         Args:
@@ -281,91 +447,82 @@ class Engine:
         assert stats is not None, "stream ended without a final chunk"
         return GenerationOutput("".join(text_parts), tokens, stats)
 
-    def stream(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int = 128,
-        stop: Optional[Sequence[str]] = None,
-        documents: Optional[Sequence[str]] = None,
-        speculative: bool = True,
-        chat: bool = True,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: Optional[int] = None,
-        return_steps: bool = False,
-        document_ids: Optional[Sequence[Sequence[int]]] = None,
-        should_cancel: Optional[Callable[[], bool]] = None,
-    ) -> Iterator[StreamChunk]:
-        """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
+    # ------------------------------------------------------------------ stages
+    def _prefill(self, req: Request) -> None:
+        """The request's first forward: the prompt, then its first token."""
+        t0 = time.perf_counter()
+        out = self.target.prefill(req.state, req.prompt_ids, return_hidden=req.want_hidden)
+        if req.want_hidden:
+            req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+        res = req.verifier(DraftTree.empty(), out.logits, req.generator)
+        stats = req.stats
+        stats.num_forward_passes += 1
+        stats.prefill_s = time.perf_counter() - t0
+        stats.time_to_first_token_s = time.perf_counter() - req.started_s
+        req.root = res.bonus_token
+        self._commit_tokens(req, [req.root])
+        if req.session is not None:
+            req.session.extend([req.root])
 
-        No chunk ever carries text that a later stop string removes. The last chunk has
-        ``finish_reason`` ("stop", "length" or "cancelled") and ``stats``. Closing the
-        iterator, or ``should_cancel()`` returning True, ends the generation within one step.
-        """
-        if isinstance(stop, str):
-            stop = [stop]
-        decode = DecodeConfig(max_new_tokens=int(max_new_tokens), stop=tuple(stop or ()))
-        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
-        doc_ids = [list(d) for d in (document_ids or ())]
-        for d in documents or ():
-            if not isinstance(d, str):
-                raise ConfigError(f"documents must be strings, got {type(d).__name__}")
-            doc_ids.append(list(self.tokenizer(d, add_special_tokens=False)["input_ids"]))
-        req = self._new_request(prompt_ids, decode, sampling, doc_ids if speculative else None)
-        return self._stream(req, return_steps, should_cancel)
-
-    # ------------------------------------------------------------------ internals
-    def _new_request(
-        self,
-        prompt_ids: list[int],
-        decode: DecodeConfig,
-        sampling: SamplingParams,
-        documents: Optional[list[list[int]]],
-    ) -> _Request:
+    def _draft(self, index: int, req: Request) -> _Pending:
+        """Stage 1: the part of the session's proposal worth verifying."""
+        max_draft = self.policy.max_draft_tokens
+        remaining = req.decode.max_new_tokens - req.num_generated_tokens
+        past = self.target.state_length(req.state)
         limit = self.target.max_length
-        if limit is not None and len(prompt_ids) + decode.max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {decode.max_new_tokens} exceeds the "
-                f"context length of {limit} tokens"
-            )
-        if sampling.greedy:
-            verifier: Verifier = GreedyVerifier()
-            generator = None
+        room = (limit - past - 2) if limit else max_draft
+        budget = max(0, min(max_draft, remaining - 1, room))
+        # greedy verification needs only the output-layer rows on the accepted path
+        greedy = type(req.verifier) is GreedyVerifier and self._lazy_rows
+        t0 = time.perf_counter()
+        tree = DraftTree.empty()
+        predicted = 0.0
+        lazy = greedy
+        if req.session is not None and budget > 0:
+            proposal = req.session.propose(budget)
+            if proposal.num_nodes:
+                if self.policy.adaptive:
+                    choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
+                    tree, predicted = choice.tree, choice.expected_accepted
+                    # a draft likely accepted from its first token: all rows' logits at once
+                    lazy = greedy and choice.lazy_logits
+                else:
+                    tree = proposal.truncate(budget)
+        return _Pending(index, req, tree, predicted, lazy, time.perf_counter() - t0, past)
+
+    def _accept(self, p: _Pending, out: Any, t1: float, solo: bool) -> None:
+        """Stages 2-4 for one request: verify its tree against ``out`` (the backend's
+        :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back."""
+        req, tree = p.request, p.tree
+        if type(req.verifier) is GreedyVerifier:
+            res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
         else:
-            from .sampling import SamplingVerifier
+            logits = out.logits if out.logits is not None else out.row_logits.full()
+            res = req.verifier(tree, logits, req.generator)
+        if req.want_hidden:
+            # features of the positions now kept in the cache: root + accepted path
+            rows = [0] + [1 + i for i in res.accepted_nodes]
+            req.session.extend_hidden(out.hidden[rows])  # type: ignore[union-attr]
+        # 3. commit: KV rollback, then the stop conditions token by token
+        self.target.commit(req.state, p.past, res.accepted_nodes)
+        t2 = time.perf_counter()
+        committed = res.tokens
+        kept = self._commit_tokens(req, committed)
+        # 4. feedback
+        if tree.num_nodes:
+            req.acceptance.observe(tree, res)
+            if req.session is not None:
+                req.session.observe(tree, res)
+        if solo:
+            # the latency model is of one request's forward; a batch's time is not
+            early = out.row_logits is not None and out.row_logits.rows_computed == 1
+            req.latency.observe(1 + tree.num_nodes, t2 - t1, early=early)
+        if req.session is not None and not req.finish_reason:
+            req.session.extend(committed)
+        req.root = committed[-1]
+        self._record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
 
-            verifier = SamplingVerifier(sampling)
-            generator = torch.Generator(device="cpu")
-            if sampling.seed is not None:
-                generator.manual_seed(int(sampling.seed))
-            else:
-                generator.seed()
-        seeded = not sampling.greedy and sampling.seed is not None
-        session = None
-        if documents is not None and self.drafter is not None:
-            # a seeded sampled request drafts only from its own tokens: same seed, same output
-            drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
-            session = drafter.start_request(prompt_ids, documents, eos_token_ids=self.eos_token_ids)
-        return _Request(
-            prompt_ids=prompt_ids,
-            decode=decode,
-            sampling=sampling,
-            verifier=verifier,
-            session=session,
-            generator=generator,
-            acceptance=AcceptanceModel(),
-            # each request refines its own copy of the latency model; a seeded sampled
-            # request uses the fixed reference table instead, so its drafts (and thus its
-            # samples) depend neither on timing noise, other requests, nor on the latency
-            # measured at this process's start: same seed, same output, in any process
-            latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
-            assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
-        )
-
-    def _commit_tokens(self, req: _Request, tokens: Sequence[int]) -> int:
+    def _commit_tokens(self, req: Request, tokens: Sequence[int]) -> int:
         """Pass committed tokens one by one through the stop conditions.
 
         Returns how many of ``tokens`` were kept; sets ``req.finish_reason`` when the
@@ -386,109 +543,30 @@ class Engine:
                 break
         return kept
 
-    def _stream(
-        self, req: _Request, return_steps: bool, should_cancel: Optional[Callable[[], bool]]
-    ) -> Iterator[StreamChunk]:
-        stats = req.stats
-        stats.num_prompt_tokens = len(req.prompt_ids)
-        t_start = time.perf_counter()
-        if req.decode.max_new_tokens == 0:
-            stats.finish_reason = "length"
-            stats.total_s = time.perf_counter() - t_start
-            yield StreamChunk("", (), "length", stats)
-            return
-        target = self.target
-        state = target.new_state()
-        want_hidden = req.session is not None and hasattr(req.session, "extend_hidden")
-        # inference mode is entered per step, never held across a `yield`: a stream may be
-        # resumed from another thread or interleaved with other streams
-        with torch.inference_mode():
-            # 1. prefill: the first generated token comes from the prompt's last logits
-            out = target.prefill(state, req.prompt_ids, return_hidden=want_hidden)
-            if want_hidden:
-                req.session.extend_hidden(out.hidden)
-            res = req.verifier(DraftTree.empty(), out.logits, req.generator)
-        stats.num_forward_passes += 1
-        stats.prefill_s = time.perf_counter() - t_start
-        stats.time_to_first_token_s = stats.prefill_s
-        root = res.bonus_token
-        self._commit_tokens(req, [root])
-        if req.session is not None:
-            req.session.extend([root])
-        text, toks = req.assembler.take()
-        if text or toks:
-            yield StreamChunk(text, toks)
-        while not req.finish_reason:
-            if should_cancel is not None and should_cancel():
-                req.finish_reason = "cancelled"
-                break
-            with torch.inference_mode():
-                root = self._step(req, state, root, want_hidden, return_steps)
+    def _emit(self, req: Request) -> StreamChunk:
+        """The chunk of this step: new text and tokens; the last one with the stats."""
+        if not req.finish_reason:
             text, toks = req.assembler.take()
-            if text or toks:
-                yield StreamChunk(text, toks)
-        stats.num_generated_tokens = len(req.assembler.token_ids)
+            return StreamChunk(text, toks)
+        stats = req.stats
+        stats.num_generated_tokens = req.num_generated_tokens
         stats.finish_reason = req.finish_reason
-        stats.total_s = time.perf_counter() - t_start
+        stats.total_s = time.perf_counter() - req.started_s
         text, toks = req.assembler.take(final=True)
-        yield StreamChunk(text, toks, req.finish_reason, stats)
-
-    def _step(self, req: _Request, state, root: int, want_hidden: bool, return_steps: bool) -> int:
-        """One decode step (one target forward); returns the new root token."""
-        target = self.target
-        max_draft = self.policy.max_draft_tokens
-        remaining = req.decode.max_new_tokens - len(req.assembler.token_ids)
-        room = (target.max_length - state.length - 2) if target.max_length else max_draft
-        budget = max(0, min(max_draft, remaining - 1, room))
-        # greedy verification needs only the output-layer rows on the accepted path
-        greedy = type(req.verifier) is GreedyVerifier
-        # 1. draft
-        t0 = time.perf_counter()
-        tree = DraftTree.empty()
-        predicted = 0.0
-        lazy = greedy
-        if req.session is not None and budget > 0:
-            proposal = req.session.propose(budget)
-            if proposal.num_nodes:
-                if self.policy.adaptive:
-                    choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
-                    tree, predicted = choice.tree, choice.expected_accepted
-                    # a draft likely accepted from its first token: all rows' logits at once
-                    lazy = greedy and choice.lazy_logits
-                else:
-                    tree = proposal.truncate(budget)
-        t1 = time.perf_counter()
-        # 2. verify
-        past = state.length
-        if greedy:
-            out = target.verify_forward(state, root, tree, return_hidden=want_hidden, lazy_logits=lazy)
-            res = verify_greedy(tree, out.row_logits if lazy else out.logits)
-        else:
-            out = target.verify_forward(state, root, tree, return_hidden=want_hidden)
-            res = req.verifier(tree, out.logits, req.generator)
-        if want_hidden:
-            # features of the positions now kept in the cache: root + accepted path
-            rows = [0] + [1 + i for i in res.accepted_nodes]
-            req.session.extend_hidden(out.hidden[rows])
-        # 3. commit: KV rollback, then the stop conditions token by token
-        target.commit(state, past, res.accepted_nodes)
-        t2 = time.perf_counter()
-        committed = res.tokens
-        kept = self._commit_tokens(req, committed)
-        # 4. feedback
-        if tree.num_nodes:
-            req.acceptance.observe(tree, res)
-            if req.session is not None:
-                req.session.observe(tree, res)
-        early = out.row_logits is not None and out.row_logits.rows_computed == 1
-        req.latency.observe(1 + tree.num_nodes, t2 - t1, early=early)
-        if req.session is not None and not req.finish_reason:
-            req.session.extend(committed)
-        self._record_step(req.stats, tree, res, kept, t1 - t0, t2 - t1, predicted, return_steps)
-        return committed[-1]
+        req.done = True
+        return StreamChunk(text, toks, req.finish_reason, stats)
 
     @staticmethod
-    def _record_step(stats, tree, res, kept, draft_s, verify_s, predicted, keep_steps) -> None:
+    def _record_step(
+        stats: GenerationStats,
+        tree: DraftTree,
+        res: VerifyResult,
+        kept: int,
+        draft_s: float,
+        verify_s: float,
+        predicted: float,
+        keep_steps: bool,
+    ) -> None:
         stats.num_forward_passes += 1
         stats.num_drafted_tokens += tree.num_nodes
         # accepted draft tokens that were actually kept (a stop may cut the step short)
@@ -513,3 +591,4 @@ class Engine:
                     predicted_accepted=predicted,
                 )
             )
+

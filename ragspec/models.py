@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "WheelPart",
+    "quiet_transformers",
     "KnownModel",
     "KNOWN_MODELS",
     "DEFAULT_MODEL",
@@ -936,3 +937,15 @@ def model_info(
         "device": str(param.device) if param is not None else None,
         "eos_token_ids": eos_token_ids(model, tokenizer),
     }
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' de-quantization progress bars, FutureWarnings and its
+    UserWarnings (noise on a command line; ``--verbose`` keeps them)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    hf_logging.disable_progress_bar()

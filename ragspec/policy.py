@@ -8,7 +8,10 @@ al. 2024, section 4.3):
   start-up and refined online from real steps;
 * :class:`AcceptanceModel`: for each draft node, the chance it is accepted given that its
   parent is, per drafter source, suffix-match length and depth, calibrated online from
-  accepted lengths (Beta-Bernoulli counts).
+  accepted lengths (Beta-Bernoulli counts);
+* :class:`AcceptedPerStep` and :class:`StepTimer`: the same two quantities per *arm* of a
+  choice between drafters (accepted tokens per verified step, seconds from one step to the
+  next), for :class:`~ragspec.drafters.selecting.SelectingDrafter`.
 
 :func:`choose_draft` keeps the prefix of the draft (best nodes first) that maximises
 expected committed tokens per second: ``(1 + E[accepted]) / latency(1 + n)``.
@@ -20,7 +23,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,11 +31,11 @@ from .types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LatencyModel", "AcceptanceModel", "choose_draft", "DraftChoice"]
+__all__ = ["LatencyModel", "AcceptanceModel", "AcceptedPerStep", "StepTimer", "choose_draft", "DraftChoice"]
 
 
 # Greedy verification computes the output layer's rows lazily (the first row, then the rest
-# once a first draft token is accepted: ragspec.target.RowLogits) only while the chance of
+# once a first draft token is accepted: ragspec.types.LazyLogits) only while the chance of
 # that acceptance is below this: an accepted step then pays two passes over the output
 # layer (on the 2-core CPU, 49152 x 576: 8.5 ms for 1 row, then 13 ms for 8) instead of
 # one (13.4 ms for 9 rows), a rejected one saves 5 ms; break-even near 0.4.
@@ -53,7 +56,7 @@ class LatencyModel:
             raise ValueError("LatencyModel needs at least the latency of q=1")
         self._table = {int(k): float(v) for k, v in table.items()}
         # seconds when only the first row of the output layer is computed (greedy
-        # verification of a draft rejected at its first token; see ragspec.target.RowLogits)
+        # verification of a draft rejected at its first token; see ragspec.types.LazyLogits)
         self._early = {int(k): float(v) for k, v in early.items()} if early else None
         self.ema = ema
         self._scale = 1.0
@@ -140,23 +143,24 @@ class LatencyModel:
         """
         import time
 
-        from .types import DraftTree
+        from .backend.base import VerifyItem
 
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
         samples: dict[tuple[int, bool], list[float]] = {}
+        early = early and bool(target.capability("lazy_rows"))
         modes = (False, True) if early else (False,)
         with torch.inference_mode():
             state = target.new_state()
             target.prefill(state, ids)
-            base = state.length
+            base = target.state_length(state)
             for rnd in range(repeats + 1):
                 for q in qs:
                     for lazy in modes:
                         tree = DraftTree.chain(ids[: q - 1]) if q > 1 else DraftTree.empty()
                         t0 = time.perf_counter()
-                        out = target.verify_forward(state, ids[-1], tree, lazy_logits=lazy)
-                        if lazy:
+                        out = target.verify([VerifyItem(state, ids[-1], tree, lazy_logits=lazy)])[0]
+                        if out.row_logits is not None:
                             out.row_logits.argmax(0)
                         dt = time.perf_counter() - t0
                         target.rollback(state, base)
@@ -269,6 +273,58 @@ class AcceptanceModel:
             b.trials += min(1.0, max(1e-3, scores[i]))
             if i in accepted:
                 b.success += 1
+
+
+class AcceptedPerStep:
+    """Mean accepted draft tokens per verified step, per arm (a drafter, or a drafter at
+    one match-length bucket), from pseudo-counts: each arm starts at its ``prior`` mean,
+    worth ``prior_weight`` steps, and every observed step adds one. One per request.
+
+    Example: prior 1.5 at weight 3, then steps accepting 0 and 4 tokens: (4.5 + 0 + 4) / 5
+    = 1.7.
+    """
+
+    def __init__(self, priors: dict, prior_weight: float = 3.0) -> None:
+        self._stats = {arm: _Beta(prior * prior_weight, prior_weight) for arm, prior in priors.items()}
+
+    def mean(self, arm) -> float:
+        """Expected accepted tokens of a verified step of ``arm``."""
+        return self._stats[arm].mean
+
+    def observe(self, arm, accepted: int) -> None:
+        """One verified step of ``arm`` that accepted ``accepted`` draft tokens."""
+        b = self._stats[arm]
+        b.success += accepted
+        b.trials += 1
+
+
+class StepTimer:
+    """Seconds from one step to the next, per arm (EMA with weight ``ema`` of the newest
+    step), read from an injected ``clock`` (seconds; ``time.perf_counter`` in production,
+    a scripted clock in tests). One per request.
+
+    Example: ticks at 0.0, 0.1 (charged to "a") and 0.4 (charged to "b"): ``timer["a"]``
+    0.1, ``timer["b"]`` 0.3; an arm never charged reads 0.0.
+    """
+
+    def __init__(self, clock: Callable[[], float], arms: Sequence[str], ema: float = 0.2) -> None:
+        self._clock = clock
+        self._ema = ema
+        self._period = {a: 0.0 for a in arms}
+        self._last: Optional[float] = None
+
+    def __getitem__(self, arm: str) -> float:
+        return self._period[arm]
+
+    def tick(self, previous_arm: str) -> None:
+        """Start a new step, charging the seconds since the previous tick to
+        ``previous_arm`` (the arm whose step that was)."""
+        now = float(self._clock())
+        if self._last is not None:
+            old = self._period[previous_arm]
+            dt = now - self._last
+            self._period[previous_arm] = dt if old <= 0 else (1 - self._ema) * old + self._ema * dt
+        self._last = now
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["DraftTree", "VerifyResult", "StepStats", "GenerationStats", "GenerationOutput", "StreamChunk"]
+__all__ = ["DraftTree", "LazyLogits", "VerifyResult", "StepStats", "GenerationStats", "GenerationOutput", "StreamChunk"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,28 @@ class DraftTree:
             draft_probs=None if self.draft_probs is None else self.draft_probs[:k],
             match_len=self.match_len,
         )
+
+
+@runtime_checkable
+class LazyLogits(Protocol):
+    """A target's logits over N + 1 verified rows, computed on demand (a backend's
+    ``Capability.LAZY_ROWS``): greedy verification reads only the rows on the accepted path.
+
+    Attributes:
+        rows_computed: how many rows the output layer has been applied to so far.
+    """
+
+    rows_computed: int
+
+    def __len__(self) -> int:
+        """N + 1."""
+
+    def argmax(self, row: int, group: Sequence[int] = ()) -> int:
+        """Argmax token of ``row``; when not known yet, computed together with the rows in
+        ``group`` (one pass over the output layer)."""
+
+    def full(self) -> torch.Tensor:
+        """All rows: float32 [N + 1, V]."""
 
 
 @dataclass(frozen=True)

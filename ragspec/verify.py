@@ -10,14 +10,11 @@ decoding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import Optional, Protocol, Union
 
 import torch
 
-from .types import DraftTree, VerifyResult
-
-if TYPE_CHECKING:
-    from .target import RowLogits
+from .types import DraftTree, LazyLogits, VerifyResult
 
 __all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
 
@@ -35,7 +32,7 @@ class Verifier(Protocol):
         """
 
 
-def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, "RowLogits"]) -> VerifyResult:
+def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, LazyLogits]) -> VerifyResult:
     """Greedy verification: follow the tree from the root, at each node taking the child
     whose token equals the target's argmax; stop where none does. The argmax there is the
     bonus token. Output equals plain greedy decoding token for token (Leviathan et al.
@@ -43,7 +40,7 @@ def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, "RowLogits
 
     Args:
         tree: N nodes.
-        target_logits: float [N + 1, V], or :class:`~ragspec.target.RowLogits` computed on
+        target_logits: float [N + 1, V], or :class:`~ragspec.types.LazyLogits` computed on
             demand: row 0 alone first, then, once a child is accepted, that child's whole
             subtree in one group, so a draft rejected at its first token costs one row of
             the output layer.

@@ -104,6 +104,35 @@ class _ScriptedSession:
         pass
 
 
+class FixedDrafter:
+    """A drafter whose sessions propose the same ``tree`` at every step."""
+
+    name = "fixed"
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        return _FixedSession(self.tree)
+
+
+class _FixedSession:
+    def __init__(self, tree):
+        self.tree = tree
+
+    def extend(self, token_ids):
+        pass
+
+    def extend_hidden(self, hidden):
+        pass
+
+    def propose(self, max_tokens):
+        return self.tree
+
+    def observe(self, tree, result):
+        pass
+
+
 def oracle_plan(reference, k=8):
     """Drafts the true greedy continuation (everything accepted)."""
     return lambda step, gen: reference[len(gen) : len(gen) + k]
@@ -131,3 +160,152 @@ def make_tree(tokens, parents, draft_probs=None, source=None):
         draft_probs=None if draft_probs is None else torch.tensor([list(map(float, r)) for r in draft_probs]),
         **extra,
     )
+
+
+class FakeState:
+    """The fake backend's KV state: the token of every cache entry, in cache order."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+
+class FakeTarget:
+    """A scripted target behind the ``Target`` protocol alone (no transformers): the next
+    token's logits are a fixed pseudo-random function of the last three tokens of the
+    context and its length. Its "KV cache" holds the token of each entry, so every forward
+    checks that the engine's rollbacks left exactly the committed context in it.
+
+    Args:
+        vocab_size: V.
+        eos_token_id: emitted (by a large logit) once the context holds ``eos_at`` tokens;
+            never before.
+        eos_at: context length at which EOS becomes the argmax (None: never).
+        max_length: the context length reported to the engine.
+
+    Attributes:
+        verify_calls: the number of items of every ``verify`` call, in order.
+    """
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, vocab_size=64, eos_token_id=2, eos_at=None, max_length=4096, seed=0):
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self.eos_token_id = eos_token_id
+        self.eos_at = eos_at
+        self.seed = seed
+        self.verify_calls: list[int] = []
+
+    # the model
+    def logits_after(self, context):
+        """float32 [V]: logits of the token following ``context``."""
+        key = (self.seed, len(context), *context[-3:])
+        g = torch.Generator().manual_seed(hash(key) % (2**31))
+        logits = torch.randn(self.vocab_size, generator=g) * 3.0
+        logits[self.eos_token_id] = -1e4
+        if self.eos_at is not None and len(context) >= self.eos_at:
+            logits[self.eos_token_id] = 1e4
+        return logits
+
+    def reference(self, prompt, max_new_tokens):
+        """Plain greedy decoding of this model: the ground truth."""
+        ctx, out = list(prompt), []
+        for _ in range(max_new_tokens):
+            t = int(self.logits_after(ctx).argmax())
+            out.append(t)
+            ctx.append(t)
+            if t == self.eos_token_id:
+                break
+        return out
+
+    # the protocol
+    def new_state(self):
+        return FakeState()
+
+    def state_length(self, state):
+        return len(state.tokens)
+
+    def capability(self, name):
+        return None  # no optional capability: the engine must work without any
+
+    def prefill(self, state, input_ids, *, return_hidden=False):
+        from ragspec.backend.base import ForwardOutput
+
+        state.tokens.extend(int(t) for t in input_ids)
+        return ForwardOutput(self.logits_after(state.tokens)[None])
+
+    def verify(self, items):
+        from ragspec.backend.base import ForwardOutput
+
+        self.verify_calls.append(len(items))
+        outs = []
+        for it in items:
+            past = list(it.state.tokens)
+            tokens, parents = it.tree.tokens.tolist(), it.tree.parents.tolist()
+            rows = [self.logits_after(past + [it.root_token])]
+            paths = []
+            for i, (t, p) in enumerate(zip(tokens, parents)):
+                path = (paths[p] if p >= 0 else [it.root_token]) + [t]
+                paths.append(path)
+                rows.append(self.logits_after(past + path))
+            it.state.tokens.extend([it.root_token] + tokens)  # one entry per row, tree order
+            it.state.paths = paths
+            outs.append(ForwardOutput(torch.stack(rows)))
+        return outs
+
+    def commit(self, state, past_len, accepted_nodes):
+        nodes = list(accepted_nodes)
+        tree_tokens = state.tokens[past_len + 1 :]
+        root = state.tokens[past_len]
+        kept = [tree_tokens[i] for i in nodes]
+        if nodes and state.paths[nodes[-1]] != [root] + kept:
+            raise AssertionError(f"accepted nodes {nodes} are not a root path")
+        state.tokens[past_len:] = [root] + kept
+
+    def rollback(self, state, length):
+        del state.tokens[length:]
+
+
+class BranchingDrafter:
+    """Drafts a tree per step: a wrong first child, then the true continuation as the
+    second child's chain (so verification must pick a sibling), from ``reference``."""
+
+    name = "branching"
+
+    def __init__(self, reference, vocab_size, depth=4):
+        self.reference, self.vocab_size, self.depth = reference, vocab_size, depth
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        return _BranchingSession(self)
+
+
+class _BranchingSession:
+    def __init__(self, owner):
+        self.o = owner
+        self.generated = []
+
+    def extend(self, token_ids):
+        self.generated.extend(int(t) for t in token_ids)
+
+    def propose(self, max_tokens):
+        from ragspec.types import DraftTree
+
+        true = self.o.reference[len(self.generated) : len(self.generated) + self.o.depth]
+        if not true or max_tokens < 2:
+            return DraftTree.empty()
+        wrong = (true[0] + 1) % self.o.vocab_size
+        chain = true[: max_tokens - 1]
+        tokens = [wrong] + chain
+        parents = [-1, -1] + [1 + i for i in range(len(chain) - 1)]
+        depth = [0, 0] + list(range(1, len(chain)))
+        return DraftTree(
+            tokens=torch.tensor(tokens),
+            parents=torch.tensor(parents),
+            depth=torch.tensor(depth),
+            sources=("branching",) * len(tokens),
+            scores=torch.ones(len(tokens)),
+        )
+
+    def observe(self, tree, result):
+        pass

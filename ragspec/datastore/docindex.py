@@ -230,14 +230,14 @@ class _DocumentSession:
 
 class DocumentDrafter:
     """Drafts by copying from the documents sent with the request (not from the prompt:
-    :class:`ragspec.drafting.PromptLookupDrafter` covers the prompt).
+    :class:`ragspec.drafters.PromptLookupDrafter` covers the prompt).
 
     Measured (5 documents of 1000 tokens plus a 200-token prompt, 2000 decode steps,
     n-grams 2..8, a shared 2-core machine; ranges over runs): building takes 17-36 ms with
     the dict index and 38-89 ms with Aho-Corasick (which fills the same dict first, then the
     automaton); a step (extend by one token + lookup) costs 2-7 us with either, the
     automaton having the slightly tighter p99 (4-12 us vs 8-15 us). The build dominates, so
-    the dict index is the default; ``ragspec.drafting.NgramIndex`` (which also indexes the
+    the dict index is the default; ``ragspec.drafters.NgramIndex`` (which also indexes the
     context) measured 37-58 ms and 7-22 us.
 
     Args:

@@ -233,9 +233,9 @@ class RagspecLLM(_RagspecParams, LLM):
         """Load a model (registry name, GGUF or HF folder; None = the default model) with an
         optional datastore and EAGLE head, and wrap it. ``fields`` are this class's fields
         (``temperature``, ``max_new_tokens``, ``stop`` ...)."""
-        from ragspec.engine import Engine
+        from ragspec.loading import load_engine
 
-        engine = Engine.from_pretrained(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
         return cls(engine=engine, **fields)
 
     @property
@@ -369,9 +369,9 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
         **fields: Any,
     ) -> "ChatRagspec":
         """Load a model (see :meth:`RagspecLLM.from_model_id`) and wrap it."""
-        from ragspec.engine import Engine
+        from ragspec.loading import load_engine
 
-        engine = Engine.from_pretrained(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
         return cls(engine=engine, **fields)
 
     @property

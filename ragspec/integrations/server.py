@@ -127,9 +127,9 @@ def _sse(obj) -> bytes:
 # ---------------------------------------------------------------------- engines
 def _load_engine(settings: ServerSettings):
     from ragspec.config import PolicyConfig
-    from ragspec.engine import Engine
+    from ragspec.loading import load_engine
 
-    return Engine.from_pretrained(
+    return load_engine(
         settings.model,
         settings.device,
         settings.dtype,
@@ -140,41 +140,17 @@ def _load_engine(settings: ServerSettings):
 
 
 def _datastore_engines(engine, settings: ServerSettings) -> dict[str, Any]:
-    """One engine per named datastore: the same model, tokenizer and latency model, with
-    the datastore's drafter added after prompt lookup (as ``Engine.from_pretrained``)."""
+    """One engine per named datastore: the same model, backend and latency model, the
+    drafter composed as ``ragspec.loading`` composes it, with that datastore."""
     if not settings.datastores:
         return {}
-    from ragspec.datastore import Datastore, DatastoreDrafter
-    from ragspec.drafting import CompositeDrafter
-    from ragspec.eagle import SelectingDrafter
-    from ragspec.engine import Engine
+    from ragspec.datastore import Datastore
+    from ragspec.loading import with_datastore
 
-    # with an EAGLE head the datastore joins the retrieval side of the selection
-    selecting = engine.drafter if isinstance(engine.drafter, SelectingDrafter) else None
-    retrieval = selecting.retrieval if selecting is not None else engine.drafter
-    base = list(retrieval.drafters) if isinstance(retrieval, CompositeDrafter) else [retrieval]
-    base = [d for d in base if d is not None]
     out = {}
     for name, directory in settings.datastores:
         ds = Datastore.open(directory, tokenizer=engine.tokenizer)
-        drafters = base[:1] + [DatastoreDrafter(ds)] + base[1:]
-        drafter = drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
-        if selecting is not None:
-            drafter = SelectingDrafter(
-                drafter, selecting.eagle, selecting.min_match, selecting.calibrate, carry=selecting.carry
-            )
-        variant = Engine(
-            engine.target,
-            engine.tokenizer,
-            drafter=drafter,
-            policy=engine.policy,
-            latency=engine.latency,
-            eos_token_ids=engine.eos_token_ids,
-            model_name=engine.model_name,
-        )
-        variant.datastore = ds
-        variant.eagle = engine.eagle
-        out[name] = variant
+        out[name] = with_datastore(engine, ds)
         logger.info("datastore %r: %s", name, directory)
     return out
 

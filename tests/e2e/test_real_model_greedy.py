@@ -36,7 +36,7 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
     the head otherwise), which does not depend on the machine's load."""
     from ragspec import Engine
     from ragspec.config import PLDConfig
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.eagle import SHIPPED_HEADS, EagleDrafter, SelectingDrafter
 
     assert real_engine.eagle is not None
@@ -77,7 +77,7 @@ def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engin
     """With the compiled kernel, every decoder linear (30 layers x 7) and the tied output
     layer of the default model are read from the GGUF's own Q4_1 / Q8_0 blocks, and a
     summarization prompt stays token-identical to ``model.generate`` (float32 weights)."""
-    from ragspec.kernels import load_quant_linear
+    from ragspec.backend.kernels import load_quant_linear
 
     if real_engine.target.skinny is None:  # no compiler here: the float32 path, nothing read from blocks
         assert real_engine.target.gguf_weights == 0 and load_quant_linear() is None

@@ -40,15 +40,15 @@ def make_tiny_engine(eos=(), max_draft: int = 8, drafter=None):
     draft policy is not adaptive, so drafts (and hence seeded samples) never depend on the
     latency model other requests update."""
     from ragspec import Engine, PolicyConfig
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.policy import LatencyModel
-    from ragspec.target import TargetModel
+    from ragspec.backend.hf import HFTarget
 
     tok = make_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     model = make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3)
     return Engine(
-        TargetModel(model),
+        HFTarget(model),
         tok,
         drafter=drafter if drafter is not None else PromptLookupDrafter(),
         policy=PolicyConfig(max_draft_tokens=max_draft, adaptive=False),

@@ -431,7 +431,7 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     import torch
 
     from ragspec.datastore import DatastoreDrafter, build_datastore
-    from ragspec.drafting import CompositeDrafter, PromptLookupDrafter
+    from ragspec.drafters import CompositeDrafter, PromptLookupDrafter
     from ragspec.eagle import EagleDrafter, EagleHead, SelectingDrafter
     from ragspec.engine import Engine
     from ragspec.integrations.server import _datastore_engines

@@ -22,7 +22,7 @@ import torch
 from ragspec.config import PolicyConfig, SamplingParams
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import Engine
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree
 
 from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
@@ -50,7 +50,7 @@ def _tiny_llama(seed: int = 3):
 @pytest.fixture(scope="module")
 def setup(char_tokenizer):
     model = _tiny_llama()
-    target = TargetModel(model)
+    target = HFTarget(model)
     torch.manual_seed(0)
     head = EagleHead.from_target(target).eval()
     return model, target, head, char_tokenizer

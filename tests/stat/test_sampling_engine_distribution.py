@@ -1,5 +1,5 @@
 """Distribution test through ``ragspec.Engine``: a tiny random Llama (vocabulary of 12),
-the real TargetModel (tree attention, KV-cache rollback after rejections) and a scripted
+the real HFTarget (tree attention, KV-cache rollback after rejections) and a scripted
 drafter whose drafts are sometimes right and sometimes wrong, deterministic or sampled with
 their draft probabilities. The first 3 generated tokens over 20k seeded generations must
 follow the exact law of plain sampling, computed from full (cache-free) forwards with
@@ -17,7 +17,7 @@ import torch
 
 from ragspec import DraftTree, Engine, PolicyConfig
 from ragspec.config import SamplingParams
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 
 from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
@@ -170,7 +170,7 @@ def test_engine_first_tokens_match_plain_sampling(setup):
         return torch.softmax(0.7 * logits(ctx) + 1.5 * torch.randn(V, generator=g), -1).tolist()
 
     engine = Engine(
-        TargetModel(model),
+        HFTarget(model),
         tokenizer,
         drafter=ScriptedDrafter(probs_list, draft_list, seed=7),
         policy=PolicyConfig(max_draft_tokens=6, adaptive=False),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ragspec.datastore.docindex import AhoCorasickDocIndex, DictDocIndex, DocumentDrafter, TextMatch, TextMatcher
-from ragspec.drafting import Drafter, DraftSession
+from ragspec.drafters import Drafter, DraftSession
 
 # ---------------------------------------------------------------- text helper
 

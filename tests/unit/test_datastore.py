@@ -30,7 +30,7 @@ from ragspec.datastore.suffix import (
     sa_view,
     suffix_array_numpy,
 )
-from ragspec.drafting import Drafter, DraftSession
+from ragspec.drafters import Drafter, DraftSession
 from ragspec.errors import DatastoreError, DatastoreFormatError, EmptyCorpusError, TokenizerMismatchError
 
 BIG_IDS = (65535, 65536, 70000, 100000, 1_000_003)
@@ -406,7 +406,7 @@ def test_drafter_no_match_is_empty(tmp_path):
 def test_drafter_composes_with_prompt_lookup(tmp_path):
     # inside the engine's CompositeDrafter the datastore draft wins when its match is longer
     # than the prompt's, and the prompt draft when the datastore has nothing
-    from ragspec.drafting import CompositeDrafter, PromptLookupDrafter
+    from ragspec.drafters import CompositeDrafter, PromptLookupDrafter
 
     path, _ = _build(tmp_path, [[1, 2, 3, 4, 5, 6]])
     drafter = CompositeDrafter([PromptLookupDrafter(), DatastoreDrafter(Datastore.open(path))])

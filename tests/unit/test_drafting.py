@@ -6,7 +6,7 @@ import random
 import time
 
 from ragspec.config import PLDConfig
-from ragspec.drafting import CompositeDrafter, NgramIndex, PromptLookupDrafter, ngram_match
+from ragspec.drafters import CompositeDrafter, NgramIndex, PromptLookupDrafter, ngram_match
 from ragspec.types import DraftTree
 
 

@@ -13,22 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragspec_testing import greedy_reference, make_char_tokenizer, make_tiny_llama
+from ragspec_testing import FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama
 from ragspec.config import PolicyConfig
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError, EagleHeadMismatchError, ModelLoadError
-from ragspec.eagle import (
-    EagleDrafter,
-    EagleHead,
-    EagleTreeConfig,
-    SelectingDrafter,
-    load_eagle_head,
-    read_head_config,
-    save_eagle_head,
-    target_fingerprint,
-)
+from ragspec.drafters import SelectingDrafter
+from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig, load_eagle_head, save_eagle_head, target_fingerprint
+from ragspec.eagle.head import read_head_config
 from ragspec.models import ModelSpec
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree, VerifyResult
 
 
@@ -47,7 +40,7 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def target(model):
-    return TargetModel(model)
+    return HFTarget(model)
 
 
 PROMPTS = ["Hello there, how are you?", "The cat sat on the mat.", "abc abc abc", "Tell me: 1, 2, 3"]
@@ -56,7 +49,7 @@ PROMPTS = ["Hello there, how are you?", "The cat sat on the mat.", "abc abc abc"
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory, model, tok):
     """A head trained for a few steps on the tiny model's greedy continuations."""
-    from ragspec.eagle_train import DataConfig, TrainConfig, run_training
+    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
 
     d = tmp_path_factory.mktemp("eagle")
     data = d / "data.jsonl"
@@ -96,8 +89,9 @@ def test_head_shapes_and_shared_parts_not_saved(target):
     torch.manual_seed(0)
     head = EagleHead.from_target(target)
     h = target.config.hidden_size
-    assert head.embed_tokens is target._decoder.get_input_embeddings()
-    assert head.lm_head is target._lm_head
+    emb = target.capability("embeddings")
+    assert head.embed_tokens is emb.input
+    assert head.lm_head is emb.output
     names = set(head.state_dict())
     assert not any("embed" in n or "lm_head" in n for n in names), names
     assert {"fc.weight", "fc.bias", "draft_vocab"} <= names
@@ -260,7 +254,7 @@ def test_greedy_with_head_equals_plain_greedy(head, target, tok, model, adaptive
 
 
 def test_greedy_with_selecting_drafter_equals_plain_greedy(head, target, tok, model):
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
 
     drafter = SelectingDrafter(PromptLookupDrafter(), EagleDrafter(head, target), min_match=2)
     eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(adaptive=False))
@@ -270,35 +264,11 @@ def test_greedy_with_selecting_drafter_equals_plain_greedy(head, target, tok, mo
         assert out.token_ids == greedy_reference(model, ids, 32)
 
 
-class _FixedSession:
-    def __init__(self, tree):
-        self.tree = tree
-
-    def extend(self, ids):
-        pass
-
-    def propose(self, n):
-        return self.tree
-
-    def observe(self, tree, res):
-        pass
-
-
-class _FixedDrafter:
-    name = "fixed"
-
-    def __init__(self, tree):
-        self.tree = tree
-
-    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
-        return _FixedSession(self.tree)
-
-
 def test_selecting_drafter_rule(head, target, tok):
     # retrieval with a 3-token match wins; with a 1-token match the head's tree is used
     prompt = tok(PROMPTS[0])["input_ids"]
     for match_len, want in ((3, "prompt"), (1, "eagle")):
-        retrieval = _FixedDrafter(DraftTree.chain([9, 9], source="prompt", match_len=match_len))
+        retrieval = FixedDrafter(DraftTree.chain([9, 9], source="prompt", match_len=match_len))
         sel = SelectingDrafter(retrieval, EagleDrafter(head, target), min_match=3)
         s, _ = _prefilled_session(sel, target, prompt, root=5)
         assert s.propose(6).sources[0] == want
@@ -321,13 +291,13 @@ def test_saved_head_records_target_and_training(trained_dir, target):
 
 def test_head_for_another_model_is_refused(trained_dir, tok):
     # same architecture and sizes, other weights: refused, naming both fingerprints
-    other = TargetModel(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, seed=1))
+    other = HFTarget(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, seed=1))
     with pytest.raises(EagleHeadMismatchError) as e:
         load_eagle_head(trained_dir[0], target=other)
     msg = str(e.value)
     assert msg.count("embedding-sha256:") == 2
     # another vocabulary size
-    other_v = TargetModel(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 10))
+    other_v = HFTarget(make_tiny_llama(vocab_size=len(tok.get_vocab()) + 10))
     with pytest.raises(EagleHeadMismatchError, match="vocab_size"):
         load_eagle_head(trained_dir[0], target=other_v)
 
@@ -388,9 +358,9 @@ def test_tiny_training_reduces_loss(trained_dir):
 
 def test_training_resume_continues_exactly(tmp_path, model, tok):
     # 6 steps, then resume to 12 == 12 steps straight (checkpoint keeps optimizer, RNG, step)
-    from ragspec.eagle_train import TrainConfig, train_head
+    from ragspec.eagle.train import TrainConfig, train_head
 
-    target = TargetModel(model)
+    target = HFTarget(model)
     seqs = [tok(p)["input_ids"] for p in PROMPTS]
     with torch.inference_mode():
         feats = [target.prefill(target.new_state(), s, return_hidden=True).hidden.clone() for s in seqs]
@@ -422,149 +392,28 @@ def test_cli_registers_eagle_commands():
     assert args.drafters == "head"
 
 
-class _FakeSession:
-    def __init__(self, tree):
-        self.tree = tree
-
-    def extend(self, ids):
-        pass
-
-    def extend_hidden(self, hidden):
-        pass
-
-    def propose(self, n):
-        return self.tree
-
-    def observe(self, tree, res):
-        pass
-
-
-def _run_steps(session, accept_of, steps):
-    """Propose/observe ``steps`` times; ``accept_of(source)`` = accepted tokens."""
-    from ragspec.types import VerifyResult
-
-    picked = []
-    for _ in range(steps):
-        tree = session.propose(8)
-        src = tree.sources[0]
-        k = accept_of(src)
-        picked.append(src)
-        session.observe(tree, VerifyResult(tuple(range(k)), tuple(tree.tokens[:k].tolist()), 1, tree.num_nodes))
-    return picked
-
-
-def test_selecting_threshold_is_calibrated_from_accepted_lengths():
-    """With calibration, a short match wins once retrieval proves better than the head there,
-    and a long match loses once the head proves better: the threshold follows the request."""
-    from ragspec.eagle import _SelectingSession
-
-    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
-    head_tree = DraftTree.chain([8, 8, 8, 8], source="eagle")
-    # head always rejected, retrieval always fully accepted: retrieval takes over at match 1
-    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
-    s._head = [0.0, 3.0]  # the head measured bad
-    s._ret[0] = [12.0, 3.0]  # retrieval at match 1 measured good
-    picked = _run_steps(s, lambda src: 4 if src == "prompt" else 0, 5)
-    assert picked[-1] == "prompt"
-    # the reverse: a 4-token match that is always rejected loses to a good head
-    long = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=4)
-    s = _SelectingSession(_FakeSession(long), _FakeSession(head_tree), min_match=3)
-    picked = _run_steps(s, lambda src: 0 if src == "prompt" else 4, 40)
-    assert picked[0] == "prompt"  # prior: 4 >= min_match
-    assert picked[-1] == "eagle"
-    # without calibration the fixed rule holds
-    s = _SelectingSession(_FakeSession(long), _FakeSession(head_tree), min_match=3, calibrate=False)
-    assert set(_run_steps(s, lambda src: 0 if src == "prompt" else 4, 10)) == {"prompt"}
-
-
-def test_selecting_learns_from_the_retrieval_draft_it_did_not_take():
-    """Regression (translation ran slower with head + retrieval than with retrieval alone):
-    short matches, never picked a priori, were never learned. The retrieval draft a head
-    step beats is now scored against the committed tokens, so retrieval takes over where
-    it would have been right."""
-    from ragspec.eagle import _SelectingSession, _tree_match
-    from ragspec.types import VerifyResult
-
-    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
-    head_tree = DraftTree.chain([7, 8, 8, 8], source="eagle")
-    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
-    picked = []
-    for _ in range(30):
-        tree = s.propose(8)
-        src = tree.sources[0]
-        picked.append(src)
-        # the target's tokens are 7, 7, 7, ...: the head gets 1 token, retrieval would get all
-        k = _tree_match(tree, [7, 7, 7, 7, 7])
-        s.observe(tree, VerifyResult(tuple(range(k)), (7,) * k, 7, tree.num_nodes))
-        s.extend([7] * (k + 1))
-    assert picked[0] == "eagle"
-    assert picked[-1] == "prompt"
-    assert _tree_match(short, [7, 7, 9]) == 2 and _tree_match(short, [9]) == 0
-
-
-def test_selecting_skips_a_head_slower_than_plain_decoding():
-    """Regression (MT-bench ran at 1.04x with head + retrieval, 1.28x with retrieval alone):
-    with no retrieval draft the head always ran, even when its tokens per second, its draft
-    time included, were below plain decoding's. Now such steps are plain; the head is
-    retried every `_HEAD_RETRY` skipped steps."""
-    from ragspec.eagle import _SelectingSession
-
-    head_tree = DraftTree.chain([8, 8, 8, 8], source="eagle")
-    s = _SelectingSession(_FakeSession(DraftTree.empty()), _FakeSession(head_tree), min_match=3)
-    s._head = [0.3, 3.0]  # a head step commits 1.1 tokens ...
-    picked = []
-    for _ in range(s._HEAD_RETRY + 1):
-        s._last = None
-        s._period.update(head=0.12, plain=0.06)  # ... and costs two plain steps
-        picked.append(s.propose(8).num_nodes)
-    assert picked[: s._HEAD_RETRY] == [0] * s._HEAD_RETRY
-    assert picked[-1] == 4  # retried
-    s._head = [9.0, 3.0]  # a head that commits 4 tokens per step pays off
-    s._head_skipped = 0
-    s._last = None  # (the loop above timed its own microsecond steps)
-    s._period.update(head=0.12, plain=0.06)
-    assert s.propose(8).num_nodes == 4
-
-
-def test_selecting_statistics_carry_over_between_requests():
-    """Regression (head + retrieval below retrieval alone on MT-bench and summarization):
-    every request relearned the selection from the prior, spending its first dozen steps
-    on drafts the previous requests had shown to lose. A new request now starts from the
-    drafter's running statistics."""
-    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
-    head_tree = DraftTree.chain([8, 8, 8, 8], source="eagle")
-
-    def first_pick(carry):
-        sel = SelectingDrafter(_FixedDrafter(short), _FixedDrafter(head_tree), min_match=3, carry=carry)
-        # request 1: the head is always rejected, the 1-token match always fully accepted
-        _run_steps(sel.start_request([1, 2, 3]), lambda src: 4 if src == "prompt" else 0, 200)
-        if carry:
-            assert sel.carried.head[0] == 0.0 and 0 < sel.carried.head[1]
-            steps = sel.carried.ret[0][1]
-            assert sel.carried.ret[0][0] > 3.5 * steps  # (the few shadow scores of head steps count 0)
-            assert steps <= 1 / (1 - sel.carry_decay) + 1e-6  # decayed: follows the traffic
-            sel.carried.period.update(retrieval=0.06, head=0.08, plain=0.06)  # (fake steps take microseconds)
-        return _run_steps(sel.start_request([1, 2, 3]), lambda src: 4 if src == "prompt" else 0, 1)[0]
-
-    assert first_pick(carry=True) == "prompt"
-    assert first_pick(carry=False) == "eagle"  # the prior: a 1-token match loses to the head
-
-
 def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model):
-    """The draft head through pre-packed oneDNN weights (the engine's CPU default when the
-    target is packed) gives the same draft logits up to float rounding, and greedy output
-    stays identical to plain greedy."""
-    from ragspec.target import can_pack
+    """The draft head through the backend's few-row kernels (``Capability.FAST_LINEAR``,
+    the engine's CPU default once the target is sped up) gives the same draft logits up to
+    float rounding, and greedy output stays identical to plain greedy."""
+    import copy
+
+    from ragspec.backend.fastpaths import can_pack
 
     if not can_pack(target.device, target.dtype):
         pytest.skip("pre-packed oneDNN linears need a CPU build with oneDNN")
-    plain = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target, pack=False)
-    packed = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target, pack=True)
-    assert plain._lm_packed is None and packed._lm_packed is not None
+    fast_target = HFTarget(copy.deepcopy(model))  # its own copy: routing modifies the layers
+    assert fast_target.capability("fast_linear") is None  # not routed yet: nothing offered
+    fast_target.prepack_linears()
+    assert fast_target.capability("fast_linear") is not None
+    plain = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target)
+    packed = EagleDrafter(load_eagle_head(trained_dir[0], target=fast_target), fast_target)
+    off = EagleDrafter(load_eagle_head(trained_dir[0], target=fast_target), fast_target, fast=False)
+    assert plain._lm is None and off._lm is None and packed._lm is not None
     prompt = tok(PROMPTS[1])["input_ids"]
     trees = []
-    for d in (plain, packed):
-        s, _ = _prefilled_session(d, target, prompt, root=5)
+    for d, t in ((plain, target), (packed, fast_target)):
+        s, _ = _prefilled_session(d, t, prompt, root=5)
         trees.append(s.propose(8))
         with torch.inference_mode():
             feats = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -574,7 +423,7 @@ def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model)
     torch.testing.assert_close(trees[4], trees[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(trees[5], trees[2], rtol=1e-4, atol=1e-4)
     assert trees[3].num_nodes == trees[0].num_nodes > 0
-    eng = Engine(target, tok, drafter=packed, policy=PolicyConfig(adaptive=False))
+    eng = Engine(fast_target, tok, drafter=packed, policy=PolicyConfig(adaptive=False))
     for p in PROMPTS[:2]:
         ids = tok(p)["input_ids"]
         assert eng.generate(ids, max_new_tokens=24, chat=False).token_ids == greedy_reference(model, ids, 24)
@@ -607,27 +456,6 @@ def test_head_grows_only_one_level_past_what_the_cost_model_keeps(trained_dir, t
     assert forwards_of_one_proposal() == 3
 
 
-def test_shadow_score_is_not_capped_by_the_head_step():
-    """Regression (summarization: head steps at 15.8 tok/s replaced short-match retrieval
-    steps worth 17.6 tok/s): a retrieval draft the head beat was scored only against the
-    tokens of that head step (1.4 on average), so short matches looked worse than they
-    were. It is now scored against the tokens committed from that step on."""
-    from ragspec.eagle import _SelectingSession
-
-    short = DraftTree.chain([7, 7, 7, 7], source="prompt", match_len=1)
-    head_tree = DraftTree.chain([9, 9, 9, 9], source="eagle")
-    s = _SelectingSession(_FakeSession(short), _FakeSession(head_tree), min_match=3)
-    assert s.propose(8).sources[0] == "eagle"  # the prior: a 1-token match loses
-    before = list(s._ret[0])
-    s.observe(head_tree, VerifyResult((), (), 7, 4))  # head rejected; the correction is 7
-    s.extend([7])
-    assert s._ret[0] == before  # one token seen, all matched: not decided yet
-    s.extend([7, 7])
-    s.extend([7, 5])  # the draft's 4 tokens confirmed
-    assert s._ret[0] == [before[0] + 4, before[1] + 1]
-    assert s._shadows == []
-
-
 def test_shipped_head_only_for_its_own_model(target, tmp_path):
     """``eagle="auto"`` finds a shipped head by model name and takes it only when the
     fingerprint matches: the default model's head is not used for other weights that
@@ -647,7 +475,7 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     is not an EAGLE head folder", and an empty ``RAGSPEC_EAGLE`` meant "no head" for
     ``generate`` but "auto" for the server."""
     from ragspec.cli import build_parser
-    from ragspec.eagle_cli import _make_drafter
+    from ragspec.eagle.cli import _make_drafter
 
     monkeypatch.setenv("RAGSPEC_EAGLE", "")
     p = build_parser()
@@ -657,39 +485,3 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     # a model without a shipped head: a clear error naming the option, not a missing folder
     with pytest.raises(ConfigError, match="--eagle DIR"):
         _make_drafter("both", args, target, None, object())
-
-
-def test_seeded_sampling_with_a_calibrated_selection_repeats_exactly(head, target, tok, monkeypatch):
-    """Regression (fresh-user trial): with the shipped head on (the default: a calibrated
-    SelectingDrafter that carries statistics between requests and times its steps), the
-    same seed gave different samples call after call and process after process; the
-    distribution was right, but which drafts were verified, and so how many random draws
-    a request used, followed the clock and the earlier requests. Seeded sampled requests
-    now draft through ``SelectingDrafter.reproducible()``."""
-    import itertools
-    import random
-
-    from ragspec.drafting import PromptLookupDrafter
-
-    drafter = SelectingDrafter(PromptLookupDrafter(), EagleDrafter(head, target), min_match=2)
-    eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(adaptive=False))  # every draft verified
-    ids = tok(PROMPTS[0])["input_ids"]
-    jitter = random.Random(0)
-
-    def sample(clock_steps):
-        ticks = itertools.accumulate(clock_steps)  # step timings as the selection sees them
-        monkeypatch.setattr("ragspec.eagle.time.perf_counter", lambda: next(ticks))
-        out = eng.generate(ids, max_new_tokens=40, chat=False, temperature=0.9, seed=11, return_steps=True)
-        eng.generate(ids, max_new_tokens=16, chat=False)  # an unseeded greedy request in between
-        return out
-
-    outs = [
-        sample(itertools.repeat(0.05)),
-        sample(jitter.uniform(0.001, 0.3) for _ in itertools.count()),
-        sample(itertools.cycle([0.5, 0.001])),
-    ]
-    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
-    assert any(s.source == "eagle" and s.num_drafted for s in outs[0].stats.steps)  # the head drafted
-    carried = (drafter.carried.head[1], [b[1] for b in drafter.carried.ret])
-    eng.generate(ids, max_new_tokens=40, chat=False, temperature=0.9, seed=11)
-    assert (drafter.carried.head[1], [b[1] for b in drafter.carried.ret]) == carried  # seeded: nothing carried

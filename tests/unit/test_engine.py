@@ -7,10 +7,10 @@ import torch
 
 from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
-from ragspec.drafting import PromptLookupDrafter
+from ragspec.drafters import PromptLookupDrafter
 from ragspec.errors import PromptTooLongError
 from ragspec.policy import LatencyModel
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 
 PROMPT = "the cat sat on the mat. the cat sat on the hat."
 FLAT_LATENCY = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013, 16: 0.015}
@@ -18,7 +18,7 @@ FLAT_LATENCY = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013, 16: 0.015}
 
 def make_engine(model, tok, drafter=None, adaptive=False, eos=(), max_draft=8):
     return Engine(
-        TargetModel(model),
+        HFTarget(model),
         tok,
         drafter=drafter,
         policy=PolicyConfig(max_draft_tokens=max_draft, adaptive=adaptive),

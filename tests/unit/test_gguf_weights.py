@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragspec.kernels import load_quant_linear
-from ragspec.quant import Q4_1, Q8_0, GGUFWeight, load_gguf_weights, match_gguf_weights, read_gguf_weights
-from ragspec.target import TargetModel
+from ragspec.backend.kernels import load_quant_linear
+from ragspec.backend.quant import Q4_1, Q8_0, GGUFWeight, load_gguf_weights, match_gguf_weights, read_gguf_weights
+from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
 
@@ -22,7 +22,7 @@ from test_kernels import _BUILDABLE
 def kernels():
     if not _BUILDABLE:
         pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
-    from ragspec.kernels import load_skinny_linear
+    from ragspec.backend.kernels import load_skinny_linear
 
     skinny, quant = load_skinny_linear(), load_quant_linear()
     assert skinny is not None and quant is not None, "the kernel failed to build on a machine that can build it"
@@ -129,11 +129,11 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
         calls.append(int(x.shape[0]))
         return quant(x, qs, scales, fmt, bias)
 
-    target = TargetModel(model)
+    target = HFTarget(model)
     assert target.use_gguf_weights(path, counting) == len(named) - 1
     target.prepack_linears(skinny)
     assert target.gguf_weights == len(named) - 1
-    plain = TargetModel(_quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0])
+    plain = HFTarget(_quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0])
     plain.prepack_linears(skinny)
     prompt = list(range(5, 17))
     tree = make_tree([8, 9, 10, 11], [-1, 0, 1, 0], source="test")
@@ -143,8 +143,8 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
         plain.prefill(b, prompt)
         calls.clear()
         for t in (tree, DraftTree.empty()):
-            fa = target.verify_forward(a, 7, t)
-            fb = plain.verify_forward(b, 7, t)
+            fa = target.verify_one(a, 7, t)
+            fb = plain.verify_one(b, 7, t)
             assert torch.equal(fa.logits, fb.logits)
         # 5 rows: 13 decoder weights and the output layer, then the plain step
         assert calls.count(5) == 13 + 1 and calls.count(1) == 13 + 1
@@ -152,7 +152,7 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
     assert calls.count(5) == 14 and calls.count(1) == 14
 
     from ragspec.config import PLDConfig
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.engine import Engine
     from ragspec_testing import make_char_tokenizer
 
@@ -164,7 +164,7 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
 
 
 def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, monkeypatch):
-    import ragspec.quant as quant_mod
+    import ragspec.backend.quant as quant_mod
 
     path, cache = tmp_path / "m.gguf", tmp_path / "cache" / "blocks.safetensors"
     model, named = _quantized_tiny_model(path, permute="lm_head", perturb="model.layers.0.mlp.gate_proj")
@@ -190,15 +190,15 @@ def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, 
 def test_gguf_weights_are_a_no_op_without_the_kernel_or_for_other_dtypes(tmp_path):
     path = tmp_path / "m.gguf"
     model, _ = _quantized_tiny_model(path, permute="", perturb="lm_head")
-    assert TargetModel(model).use_gguf_weights(path, None) == 0
-    assert TargetModel(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
+    assert HFTarget(model).use_gguf_weights(path, None) == 0
+    assert HFTarget(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
 
 
 def test_unreadable_gguf_keeps_the_float32_weights_with_a_warning(tmp_path, caplog):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 64)
-    with caplog.at_level("WARNING", logger="ragspec.target"):
-        assert TargetModel(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
+    with caplog.at_level("WARNING", logger="ragspec.backend.hf"):
+        assert HFTarget(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
     assert "cannot read GGUF blocks" in caplog.text
 
 
@@ -206,7 +206,7 @@ def test_gguf_block_cache_of_an_older_ragspec_is_rebuilt(tmp_path, monkeypatch):
     """A cache written before a format was supported (Q5_0 came after Q4_1/Q8_0) holds
     fewer matches, all still exact: it must be rebuilt, not trusted, or the newly read
     weights would never be used."""
-    import ragspec.quant as quant_mod
+    import ragspec.backend.quant as quant_mod
 
     path, cache = tmp_path / "m.gguf", tmp_path / "blocks.safetensors"
     _, named = _quantized_tiny_model(path, permute="", perturb="model.layers.0.mlp.gate_proj")

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragspec import kernels
-from ragspec.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
-from ragspec.target import TargetModel
+from ragspec.backend import kernels
+from ragspec.backend.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
+from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
 
@@ -67,7 +67,7 @@ class _CountingKernel:
 def test_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2)
     kernel = _CountingKernel()
-    target = TargetModel(model)
+    target = HFTarget(model)
     assert target.prepack_linears(kernel) == 2 * 7
     assert target.skinny is kernel
     ids = torch.tensor([[5, 9, 12, 40]])
@@ -79,22 +79,22 @@ def test_kernel_runs_only_inside_the_targets_own_forwards():
         target.prefill(state, list(range(3, 3 + SKINNY_MAX_ROWS + 4)))  # prefill longer than the kernel's rows
         assert kernel.rows == [1]  # the output layer's one row; the decoder's 20 rows took torch's kernel
         kernel.rows.clear()
-        target.verify_forward(state, 7, make_tree([8, 9, 10], [-1, 0, 1], source="test"))
+        target.verify_one(state, 7, make_tree([8, 9, 10], [-1, 0, 1], source="test"))
         # 7 linear layers x 2 decoder layers at 4 rows, then the output layer
         assert kernel.rows == [4] * 14 + [4]
         kernel.rows.clear()
-        target.verify_forward(state, 7, DraftTree.empty())  # a plain step
+        target.verify_one(state, 7, DraftTree.empty())  # a plain step
         assert kernel.rows == [1] * 15
 
 
 def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
     from ragspec.config import PLDConfig
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.engine import Engine
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = TargetModel(make_tiny_llama(layers=2))
+    target = HFTarget(make_tiny_llama(layers=2))
     target.prepack_linears(skinny)
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
@@ -104,26 +104,28 @@ def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
 
 
 def test_kernel_switch_off_by_argument_and_environment(monkeypatch):
-    from ragspec.engine import Engine
-
-    target = TargetModel(make_tiny_llama(layers=1))
-    assert Engine.load_cpu_kernel(target, False) is None
+    target = HFTarget(make_tiny_llama(layers=1))
+    target.speed_up(cpu_kernels=False)
+    assert target.skinny is None and target.attention_kernel is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
     assert not cpu_kernels_enabled()
-    assert Engine.load_cpu_kernel(target) is None
+    by_env = HFTarget(make_tiny_llama(layers=1))
+    by_env.speed_up()
+    assert by_env.skinny is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "")
     assert cpu_kernels_enabled()
     assert cpu_kernels_enabled("1") and not cpu_kernels_enabled("off")
     # other dtypes keep torch's kernels
-    half = TargetModel(make_tiny_llama(layers=1).to(torch.bfloat16))
-    assert Engine.load_cpu_kernel(half, True) is None
+    half = HFTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
+    half.speed_up(cpu_kernels=True)
+    assert half.skinny is None
 
 
 def test_kernel_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
     if not _cpu_supported():
         pytest.skip("the build is only attempted on Linux x86-64 with AVX2")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.INFO, logger="ragspec.kernels"):
+    with caplog.at_level(logging.INFO, logger="ragspec.backend.kernels"):
         assert load_skinny_linear(tmp_path / "kernels") is None
     assert "no C++ compiler" in caplog.text
     # a compiler that fails: the error is logged and torch's kernels stay in use
@@ -133,7 +135,7 @@ def test_kernel_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, c
     monkeypatch.setenv("CXX", str(broken))
     if not shutil.which("ninja"):
         pytest.skip("ninja is needed to attempt a build")
-    with caplog.at_level(logging.WARNING, logger="ragspec.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ragspec.backend.kernels"):
         assert load_skinny_linear(tmp_path / "kernels2") is None
     assert "compiled CPU kernel unavailable" in caplog.text
 
@@ -155,7 +157,7 @@ def test_killed_kernel_build_does_not_block_later_loads(skinny, tmp_path, monkey
     """Regression (fresh-user trial): a build killed by SIGTERM/SIGKILL left torch's
     ``lock`` file in the shared build folder and every later start waited on it forever.
     Builds now run in private folders and move the library into place."""
-    real_so = kernel_dir() / "ragspec_skinny_linear.so"
+    real_so = kernel_dir() / f"{kernels._NAME}.so"
     target = kernel_dir(tmp_path)
     target.parent.mkdir(parents=True)
     stale = target.parent / f"{target.name}.build-killed"
@@ -171,7 +173,7 @@ def test_killed_kernel_build_does_not_block_later_loads(skinny, tmp_path, monkey
     monkeypatch.setattr(cpp, "load", _fake_build(real_so, calls))
     kernel = load_skinny_linear(tmp_path)
     assert kernel is not None and len(calls) == 1
-    assert (target / "ragspec_skinny_linear.so").is_file()
+    assert (target / f"{kernels._NAME}.so").is_file()
     assert not stale.exists() and fresh.exists()  # only stale leftovers are removed
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -184,7 +186,7 @@ def test_cached_kernel_loads_without_the_build_system(skinny, tmp_path, monkeypa
     directly."""
     target = kernel_dir(tmp_path)
     target.mkdir(parents=True)
-    shutil.copy(kernel_dir() / "ragspec_skinny_linear.so", target / "ragspec_skinny_linear.so")
+    shutil.copy(kernel_dir() / f"{kernels._NAME}.so", target / f"{kernels._NAME}.so")
     import torch.utils.cpp_extension as cpp
 
     def no_build(*args, **kwargs):
@@ -202,19 +204,19 @@ def test_cached_kernel_loads_without_the_build_system(skinny, tmp_path, monkeypa
 def test_corrupt_cached_kernel_is_rebuilt(skinny, tmp_path, monkeypatch, caplog):
     """Regression (fresh-user trial): a corrupt cached library made every later start fall
     back to torch's kernels (the build system thought it up to date). It is rebuilt once."""
-    real_so = kernel_dir() / "ragspec_skinny_linear.so"
+    real_so = kernel_dir() / f"{kernels._NAME}.so"
     target = kernel_dir(tmp_path)
     target.mkdir(parents=True)
-    (target / "ragspec_skinny_linear.so").write_bytes(os.urandom(1000))
+    (target / f"{kernels._NAME}.so").write_bytes(os.urandom(1000))
     calls: list[str] = []
     import torch.utils.cpp_extension as cpp
 
     monkeypatch.setattr(cpp, "load", _fake_build(real_so, calls))
-    with caplog.at_level(logging.WARNING, logger="ragspec.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ragspec.backend.kernels"):
         kernel = load_skinny_linear(tmp_path)
     assert kernel is not None and len(calls) == 1
     assert "does not load" in caplog.text
-    assert (target / "ragspec_skinny_linear.so").read_bytes() == real_so.read_bytes()
+    assert (target / f"{kernels._NAME}.so").read_bytes() == real_so.read_bytes()
 
 
 def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
@@ -222,13 +224,13 @@ def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
     is skipped there and the model decodes with torch's kernels."""
     from ragspec.config import PLDConfig
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.engine import Engine
-    from ragspec.target import _mkldnn_bf16_supported, can_pack
+    from ragspec.backend.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = TargetModel(make_tiny_llama(layers=1).to(torch.bfloat16))
+    target = HFTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
     assert can_pack(target.device, torch.bfloat16) == _mkldnn_bf16_supported()
     n = target.prepack_linears(load_skinny_linear() if _BUILDABLE else None)
     assert n == (7 if _mkldnn_bf16_supported() else 0)
@@ -302,7 +304,7 @@ class _CountingAttention:
 def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2, head_dim=32)
     kernel = _CountingAttention()
-    target = TargetModel(model)
+    target = HFTarget(model)
     assert target.route_gqa_attention()
     assert target.use_attention_kernel(kernel)
     ids = torch.tensor([[5, 9, 12, 40]])
@@ -313,13 +315,13 @@ def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
         state = target.new_state()
         target.prefill(state, list(range(3, 23)))  # prefill: torch's SDPA
         assert kernel.queries == []
-        target.verify_forward(state, 7, make_tree([8, 9, 10], [-1, 0, 0], source="test"))  # a tree
+        target.verify_one(state, 7, make_tree([8, 9, 10], [-1, 0, 0], source="test"))  # a tree
         target.rollback(state, 20)
-        target.verify_forward(state, 7, DraftTree.chain([8, 9]))  # a chain (transformers' causal mask)
-        target.verify_forward(state, 7, DraftTree.empty())  # a plain step
+        target.verify_one(state, 7, DraftTree.chain([8, 9]))  # a chain (transformers' causal mask)
+        target.verify_one(state, 7, DraftTree.empty())  # a plain step
         assert kernel.queries == [4, 4, 3, 3, 1, 1]  # 2 layers each
         target.use_attention_kernel(None)
-        target.verify_forward(state, 7, DraftTree.empty())
+        target.verify_one(state, 7, DraftTree.empty())
         assert kernel.queries == [4, 4, 3, 3, 1, 1]
 
 
@@ -331,7 +333,7 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
     tok = make_char_tokenizer()
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     ref = greedy_reference(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None), prompt, 60)
-    target = TargetModel(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
+    target = HFTarget(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
     target.prepack_linears(skinny)
     target.route_gqa_attention()
     assert target.use_attention_kernel(attention)
@@ -345,11 +347,9 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
 
 
 def test_speed_up_installs_both_compiled_kernels(skinny, attention):
-    from ragspec.engine import Engine
-
-    target = TargetModel(make_tiny_llama(layers=1, head_dim=32))
-    Engine.speed_up(target)
+    target = HFTarget(make_tiny_llama(layers=1, head_dim=32))
+    target.speed_up()
     assert target.skinny is skinny and target.attention_kernel is attention
-    plain = TargetModel(make_tiny_llama(layers=1, head_dim=32))
-    Engine.speed_up(plain, cpu_kernels=False)
+    plain = HFTarget(make_tiny_llama(layers=1, head_dim=32))
+    plain.speed_up(cpu_kernels=False)
     assert plain.skinny is None and plain.attention_kernel is None

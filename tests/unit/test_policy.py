@@ -7,7 +7,7 @@ import pytest
 from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree, VerifyResult
 
 CPU_LIKE = {1: 0.042, 2: 0.068, 3: 0.083, 4: 0.063, 8: 0.064, 16: 0.080}  # verification not free
@@ -62,7 +62,7 @@ def setup(char_tokenizer):
 def test_always_wrong_drafter_stops_being_verified_within_a_few_steps(setup, char_tokenizer):
     model, prompt, ref = setup
     eng = Engine(
-        TargetModel(model),
+        HFTarget(model),
         char_tokenizer,
         drafter=ScriptedDrafter(wrong_plan(ref, model.config.vocab_size)),
         policy=PolicyConfig(adaptive=True),
@@ -77,7 +77,7 @@ def test_always_wrong_drafter_stops_being_verified_within_a_few_steps(setup, cha
 def test_oracle_drafter_drafts_long(setup, char_tokenizer):
     model, prompt, ref = setup
     eng = Engine(
-        TargetModel(model),
+        HFTarget(model),
         char_tokenizer,
         drafter=ScriptedDrafter(oracle_plan(ref, k=8)),
         policy=PolicyConfig(adaptive=True),
@@ -94,7 +94,7 @@ def test_latency_calibration_is_monotone_in_q_after_a_disturbed_sample():
 
     # a burst of load during the q = 1 samples read 80 ms beside 63 ms for q = 2
     assert _monotone({1: 0.080, 2: 0.063, 4: 0.070, 8: 0.065}) == {1: 0.063, 2: 0.063, 4: 0.065, 8: 0.065}
-    target = TargetModel(make_tiny_llama(layers=1))
+    target = HFTarget(make_tiny_llama(layers=1))
     lat = LatencyModel.measure(target, qs=(1, 2, 4, 8), context=32, repeats=2)
     for table in (lat.table, {q: lat.early(q) for q in (1, 2, 4, 8)}):
         values = [table[q] for q in (1, 2, 4, 8)]

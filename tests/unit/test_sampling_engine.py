@@ -10,8 +10,8 @@ import torch
 
 from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PLDConfig, PolicyConfig
-from ragspec.drafting import PromptLookupDrafter
-from ragspec.target import TargetModel
+from ragspec.drafters import PromptLookupDrafter
+from ragspec.backend.hf import HFTarget
 
 
 # every torch entry point that draws random numbers
@@ -40,7 +40,7 @@ _RANDOM_FUNCTIONS = [
 
 
 def make_engine(model, tok, drafter, adaptive=False):
-    return Engine(TargetModel(model), tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=6, adaptive=adaptive))
+    return Engine(HFTarget(model), tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=6, adaptive=adaptive))
 
 
 def test_greedy_never_draws_a_random_number(no_eos_setup, char_tokenizer, monkeypatch):
@@ -109,14 +109,14 @@ def test_seed_reproducible_across_engines_with_different_latency(char_tokenizer)
     # table and the draft choices (hence the samples) followed it. A seeded request now
     # drafts by the fixed reference table.
     from ragspec import Engine
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.policy import LatencyModel
-    from ragspec.target import TargetModel
+    from ragspec.backend.hf import HFTarget
 
     model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3, eos_token_id=None, std=0.2)
     prompt = char_tokenizer("the cat sat on the mat. the cat sat on the hat.")["input_ids"]
     outs = []
     for table in ({1: 0.040, 4: 0.041, 8: 0.042}, {1: 0.010, 4: 0.200, 8: 0.400}):
-        eng = Engine(TargetModel(model), char_tokenizer, drafter=PromptLookupDrafter(), latency=LatencyModel(table))
+        eng = Engine(HFTarget(model), char_tokenizer, drafter=PromptLookupDrafter(), latency=LatencyModel(table))
         outs.append(eng.generate(prompt, max_new_tokens=40, chat=False, temperature=0.7, seed=11).token_ids)
     assert outs[0] == outs[1]

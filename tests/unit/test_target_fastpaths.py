@@ -8,7 +8,7 @@ import torch
 import pytest
 
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
-from ragspec.target import RowLogits, TargetModel
+from ragspec.backend.hf import HFTarget, RowLogits
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
@@ -20,7 +20,7 @@ def _keys(state):
 
 def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill():
     model = make_tiny_llama(layers=2)
-    target = TargetModel(model)
+    target = HFTarget(model)
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 96, (300,), generator=gen).tolist()  # past the first capacity (256 + need)
     tree = make_tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0], source="test")
@@ -28,7 +28,7 @@ def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill()
         state = target.new_state()
         target.prefill(state, prompt)
         past = state.length
-        out = target.verify_forward(state, 7, tree)
+        out = target.verify_one(state, 7, tree)
         # keep root, then nodes 1 -> 2 -> 3 (a path that is not a prefix of the rows)
         target.commit(state, past, [1, 2, 3])
         assert state.length == past + 4
@@ -40,7 +40,7 @@ def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill()
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         # the next step appends after the compacted path and grows past the capacity
         for i in range(600):
-            target.verify_forward(state, 20 + i % 50, DraftTree.empty())
+            target.verify_one(state, 20 + i % 50, DraftTree.empty())
         assert state.length == past + 4 + 600
         assert out.logits.shape == (6, 96)
 
@@ -48,13 +48,13 @@ def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill()
 def test_kv_cache_accepts_keys_replaced_from_outside():
     """A layer whose keys were replaced (not a view of its buffer) is re-seated, not corrupted."""
     model = make_tiny_llama(layers=1)
-    target = TargetModel(model)
+    target = HFTarget(model)
     with torch.inference_mode():
         state = target.new_state()
         target.prefill(state, [5, 6, 7, 8])
         layer = state.cache.layers[0]
         layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-        target.verify_forward(state, 9, DraftTree.empty())
+        target.verify_one(state, 9, DraftTree.empty())
         ref = target.new_state()
         target.prefill(ref, [5, 6, 7, 8, 9])
         torch.testing.assert_close(state.cache.layers[0].keys, ref.cache.layers[0].keys)
@@ -62,7 +62,7 @@ def test_kv_cache_accepts_keys_replaced_from_outside():
         layer = state.cache.layers[0]
         layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
         past = state.length
-        target.verify_forward(state, 10, make_tree([11, 12], [-1, -1], source="test"))
+        target.verify_one(state, 10, make_tree([11, 12], [-1, -1], source="test"))
         target.commit(state, past, [1])
         target.prefill(ref, [10, 12])
         torch.testing.assert_close(state.cache.layers[0].keys, ref.cache.layers[0].keys, rtol=1e-4, atol=1e-5)
@@ -71,7 +71,7 @@ def test_kv_cache_accepts_keys_replaced_from_outside():
 def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
     model = make_tiny_llama(layers=2)
     ref_model = make_tiny_llama(layers=2)
-    target = TargetModel(model)
+    target = HFTarget(model)
     n = target.prepack_linears()
     assert n == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert target.prepack_linears() == n  # idempotent
@@ -94,12 +94,12 @@ def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
 def test_prepacked_linears_greedy_identical_to_generate():
     model = make_tiny_llama(layers=2)
     from ragspec.engine import Engine
-    from ragspec.drafting import PromptLookupDrafter
+    from ragspec.drafters import PromptLookupDrafter
     from ragspec.config import PLDConfig
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = TargetModel(model)
+    target = HFTarget(model)
     target.prepack_linears()
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
@@ -111,7 +111,7 @@ def test_prepacked_linears_greedy_identical_to_generate():
 @pytest.mark.parametrize("first_right", [False, True])
 def test_row_logits_compute_only_the_accepted_path(first_right):
     model = make_tiny_llama(layers=2)
-    target = TargetModel(model)
+    target = HFTarget(model)
     prompt = [5, 9, 12, 40, 33, 17]
     with torch.inference_mode():
         state = target.new_state()
@@ -119,16 +119,16 @@ def test_row_logits_compute_only_the_accepted_path(first_right):
         root = first
         s2 = target.new_state()
         target.prefill(s2, prompt)
-        nxt = target.verify_forward(s2, root, DraftTree.empty()).logits.argmax(-1).item()
+        nxt = target.verify_one(s2, root, DraftTree.empty()).logits.argmax(-1).item()
         wrong = (nxt + 1) % 96
         head = nxt if first_right else wrong
         tree = make_tree([head, wrong, 30, 31, 32], [-1, -1, 0, 2, 1], source="test")
         past = state.length
-        lazy = target.verify_forward(state, root, tree, lazy_logits=True)
+        lazy = target.verify_one(state, root, tree, lazy_logits=True)
         assert lazy.logits is None and isinstance(lazy.row_logits, RowLogits)
         res_lazy = verify_greedy(tree, lazy.row_logits)
         target.rollback(state, past)
-        full = target.verify_forward(state, root, tree)
+        full = target.verify_one(state, root, tree)
         res_full = verify_greedy(tree, full.logits)
     assert res_lazy == res_full
     if first_right:
@@ -176,15 +176,15 @@ def test_engine_verifies_likely_accepted_drafts_with_full_logits():
 
     prompt = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = greedy_reference(make_tiny_llama(layers=2, eos_token_id=None), prompt, 40)
-    target = TargetModel(make_tiny_llama(layers=2, eos_token_id=None))
+    target = HFTarget(make_tiny_llama(layers=2, eos_token_id=None))
     calls = []
-    forward = target.verify_forward
+    forward = target.verify_one
 
     def recording(state, root, tree, **kw):
         calls.append((tree.num_nodes, kw.get("lazy_logits", False)))
         return forward(state, root, tree, **kw)
 
-    target.verify_forward = recording
+    target.verify_one = recording
     flat = {1: 0.040, 4: 0.044, 8: 0.046, 16: 0.050}
     eng = Engine(target, make_char_tokenizer(), drafter=ScriptedDrafter(oracle_plan(ref)), eos_token_ids=[],
                  latency=LatencyModel(dict(flat), ema=0.0, early=dict(flat)))
@@ -217,13 +217,13 @@ def test_gqa_attention_route_keeps_verification_logits_bit_identical():
             for tree in trees:
                 state = target.new_state()
                 target.prefill(state, prompt)
-                outs.append(target.verify_forward(state, 7, tree, return_hidden=True))
+                outs.append(target.verify_one(state, 7, tree, return_hidden=True))
         return outs
 
     reference = make_tiny_llama(layers=2)
     ref_greedy = greedy_reference(reference, prompt, 24, eos_token_id=2)
     model = make_tiny_llama(layers=2)
-    target = TargetModel(model)
+    target = HFTarget(model)
     before = verify_all(target)
     assert target.route_gqa_attention() and target.route_gqa_attention()  # idempotent
     assert model.config._attn_implementation == "ragspec_sdpa"
@@ -243,6 +243,6 @@ def test_gqa_attention_route_is_a_no_op_without_grouped_heads():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=4)
     model = LlamaForCausalLM(cfg).eval()
-    target = TargetModel(model)
+    target = HFTarget(model)
     assert not target.route_gqa_attention()
     assert model.config._attn_implementation == "sdpa"

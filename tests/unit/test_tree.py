@@ -7,7 +7,7 @@ import torch
 from ragspec_testing import greedy_reference, make_tiny_llama
 from ragspec import Engine, PolicyConfig
 from ragspec.policy import LatencyModel
-from ragspec.target import TargetModel
+from ragspec.backend.hf import HFTarget
 from ragspec.tree import merge_trees, path_to_node, tree_attention_mask, tree_from_candidates, tree_position_ids
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
@@ -111,7 +111,7 @@ def test_tree_verification_equals_greedy_with_oracle_and_wrong_branches(char_tok
     prompt = char_tokenizer("a tree of drafts")["input_ids"]
     ref = greedy_reference(model, prompt, 30, eos_token_id=None)
     eng = Engine(
-        TargetModel(model),
+        HFTarget(model),
         char_tokenizer,
         drafter=_TreeDrafter(ref, model.config.vocab_size),
         policy=PolicyConfig(max_draft_tokens=12, adaptive=False),
@@ -127,13 +127,13 @@ def test_tree_verification_equals_greedy_with_oracle_and_wrong_branches(char_tok
 def test_tree_verification_equals_chain_verification_on_chains(char_tokenizer):
     # a chain given as an explicit tree (mask path) gives the same logits as the chain path
     model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
-    target = TargetModel(model)
+    target = HFTarget(model)
     prompt = char_tokenizer("same logits either way")["input_ids"]
     chain = DraftTree.chain([10, 11, 12, 13])
     with torch.inference_mode():
         s1 = target.new_state()
         target.prefill(s1, prompt[:-1])
-        a = target.verify_forward(s1, prompt[-1], chain).logits
+        a = target.verify_one(s1, prompt[-1], chain).logits
         s2 = target.new_state()
         target.prefill(s2, prompt[:-1])
         # same chain, but pass it through the 4-D mask path by adding a dummy second root child
@@ -142,7 +142,7 @@ def test_tree_verification_equals_chain_verification_on_chains(char_tokenizer):
             torch.tensor([-1, 0, 1, 2, -1]),
             torch.tensor([0, 1, 2, 3, 0]),
         )
-        b = target.verify_forward(s2, prompt[-1], tree).logits
+        b = target.verify_one(s2, prompt[-1], tree).logits
     assert torch.allclose(a, b[:5], atol=1e-5)
 
 
@@ -158,16 +158,16 @@ def test_tree_verification_respects_sliding_window():
     )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(cfg).eval()
-    target = TargetModel(model)
+    target = HFTarget(model)
     prompt = list(range(3, 15))
     with torch.inference_mode():
         s1 = target.new_state()
         target.prefill(s1, prompt[:-1])
-        a = target.verify_forward(s1, prompt[-1], DraftTree.chain([20, 21, 22])).logits
+        a = target.verify_one(s1, prompt[-1], DraftTree.chain([20, 21, 22])).logits
         s2 = target.new_state()
         target.prefill(s2, prompt[:-1])
         tree = DraftTree(torch.tensor([20, 21, 22, 30]), torch.tensor([-1, 0, 1, -1]), torch.tensor([0, 1, 2, 0]))
-        b = target.verify_forward(s2, prompt[-1], tree).logits
+        b = target.verify_one(s2, prompt[-1], tree).logits
     assert torch.allclose(a, b[:4], atol=1e-5)
 
 
@@ -178,10 +178,10 @@ def test_packed_output_layer_matches_plain_linear(char_tokenizer):
     chain = DraftTree.chain([10, 11, 12, 13, 14, 15])
     outs = []
     for pack in (False, True):
-        target = TargetModel(model, pack_lm_head=pack)
+        target = HFTarget(model, pack_lm_head=pack)
         with torch.inference_mode():
             s = target.new_state()
             target.prefill(s, prompt[:-1])
-            outs.append(target.verify_forward(s, prompt[-1], chain).logits)
+            outs.append(target.verify_one(s, prompt[-1], chain).logits)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -11,13 +11,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEFAULT_DATA = "../shared/data/specbench-dev.jsonl"
 
 
 def cmd_eagle_train(args) -> int:
-    from .eagle_train import DataConfig, TrainConfig, run_training
+    from .train import DataConfig, TrainConfig, run_training
 
     if not args.data:
         raise ConfigError("give training data: --data JSONL [JSONL ...]")
@@ -66,7 +66,7 @@ def cmd_eagle_train(args) -> int:
 
 
 def cmd_eagle_info(args) -> int:
-    from .eagle import read_head_config
+    from .head import read_head_config
 
     cfg = read_head_config(args.head)
     if args.json:
@@ -86,16 +86,15 @@ def cmd_eagle_info(args) -> int:
 
 
 def _make_drafter(kind: str, args, target, spec, pld):
-    from .drafting import CompositeDrafter
-    from .eagle import EagleDrafter, EagleTreeConfig, SelectingDrafter, load_eagle_head, resolve_head
+    from ..drafters import CompositeDrafter, SelectingDrafter
+    from ..loading import load_eagle
+    from .drafter import EagleTreeConfig
 
     if kind == "pld":
         return pld
-    path = resolve_head(args.eagle or "auto", target, spec)
-    if path is None:
+    eagle, _ = load_eagle(args.eagle or "auto", target, spec, EagleTreeConfig(depth=args.depth, top_k=args.top_k))
+    if eagle is None:
         raise ConfigError(f"--drafters {kind} needs an EAGLE head: --eagle DIR (none ships for this model)")
-    head = load_eagle_head(path, target=target, model_spec=spec)
-    eagle = EagleDrafter(head, target, EagleTreeConfig(depth=args.depth, top_k=args.top_k))
     if kind == "head":
         return eagle
     if kind == "both":
@@ -115,28 +114,25 @@ def cmd_eagle_bench(args) -> int:
     import dataclasses
     import time
 
-    from . import bench, models
-    from .config import PLDConfig, PolicyConfig
-    from .drafting import PromptLookupDrafter
-    from .engine import Engine
-    from .policy import LatencyModel
-    from .target import TargetModel
+    from .. import bench, models
+    from ..config import PLDConfig, PolicyConfig
+    from ..drafters import PromptLookupDrafter
+    from ..engine import Engine
+    from ..loading import load_target
+    from ..policy import LatencyModel
 
     kinds = [k.strip() for k in args.drafters.split(",") if k.strip()]
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     rows = bench.load_prompts(args.data, cats, args.limit)
     if not rows:
         raise ConfigError("no prompts selected")
-    spec = models.resolve_model(args.model)
-    model, tok = models.load_model(spec, device=args.device, dtype=args.dtype)
-    target = TargetModel(model)
-    Engine.speed_up(target, gguf=spec.gguf_file)  # as Engine.from_pretrained does
+    target, tok, spec = load_target(args.model, args.device, args.dtype)
     pld = PromptLookupDrafter(PLDConfig())
     # measuring on a loaded machine can give an absurd shape (q=2 six times q=1) that the
     # online refinement (one scale factor) never corrects; the reference table is the
     # default, and the refinement scales it to the machine
     latency = LatencyModel.measure(target) if args.measure_latency else None
-    eos = models.eos_token_ids(model, tok)
+    eos = models.eos_token_ids(target.model, tok)
     engines = {
         k: Engine(
             target,
@@ -163,7 +159,7 @@ def cmd_eagle_bench(args) -> int:
         for name in steps:
             if name == "baseline":
                 t0 = time.perf_counter()
-                base = bench._hf_generate(model, ids, args.max_new_tokens, eos, do_sample=False)
+                base = bench._hf_generate(target.model, ids, args.max_new_tokens, eos, do_sample=False)
                 base_s = time.perf_counter() - t0
             else:
                 results[name] = engines[name].generate(

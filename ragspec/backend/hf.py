@@ -1,253 +1,48 @@
-"""The target model: the only module that touches transformers internals.
+"""The transformers backend: a :class:`~ragspec.backend.base.Target` over a transformers
+causal LM. With :mod:`ragspec.models`, the only module that touches transformers internals.
 
 It runs the prefill and the verification forward pass (root + draft tree in one pass, with
 a 4-D tree attention mask and tree position ids), and compacts the KV cache to the accepted
 path. Per-request state (the KV cache) lives in a :class:`KVState`, never on the model.
+Its CPU fast paths (compiled kernels, GGUF blocks, pre-packed weights) are in
+:mod:`ragspec.backend.fastpaths`, installed by :meth:`HFTarget.speed_up`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
-from .kernels import SKINNY_MAX_ROWS
-from .tree import tree_attention_mask, tree_position_ids
-from .types import DraftTree
+from ..tree import tree_attention_mask, tree_position_ids
+from ..types import DraftTree
+from .base import Capability, DecoderLayout, Embeddings, FastLinear, ForwardOutput, VerifyItem
+from .fastpaths import (
+    ATTENTION_KERNEL_KW,
+    GQA_SDPA,
+    PACKED_MAX_ROWS,
+    GGUFLinear,
+    KernelScope,
+    bind_gguf_linear,
+    can_pack,
+    pack_linear_forwards,
+    pack_weight,
+    packed_linear,
+    register_gqa_attention,
+    skinny_linear,
+)
 
 if TYPE_CHECKING:
     from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
-    from .quant import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVState", "TargetModel", "ForwardOutput", "RowLogits"]
-
-# rows at or below which a pre-packed oneDNN weight beats MKL's sgemm (which re-packs the
-# weight on every call for few-row inputs); above it (prefill) the ordinary linear is used
-_PACKED_MAX_ROWS = 64
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pre-packed oneDNN linears apply: CPU, oneDNN built in, float32, or bfloat16
-    where the CPU has oneDNN's bfloat16 support (AVX-512 BF16 / AVX-NE-CONVERT; elsewhere
-    oneDNN refuses to pack a bfloat16 weight)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and _mkldnn_bf16_supported()
-
-
-def _mkldnn_bf16_supported() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] re-laid out once for oneDNN (an opaque tensor for
-    :func:`packed_linear`); one extra copy of the weight."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x`` [..., in] -> [..., out] through a weight from :func:`pack_weight` (no autograd)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-class KernelScope:
-    """Marks when fast few-row linear kernels apply to a model's layers: while ``active``
-    (set by :class:`TargetModel` around its own forwards). Outside it (``model.generate``,
-    training, user code) the layers compute with torch's ``F.linear``, unchanged. One per
-    :class:`TargetModel`; not thread-safe across concurrent forwards (the engine runs one
-    forward at a time)."""
-
-    __slots__ = ("active",)
-
-    def __init__(self) -> None:
-        self.active = False
-
-
-# a weight's GGUF-block twin bound to the compiled kernel: (x float32 [R, I], bias) -> [R, O]
-GGUFLinear = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
-
-
-def skinny_linear(
-    skinny: Optional["SkinnyLinear"],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    gguf: Optional[GGUFLinear] = None,
-) -> Optional[torch.Tensor]:
-    """``x`` [..., in] -> [..., out] through the compiled few-row kernel of
-    :mod:`ragspec.kernels` where it applies (a kernel given, autograd off, float32 input and
-    weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows); None elsewhere, for the
-    caller's other path. ``gguf``: the same weight in GGUF blocks
-    (:meth:`TargetModel.use_gguf_weights`), used instead of ``weight`` where the kernel
-    applies (bit-identical output, fewer bytes streamed)."""
-    if (
-        skinny is None
-        or torch.is_grad_enabled()
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or not weight.is_contiguous()
-    ):
-        return None
-    rows = x.numel() // x.shape[-1]
-    if rows > SKINNY_MAX_ROWS:
-        return None
-    x2 = x.reshape(rows, x.shape[-1])
-    y = gguf(x2, bias) if gguf is not None else skinny(x2, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def bind_gguf_linear(kernel: "QuantLinear", weight: "GGUFWeight") -> GGUFLinear:
-    """``weight`` bound to the compiled ``quant_linear`` kernel, as :func:`skinny_linear`
-    takes it."""
-
-    def linear(x: torch.Tensor, bias: Optional[torch.Tensor], _q=weight) -> torch.Tensor:
-        return kernel(x, _q.qs, _q.scales, _q.fmt, bias)
-
-    return linear
-
-
-def pack_linear_forwards(
-    root: torch.nn.Module,
-    *,
-    min_rows: int,
-    skinny: Optional["SkinnyLinear"] = None,
-    scope: Optional[KernelScope] = None,
-    gguf: Optional[Mapping[int, GGUFLinear]] = None,
-) -> int:
-    """Route every ``nn.Linear`` under ``root`` through fast few-row kernels when autograd
-    is off: inputs of 1 .. ``SKINNY_MAX_ROWS`` rows through ``skinny`` (the compiled kernel
-    of :mod:`ragspec.kernels`, float32) when given, else inputs of ``min_rows`` ..
-    ``_PACKED_MAX_ROWS`` rows through a pre-packed oneDNN weight; other inputs keep
-    ``F.linear``. ``gguf``: weight ``data_ptr()`` -> the weight's GGUF-block twin, used by
-    ``skinny``'s path. With a ``scope``, only while ``scope.active``. Modifies the modules in
-    place (their ``forward``); the caller checks :func:`can_pack`. Returns the number of
-    layers routed.
-
-    For few-row inputs MKL's sgemm re-packs the weight on every call (measured on the
-    2-core CPU, two threads: 3 x 576 -> 8192 takes 4.6 ms through MKL, ~1 ms packed).
-    """
-    import torch.nn.functional as F
-
-    n = 0
-    for module in root.modules():
-        if type(module) is not torch.nn.Linear:
-            continue
-        weight = module.weight
-        bias = None if module.bias is None else module.bias.detach()
-        packed = pack_weight(weight)
-        twin = gguf.get(weight.data_ptr()) if gguf else None
-
-        def forward(x, _w=weight, _b=bias, _p=packed, _g=twin):
-            if (scope is None or scope.active) and not torch.is_grad_enabled():
-                y = skinny_linear(skinny, x, _w, _b, _g)
-                if y is not None:
-                    return y
-                if min_rows <= x.numel() // x.shape[-1] <= _PACKED_MAX_ROWS:
-                    return packed_linear(x, _p, _b)
-            return F.linear(x, _w, _b)
-
-        module.forward = forward
-        n += 1
-    return n
-
-
-_GQA_SDPA = "ragspec_sdpa"  # name of the attention function registered by route_gqa_attention
-
-
-def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except that masked multi-token queries (verification)
-    use SDPA's grouped-query mode instead of copying the key/value heads (``repeat_kv``).
-
-    Shapes as transformers' ``sdpa_attention_forward``: query [B, Hq, Q, d], key/value
-    [B, Hkv, S, d], attention_mask bool [B, 1, Q, S] -> ([B, Q, Hq, d], None). The values
-    are the same (the same kernel reads the shared head instead of its copy; checked bit
-    for bit in tests/unit/test_target_fastpaths.py); everything else (prefill without a
-    mask, one-token decoding, float masks, position biases) goes to transformers' function.
-    Measured on the 2-core CPU: 8 queries over 708 keys, 9 query / 3 key-value heads:
-    1.7 ms -> 0.26 ms per layer.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    kernel = kwargs.pop(_ATTENTION_KERNEL_KW, None)
-    if kernel is not None and _kernel_attention_applies(query, key, attention_mask, dropout, kwargs):
-        # ragspec's own forwards on CPU: the compiled few-query kernel (ragspec.kernels)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return kernel(query, key, value, attention_mask, float(scale)), None
-    if (
-        getattr(module, "num_key_value_groups", 1) > 1
-        and query.shape[2] > 1
-        and attention_mask is not None
-        and attention_mask.dtype == torch.bool
-        and not dropout
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
-    ):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-        )  # [B, Hq, Q, d]
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-    )
-
-
-# keyword under which TargetModel._run hands the compiled attention kernel to
-# _gqa_sdpa_attention (transformers passes a forward's extra keywords on to the attention
-# function): other callers of the model (model.generate, training) never set it
-_ATTENTION_KERNEL_KW = "ragspec_attention_kernel"
-
-
-def _kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> bool:
-    """Whether :func:`ragspec.kernels.load_few_query_attention`'s kernel computes this call:
-    one sequence of at most ``SKINNY_MAX_ROWS`` float32 queries on CPU, head size 32, 64 or
-    128, no dropout, a bool mask (or none: every key attended) and no extras (soft-capping,
-    position biases, attention sinks, returned weights)."""
-    q_len = query.shape[2]
-    return (
-        not torch.is_grad_enabled()
-        and query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and key.dtype == torch.float32
-        and query.shape[0] == 1
-        and 1 <= q_len <= SKINNY_MAX_ROWS
-        and query.shape[-1] in (32, 64, 128)
-        and query.shape[1] % key.shape[1] == 0
-        and not dropout
-        and (
-            (attention_mask is None and q_len == 1)
-            or (
-                attention_mask is not None
-                and attention_mask.dtype == torch.bool
-                and attention_mask.numel() == q_len * key.shape[2]
-            )
-        )
-        and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux", "sinks"))
-        and not kwargs.get("output_attentions", False)
-    )
-
-
-def register_gqa_attention() -> str:
-    """Register :func:`_gqa_sdpa_attention` (and transformers' SDPA mask builder) with
-    transformers' attention registries under ``"ragspec_sdpa"`` and return that name.
-    The registries are keyed by name: registering again replaces the entry by itself."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(_GQA_SDPA, _gqa_sdpa_attention)
-    AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
-    return _GQA_SDPA
+__all__ = ["KVState", "HFTarget", "RowLogits"]
 
 
 def _growable_cache():
@@ -335,22 +130,6 @@ class KVState:
     length: int = 0
 
 
-@dataclass
-class ForwardOutput:
-    """Result of one verification forward.
-
-    Attributes:
-        logits: float32 [N + 1, V]; row 0 is the distribution after the root, row i + 1 the
-            one after draft node i.
-        hidden: float [N + 1, H] last hidden states (after the final norm), or None unless
-            asked for (EAGLE heads use them).
-    """
-
-    logits: Optional[torch.Tensor]
-    hidden: Optional[torch.Tensor] = None
-    row_logits: Optional["RowLogits"] = None
-
-
 class RowLogits:
     """The target's logits over N + 1 verified rows, computed on demand.
 
@@ -360,7 +139,7 @@ class RowLogits:
     ~30 ms for 8 rows, so a rejected 8-token draft saves ~20 ms of a ~90 ms step.
 
     Args:
-        target: the :class:`TargetModel` whose output layer is applied.
+        target: the :class:`HFTarget` whose output layer is applied.
         hidden: float [N + 1, H] final hidden states of the verification forward.
 
     Rows are computed in groups (:meth:`argmax` takes the rows to compute together); a
@@ -368,7 +147,7 @@ class RowLogits:
     rounding, exactly so for a single row (the plain-decoding kernel).
     """
 
-    def __init__(self, target: "TargetModel", hidden: torch.Tensor) -> None:
+    def __init__(self, target: "HFTarget", hidden: torch.Tensor) -> None:
         self._target = target
         self._hidden = hidden
         self._pred: dict[int, int] = {}
@@ -394,7 +173,7 @@ class RowLogits:
         return self._target._logits(self._hidden)
 
 
-class TargetModel:
+class HFTarget:
     """Wraps a transformers causal LM for speculative verification.
 
     Args:
@@ -450,6 +229,84 @@ class TargetModel:
         # sliding-window attention is still applied through the attention mask.
         return KVState(cache=_growable_cache(), length=0)
 
+    def state_length(self, state: KVState) -> int:
+        """Tokens whose keys/values are in ``state``."""
+        return state.length
+
+    # ------------------------------------------------------------------ capabilities
+    def capability(self, name: str) -> Any:
+        """The optional capabilities of this backend (:class:`~ragspec.backend.base.Capability`):
+        hidden states, lazy output rows, the embeddings, the decoder layout (for decoders with
+        ``layers`` and ``rotary_emb``: Llama-like architectures) and, once :meth:`speed_up`
+        routed this model's linears, its fast few-row linear kernels."""
+        if name in (Capability.HIDDEN_STATES, Capability.LAZY_ROWS):
+            return True
+        if name == Capability.CONFIG:
+            return self.config
+        if name == Capability.EMBEDDINGS:
+            decoder = self._decoder
+            emb = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else decoder.embed_tokens
+            return Embeddings(emb, self._lm_head, self._softcap)
+        if name == Capability.DECODER_LAYOUT:
+            layers = getattr(self._decoder, "layers", None)
+            rotary = getattr(self._decoder, "rotary_emb", None)
+            if not layers or rotary is None:
+                return None
+            from transformers import DynamicCache
+
+            return DecoderLayout(self.config, type(layers[0]), type(rotary), DynamicCache)
+        if name == Capability.FAST_LINEAR:
+            if not self.packed_linears:
+                return None
+            return FastLinear(route=self._route_linears, linear=self._fast_linear, attention=register_gqa_attention())
+        return None
+
+    def _route_linears(self, module: torch.nn.Module) -> int:
+        """A drafter's linears through this model's few-row kernels (one row included)."""
+        return pack_linear_forwards(module, min_rows=1, skinny=self._skinny)
+
+    def _fast_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        return skinny_linear(self._skinny, x, weight, bias)
+
+    # ------------------------------------------------------------------ speed-ups
+    def speed_up(
+        self,
+        cpu_kernels: Optional[bool] = None,
+        cache: Optional[Union[str, os.PathLike]] = None,
+        gguf: Optional[Union[str, os.PathLike]] = None,
+    ) -> None:
+        """Make this model's own forwards fast (the model is ragspec's from here on): few-row
+        linear layers (decoding, verification) through the compiled kernel or pre-packed
+        weights, grouped-query attention without key/value head copies, and on CPU the
+        compiled few-query attention.
+
+        Args:
+            cpu_kernels: route few-row linears and attention through ragspec's compiled CPU
+                kernels (:mod:`ragspec.backend.kernels`: built on first use, ~45 s, then
+                cached); None: on unless ``RAGSPEC_CPU_KERNELS=0``; where they cannot be
+                built, torch's kernels are used. Only on CPU with float32 weights.
+            cache: ragspec's cache folder (default: ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``).
+            gguf: the GGUF file the model was loaded from: with the compiled kernel, the
+                linear weights it holds exactly are read from its blocks
+                (:meth:`use_gguf_weights`; the same output bit for bit, fewer bytes per step).
+        """
+        from .kernels import cpu_kernels_enabled, load_few_query_attention, load_quant_linear, load_skinny_linear
+
+        cache_dir = Path(cache) if cache else None
+        skinny = None
+        wanted = cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled()
+        if self.device.type == "cpu" and self.dtype == torch.float32 and wanted:
+            skinny = load_skinny_linear(cache_dir)
+        if skinny is not None and gguf is not None:
+            self.use_gguf_weights(gguf, load_quant_linear(cache_dir))
+        self.prepack_linears(skinny)
+        self.route_gqa_attention()
+        if skinny is not None:
+            # the same compiled library: already built and imported above
+            self.use_attention_kernel(load_few_query_attention(cache_dir))
+
     # ------------------------------------------------------------------ forwards
     def _packed_lm_head(self) -> Optional[torch.Tensor]:
         """The output layer's weight re-laid out once for oneDNN (CPU only), or None.
@@ -479,7 +336,7 @@ class TargetModel:
         a CPU. After this call each ``nn.Linear`` of the decoder computes inputs of 2-64 rows
         with a weight packed once for oneDNN (measured on the 2-core CPU, 2 threads, 512
         tokens of context: 8 new tokens 124 -> 87 ms). With ``skinny`` (the compiled kernel
-        from :func:`ragspec.kernels.load_skinny_linear`), inputs of 1-16 rows, plain
+        from :func:`ragspec.backend.kernels.load_skinny_linear`), inputs of 1-16 rows, plain
         decoding included, go through it instead (decoder linears for one row 36-47 -> 25
         ms, for 8 rows 49 -> 36 ms) and so does the output layer. Either way only inside
         this object's own forwards: ``model.generate`` and other callers of the model keep
@@ -507,7 +364,7 @@ class TargetModel:
 
     def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"]) -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
-        block formats (:mod:`ragspec.quant`: Q4_1, Q8_0, Q5_0) for ragspec's few-row forwards,
+        block formats (:mod:`ragspec.backend.quant`: Q4_1, Q8_0, Q5_0) for ragspec's few-row forwards,
         through the compiled ``quant_linear`` kernel: the same output bit for bit as the
         float32 kernel, a fifth of the bytes streamed per step (default model, 2-core CPU:
         decoder linears for one row 22-25 -> 14 ms, the output layer 5.3 -> 2.9 ms). Each
@@ -524,7 +381,7 @@ class TargetModel:
         """
         if kernel is None or self.device.type != "cpu" or self.dtype != torch.float32 or self.packed_linears:
             return len(self._gguf)
-        from .models import converted_model_dir
+        from ..models import converted_model_dir
         from .quant import load_gguf_weights
 
         weights = {
@@ -562,7 +419,7 @@ class TargetModel:
     def use_attention_kernel(self, kernel: Optional["FewQueryAttention"]) -> bool:
         """Compute the attention of ragspec's own decoding and verification forwards (at most
         ``SKINNY_MAX_ROWS`` new tokens, float32 on CPU) with the compiled few-query kernel of
-        :mod:`ragspec.kernels` (None: torch's SDPA again). It splits the cached keys in
+        :mod:`ragspec.backend.kernels` (None: torch's SDPA again). It splits the cached keys in
         blocks over the threads where torch's CPU SDPA splits only heads and query blocks:
         per layer at 790 cached tokens on the 2-core CPU, 1 query 0.13 -> 0.05 ms, 4
         queries 0.31 -> 0.16 ms. Other calls (``model.generate``, prefill) keep torch's.
@@ -572,7 +429,7 @@ class TargetModel:
             whether the kernel is in use.
         """
         self._attention_kernel = kernel if self.device.type == "cpu" else None
-        return self._attention_kernel is not None and self._attn_impl == _GQA_SDPA
+        return self._attention_kernel is not None and self._attn_impl == GQA_SDPA
 
     def route_gqa_attention(self) -> bool:
         """Run the model's attention through :func:`_gqa_sdpa_attention` (registered with
@@ -586,7 +443,7 @@ class TargetModel:
         Returns:
             whether the attention was routed.
         """
-        if self._attn_impl == _GQA_SDPA:
+        if self._attn_impl == GQA_SDPA:
             return True
         text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         heads = int(getattr(text_cfg, "num_attention_heads", 0) or 0)
@@ -594,9 +451,9 @@ class TargetModel:
         if self._attn_impl != "sdpa" or not heads or kv_heads == heads or not hasattr(self.model, "set_attn_implementation"):
             return False
         self.model.set_attn_implementation(register_gqa_attention())
-        self._attn_impl = getattr(self.config, "_attn_implementation", _GQA_SDPA)
+        self._attn_impl = getattr(self.config, "_attn_implementation", GQA_SDPA)
         logger.debug("attention routed through %s (%d query / %d key-value heads)", self._attn_impl, heads, kv_heads)
-        return self._attn_impl == _GQA_SDPA
+        return self._attn_impl == GQA_SDPA
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, H] -> logits float32 [R, V]."""
@@ -607,7 +464,7 @@ class TargetModel:
             self._skinny, hidden, weight, None if bias is None else bias.detach(), self._gguf.get(weight.data_ptr())
         )
         if logits is None:
-            packed = self._packed_lm_head() if rows <= _PACKED_MAX_ROWS else None
+            packed = self._packed_lm_head() if rows <= PACKED_MAX_ROWS else None
             if packed is not None:
                 logits = packed_linear(hidden, packed, self._packed_bias)
             else:
@@ -628,8 +485,8 @@ class TargetModel:
     ) -> torch.Tensor:
         """input_ids: int64 [1, Q] -> last hidden states [Q, H]; appends Q entries to the cache."""
         extra = {self._cache_kw: state.cache}
-        if self._attention_kernel is not None and self._attn_impl == _GQA_SDPA:
-            extra[_ATTENTION_KERNEL_KW] = self._attention_kernel
+        if self._attention_kernel is not None and self._attn_impl == GQA_SDPA:
+            extra[ATTENTION_KERNEL_KW] = self._attention_kernel
         self._scope.active = True
         try:
             out = self._decoder(
@@ -658,7 +515,12 @@ class TargetModel:
         hidden = self._run(state, ids, None, None)  # [T, H]
         return ForwardOutput(self._logits(hidden[-1:]), hidden if return_hidden else None)
 
-    def verify_forward(
+    def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
+        """One verification forward per item (see :meth:`verify_one`), one after another:
+        each request attends to its own KV cache."""
+        return [self.verify_one(it.state, it.root_token, it.tree, return_hidden=it.hidden, lazy_logits=it.lazy_logits) for it in items]
+
+    def verify_one(
         self,
         state: KVState,
         root_token: int,
@@ -709,7 +571,7 @@ class TargetModel:
 
     def _mask_for_model(self, mask: torch.Tensor) -> torch.Tensor:
         """bool mask (True = attend) in the form the attention implementation expects."""
-        if self._attn_impl in ("sdpa", _GQA_SDPA, "flash_attention_2", "flex_attention"):
+        if self._attn_impl in ("sdpa", GQA_SDPA, "flash_attention_2", "flex_attention"):
             return mask
         # eager attention adds the mask: 0 where allowed, dtype-min elsewhere
         neg = torch.finfo(self.dtype).min

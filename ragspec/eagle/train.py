@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _sha256(path: Path) -> str:
 
 
 def _group(category: str) -> str:
-    from .bench import category_group
+    from ..bench import category_group
 
     return category_group(category)
 
@@ -689,9 +689,9 @@ def run_training(
     Returns:
         the ``training`` record written into ``config.json``.
     """
-    from . import models
-    from .eagle import EagleHead, save_eagle_head, target_fingerprint
-    from .target import TargetModel
+    from .. import models
+    from ..backend.hf import HFTarget
+    from .head import EagleHead, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
     if model_and_tokenizer is None:
@@ -700,7 +700,7 @@ def run_training(
     else:
         model, tokenizer = model_and_tokenizer
         spec = model_spec
-    target = TargetModel(model)
+    target = HFTarget(model)
     info = target_fingerprint(target, spec)
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"

@@ -2,7 +2,7 @@
 
 A plain decoding step of the default model streams every weight once: 540 MB as the float32
 that transformers de-quantizes a GGUF to, 110 MB in the file's own formats (Q4_1 for the
-decoder, Q8_0 for the tied output layer). ``quant_linear`` of :mod:`ragspec.kernels`
+decoder, Q8_0 for the tied output layer). ``quant_linear`` of :mod:`ragspec.backend.kernels`
 multiplies few activation rows with such blocks directly (llama.cpp's layouts,
 ``ggml-quants``), and its output is bit for bit that of the float32 kernel over the
 de-quantized weight (the de-quantization is exact in float32, see the kernel's source), so

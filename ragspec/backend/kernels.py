@@ -4,13 +4,13 @@ few-query attention over the KV cache.
 Decoding multiplies one activation row (verification: a few) with every weight matrix, so a
 step costs streaming the weights from memory once. On the 2-core AMD EPYC CPU of our CI,
 MKL's float32 sgemv/sgemm for one row streams ~10 GB/s, oneDNN's pre-packed path ~13 GB/s,
-while the memory system delivers ~25 GB/s to a plain reduction. ``csrc/skinny_linear.cpp``
+while the memory system delivers ~25 GB/s to a plain reduction. ``csrc/cpu_kernels.cpp``
 (AVX2/FMA, ATen's thread pool) streams each weight row once for all rows of the input and
 reaches ~20 GB/s: the decoder's linear layers of SmolLM2-135M for one row 36-47 ms -> 25 ms,
 for 8 rows (oneDNN) 49 -> 36 ms.
 
 ``quant_linear`` (:func:`load_quant_linear`) is the same kernel over weights kept in their
-GGUF block format (:mod:`ragspec.quant`): the same sums bit for bit, a fifth of the bytes.
+GGUF block format (:mod:`ragspec.backend.quant`): the same sums bit for bit, a fifth of the bytes.
 
 The same library holds ``few_query_attention`` (:func:`load_few_query_attention`): the
 attention of 1-16 new tokens over the cache, split over blocks of cached keys (torch's CPU
@@ -66,13 +66,13 @@ SKINNY_MAX_ROWS = 16
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 # x float32 [R, I], qs uint8 [O, I/2] (Q4_1) or int8 [O, I] (Q8_0), scales float32, format
-# code (ragspec.quant.Q4_1 / Q8_0), bias float32 [O] or None -> [R, O]
+# code (ragspec.backend.quant.Q4_1 / Q8_0), bias float32 [O] or None -> [R, O]
 QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]], torch.Tensor]
 
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
 FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
-_SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 
 
 def cpu_kernels_enabled(value: Optional[str] = None) -> bool:
@@ -93,7 +93,7 @@ def _cpu_supported() -> bool:
     return capability in ("AVX2", "AVX512")
 
 
-_NAME = "ragspec_skinny_linear"  # the extension module's name (its PyInit_ symbol)
+_NAME = "ragspec_cpu_kernels"  # the extension module's name (its PyInit_ symbol)
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 _STALE_BUILD_S = 3600.0  # unfinished build folders older than this are removed
 
@@ -105,7 +105,7 @@ def kernel_dir(cache_dir: Optional[Path] = None) -> Path:
     default: ragspec's cache (``$RAGSPEC_CACHE``, else ``$XDG_CACHE_HOME/ragspec``, else
     ``~/.cache/ragspec``)."""
     if cache_dir is None:
-        from .models import cache_dir as default_cache
+        from ..models import cache_dir as default_cache
 
         cache_dir = default_cache()
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
@@ -188,7 +188,7 @@ def load_quant_linear(cache_dir: Optional[Path] = None) -> Optional[QuantLinear]
 
     Returns:
         ``quant_linear(x, qs, scales, fmt, bias)``: x float32 [R, I] (I a multiple of 32),
-        the weight as a :class:`ragspec.quant.GGUFWeight`'s ``qs``/``scales``/``fmt``, bias
+        the weight as a :class:`ragspec.backend.quant.GGUFWeight`'s ``qs``/``scales``/``fmt``, bias
         float32 [O] or None -> float32 [R, O], bit for bit ``skinny_linear`` over the
         de-quantized weight (no autograd); or None where unavailable.
     """

@@ -1,0 +1,198 @@
+"""The ``Target`` protocol: what the engine, the cost model and the drafters may ask of a
+target model, and nothing more.
+
+A backend (``ragspec.backend.hf`` for transformers models) runs the target's forwards over
+per-request KV states it creates itself. The engine never looks inside a state: it hands it
+back to the backend (``prefill``, ``verify``, ``commit``, ``rollback``).
+
+One step of the engine is one ``verify`` call over a list of :class:`VerifyItem` (one per
+active request: its state, its root token and its draft tree), so that a backend may run
+them in one forward (a flat batch with per-request offsets, as vLLM's
+``cu_num_draft_tokens`` and llama.cpp's per-token sequence ids); the transformers backend
+runs them one after another today.
+
+Optional capabilities are declared by name (:class:`Capability`) and queried with
+:meth:`Target.capability`; callers never reach into a backend's private attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from ..types import DraftTree, LazyLogits
+
+__all__ = [
+    "Capability",
+    "DecoderLayout",
+    "Embeddings",
+    "FastLinear",
+    "ForwardOutput",
+    "Target",
+    "VerifyItem",
+]
+
+
+class Capability:
+    """Names of the optional capabilities a backend may declare (``Target.capability``).
+
+    * ``HIDDEN_STATES`` (value: True): ``prefill`` and ``verify`` return the last hidden
+      states (after the final norm) when asked (``return_hidden`` / ``VerifyItem.hidden``);
+      feature-level drafters (EAGLE) need them.
+    * ``LAZY_ROWS`` (value: True): ``verify`` can return :class:`~ragspec.types.LazyLogits`
+      (``VerifyItem.lazy_logits``) whose rows are computed on demand.
+    * ``EMBEDDINGS`` (value: :class:`Embeddings`): the input embedding and output layer
+      modules (shared, frozen), and the final logit soft-capping.
+    * ``DECODER_LAYOUT`` (value: :class:`DecoderLayout`): the config and the classes of
+      one decoder layer and of the rotary embedding (an EAGLE head is one such layer).
+    * ``FAST_LINEAR`` (value: :class:`FastLinear`): the backend's few-row linear kernels,
+      for a drafter's own modules.
+    * ``CONFIG`` (value: the model's transformers-style config): sizes and the model type,
+      for fingerprints of heads trained for this target.
+    """
+
+    HIDDEN_STATES = "hidden_states"
+    LAZY_ROWS = "lazy_rows"
+    EMBEDDINGS = "embeddings"
+    DECODER_LAYOUT = "decoder_layout"
+    FAST_LINEAR = "fast_linear"
+    CONFIG = "config"
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """The target's token embeddings.
+
+    Attributes:
+        input: ``nn.Embedding`` [V, H] (token id -> input embedding).
+        output: the output layer, ``nn.Linear`` H -> V.
+        logit_softcap: final logit soft-capping (Gemma-2/3: ``tanh(x / c) * c``), or None.
+    """
+
+    input: torch.nn.Module
+    output: torch.nn.Module
+    logit_softcap: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """What a one-layer draft head built like the target needs.
+
+    Attributes:
+        config: the target's (text) model config.
+        layer_cls: the class of one decoder layer (``LlamaDecoderLayer``, ...).
+        rotary_cls: the class of the rotary position embedding.
+        new_cache: makes an empty KV cache such a layer can append to (keys and values
+            [B, H_kv, T, d] per layer, under ``cache.layers``).
+    """
+
+    config: Any
+    layer_cls: type
+    rotary_cls: type
+    new_cache: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class FastLinear:
+    """The backend's few-row linear kernels, offered to drafters (numerics: float rounding
+    may differ from ``F.linear``; drafts need not be bit-exact).
+
+    Attributes:
+        route: ``route(module) -> int``: sends every ``nn.Linear`` under ``module`` through
+            the kernels for inputs of 1 .. 64 rows when autograd is off; returns how many
+            layers were routed. Modifies the modules in place.
+        linear: ``linear(x [R, I], weight [O, I], bias [O] | None) -> [R, O]`` where the
+            kernels apply, else None (the caller uses its own path).
+        attention: name of an attention implementation registered with transformers that
+            skips grouped-query key/value copies for masked multi-row attention, or None.
+    """
+
+    route: Callable[[torch.nn.Module], int]
+    linear: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
+    attention: Optional[str] = None
+
+
+@dataclass
+class ForwardOutput:
+    """Result of one prefill or verification forward of one request.
+
+    Attributes:
+        logits: float32 [N + 1, V] (row 0: the distribution after the root, row i + 1 after
+            draft node i; after a prefill [1, V]: after the last prompt token), or None when
+            ``row_logits`` is given instead.
+        hidden: float [N + 1, H] (prefill: [T, H]) last hidden states after the final norm,
+            or None unless asked for.
+        row_logits: the same rows computed on demand (``VerifyItem.lazy_logits``), or None.
+    """
+
+    logits: Optional[torch.Tensor]
+    hidden: Optional[torch.Tensor] = None
+    row_logits: Optional[LazyLogits] = None
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """One request's part of a verification step.
+
+    Attributes:
+        state: the request's KV state (from :meth:`Target.new_state`), holding every
+            committed token but the root.
+        root_token: the last committed token (its KV entry is not in the cache yet).
+        tree: the draft tree below the root (N nodes; empty = plain decoding).
+        hidden: also return the hidden states (needs ``Capability.HIDDEN_STATES``).
+        lazy_logits: return :class:`~ragspec.types.LazyLogits` instead of logits (needs
+            ``Capability.LAZY_ROWS``; greedy verification reads only the accepted path).
+    """
+
+    state: Any
+    root_token: int
+    tree: DraftTree
+    hidden: bool = False
+    lazy_logits: bool = False
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A target model the engine verifies drafts with.
+
+    Attributes:
+        vocab_size: V, the number of rows of the output layer.
+        max_length: the context length in tokens, or None when unbounded.
+        device: where the model's tensors live.
+        dtype: the model's compute dtype.
+    """
+
+    vocab_size: int
+    max_length: Optional[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    def new_state(self) -> Any:
+        """A fresh, empty KV state for one request (no I/O, no forward)."""
+
+    def state_length(self, state: Any) -> int:
+        """Tokens whose keys/values are in ``state``."""
+
+    def prefill(self, state: Any, input_ids: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
+        """Run ``input_ids`` (T >= 1 tokens) through the model, appending T entries to
+        ``state``. Returns logits float32 [1, V] of the last position (and hidden [T, H]
+        when asked)."""
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
+        """One verification forward per item (root + its N draft nodes, tree attention):
+        each item's state grows by N + 1 entries, to be cut by :meth:`commit`. Returns one
+        :class:`ForwardOutput` per item, in order."""
+
+    def commit(self, state: Any, past_len: int, accepted_nodes: Sequence[int]) -> None:
+        """Keep, of the last verification, the root and the ``accepted_nodes`` (indices of
+        accepted draft nodes, root to leaf): the state then holds ``past_len + 1 +
+        len(accepted_nodes)`` entries, equal to a fresh prefill of the accepted path."""
+
+    def rollback(self, state: Any, length: int) -> None:
+        """Drop every entry from position ``length`` on."""
+
+    def capability(self, name: str) -> Any:
+        """The value of the optional capability ``name`` (:class:`Capability`), or None
+        when this backend does not have it."""

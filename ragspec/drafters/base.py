@@ -1,0 +1,133 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+A :class:`Drafter` is shared and stateless across requests; per-request state lives in the
+:class:`DraftSession` it starts (``start_request``). A session is told every committed
+token (``extend``), proposes a :class:`~ragspec.types.DraftTree` (``propose``), and may learn
+from verification results (``observe``). Token ids only; deterministic; an empty tree is a
+valid answer (the step is then plain decoding).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+from ..errors import ConfigError
+from ..tree import merge_trees
+from ..types import DraftTree, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Drafter", "DraftSession", "CompositeDrafter", "reproducible_drafter"]
+
+
+@runtime_checkable
+class DraftSession(Protocol):
+    """Per-request drafting state."""
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append committed tokens (generated, after the prompt) to the context."""
+
+    def propose(self, max_tokens: int) -> DraftTree:
+        """Propose a draft tree of at most ``max_tokens`` nodes following the context."""
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Feedback: what the target accepted of the last proposal."""
+
+    # Optional: a session that defines ``extend_hidden(hidden)`` receives the target's last
+    # hidden states (float [R, H], after the final norm) of every position that enters the
+    # KV cache: all prompt positions after the prefill, then root + accepted nodes after
+    # each step. Feature-level drafters (EAGLE) use it; the engine then asks the target
+    # for hidden states.
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Factory of per-request draft sessions.
+
+    Optional: a drafter whose proposals depend on more than the request's own tokens
+    (step timings, statistics of earlier requests) defines ``reproducible()``, returning
+    one whose proposals do not; the engine uses it for seeded sampled requests, whose
+    output must then follow from the seed alone (:func:`reproducible_drafter`).
+    """
+
+    name: str
+
+    def start_request(
+        self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
+    ) -> DraftSession:
+        """Start drafting for one request.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            documents: extra token sequences the drafter may copy from (each is matched on
+                its own: no match runs across two documents).
+            eos_token_ids: drafts are cut after an EOS token.
+        """
+
+
+def reproducible_drafter(drafter: Optional[Drafter]) -> Optional[Drafter]:
+    """``drafter.reproducible()`` where the drafter defines it (see :class:`Drafter`), else
+    ``drafter`` itself."""
+    make = getattr(drafter, "reproducible", None)
+    return make() if callable(make) else drafter
+
+
+class _CompositeSession:
+    def __init__(self, sessions: list[DraftSession], mode: str):
+        self._sessions = sessions
+        self._mode = mode
+        hidden_users = [s for s in sessions if hasattr(s, "extend_hidden")]
+        if hidden_users:
+            # defined only when a child wants features, so the engine asks for them only then
+            def extend_hidden(hidden) -> None:
+                for s in hidden_users:
+                    s.extend_hidden(hidden)
+
+            self.extend_hidden = extend_hidden
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        for s in self._sessions:
+            s.extend(token_ids)
+
+    def propose(self, max_tokens: int) -> DraftTree:
+        trees = [s.propose(max_tokens) for s in self._sessions]
+        trees = [t for t in trees if t.num_nodes]
+        if not trees:
+            return DraftTree.empty()
+        if self._mode == "first":
+            return trees[0]
+        if self._mode == "longest_match":
+            # prefer the longest suffix match (SAM-Decoding's rule), then the earlier drafter
+            return max(trees, key=lambda t: t.match_len)
+        return merge_trees(trees, max_tokens)
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        for s in self._sessions:
+            s.observe(tree, result)
+
+
+class CompositeDrafter:
+    """Several drafters in priority order.
+
+    Args:
+        drafters: the drafters, best first.
+        mode: "longest_match" (the draft of the longest suffix match wins, ties to the
+            earlier drafter), "first" (the first non-empty draft), or "merge" (all drafts
+            merged into one tree, earlier drafters' nodes kept first).
+    """
+
+    def __init__(self, drafters: Sequence[Drafter], mode: str = "longest_match") -> None:
+        if mode not in ("longest_match", "first", "merge"):
+            raise ConfigError(f"unknown composite mode {mode!r}")
+        self.drafters = list(drafters)
+        self.mode = mode
+        self.name = "+".join(d.name for d in self.drafters)
+
+    def start_request(
+        self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
+    ) -> DraftSession:
+        eos = list(eos_token_ids)
+        return _CompositeSession(
+            [d.start_request(prompt_ids, documents, eos_token_ids=eos) for d in self.drafters], self.mode
+        )

@@ -1,0 +1,185 @@
+"""The one builder of engines: model, backend and its speed-ups, datastore, EAGLE head,
+drafter composition, latency calibration, EOS ids.
+
+Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
+only through :func:`load_engine`; an engine for another datastore over the same model comes
+from :func:`with_datastore` (no reload). Nothing is set on an engine after construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+from .config import PLDConfig, PolicyConfig
+from .drafters.base import CompositeDrafter, Drafter
+from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.selecting import SelectingDrafter
+from .engine import DrafterParts, Engine
+from .policy import LatencyModel
+
+if TYPE_CHECKING:
+    from .backend.hf import HFTarget
+    from .datastore import Datastore
+    from .eagle import EagleDrafter, EagleTreeConfig
+    from .models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_engine", "load_target", "load_eagle", "compose_drafter", "with_datastore"]
+
+
+def load_target(
+    model: Optional[str] = None,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+    *,
+    cache: Optional[Union[str, Path]] = None,
+    cpu_kernels: Optional[bool] = None,
+) -> tuple["HFTarget", Any, "ModelSpec"]:
+    """Load a model (registry name, GGUF file or HF folder; None = the default model) into
+    the transformers backend, with its speed-ups installed
+    (:meth:`~ragspec.backend.hf.HFTarget.speed_up`).
+
+    Returns:
+        (target, tokenizer, model spec).
+
+    Raises:
+        ModelNotFoundError: the model is not fetched / the path does not exist.
+        ModelLoadError: the file is broken.
+    """
+    from . import models
+    from .backend.hf import HFTarget
+
+    spec = models.resolve_model(model, cache=Path(cache) if cache else None)
+    hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
+    target = HFTarget(hf_model)
+    target.speed_up(cpu_kernels, cache=cache, gguf=spec.gguf_file)
+    return target, tokenizer, spec
+
+
+def load_eagle(
+    eagle: Optional[Union[str, Path]],
+    target: "HFTarget",
+    spec: Optional["ModelSpec"] = None,
+    tree: Optional["EagleTreeConfig"] = None,
+) -> tuple[Optional["EagleDrafter"], Optional[str]]:
+    """The EAGLE head an ``eagle`` option names (a folder; ``"auto"``: the head shipped for
+    this model when its fingerprint matches; None/``""``/``"none"``: none) as a drafter.
+
+    Returns:
+        (drafter or None, the head's folder or None).
+
+    Raises:
+        ModelLoadError: not a head folder, unreadable weights.
+        EagleHeadMismatchError: the head was trained for another model.
+    """
+    from .eagle import EagleDrafter, EagleTreeConfig, load_eagle_head, resolve_head
+
+    path = resolve_head(eagle, target, spec)
+    if path is None:
+        return None, None
+    head = load_eagle_head(path, target=target, model_spec=spec)
+    return EagleDrafter(head, target, tree or EagleTreeConfig()), str(path)
+
+
+def compose_drafter(
+    pld: Optional[PLDConfig],
+    datastores: Sequence["Datastore"] = (),
+    eagle: Optional["EagleDrafter"] = None,
+) -> Optional[Drafter]:
+    """Retrieval (prompt lookup, then each datastore: the longest suffix match wins) and,
+    with a head, the selection between retrieval and the head
+    (:class:`~ragspec.drafters.selecting.SelectingDrafter`). None when there is nothing to
+    draft with."""
+    retrieval: list[Drafter] = [PromptLookupDrafter(pld)] if pld is not None else []
+    if datastores:
+        from .datastore import DatastoreDrafter
+
+        retrieval.extend(DatastoreDrafter(ds) for ds in datastores)
+    base: Optional[Drafter] = None
+    if len(retrieval) == 1:
+        base = retrieval[0]
+    elif retrieval:
+        base = CompositeDrafter(retrieval)
+    if eagle is None:
+        return base
+    if base is None:
+        return eagle
+    # retrieval when its match is worth more than the head's draft (calibrated per
+    # request), the head otherwise
+    return SelectingDrafter(base, eagle)
+
+
+def load_engine(
+    model: Optional[str] = None,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+    *,
+    datastore: Optional[Union[str, Path]] = None,
+    eagle: Optional[Union[str, Path]] = "auto",
+    pld: PLDConfig = PLDConfig(),
+    policy: PolicyConfig = PolicyConfig(),
+    calibrate: bool = True,
+    cache: Optional[Union[str, Path]] = None,
+    cpu_kernels: Optional[bool] = None,
+) -> Engine:
+    """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
+    an EAGLE head when given.
+
+    Args:
+        model: registry name (``smollm2-135m-instruct``, ``gemma3-270m``), a GGUF file or
+            a local HF folder; None = the default model.
+        device: ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when present).
+        dtype: ``fp32``, ``bf16``, ``fp16`` (default: bf16 on CUDA, fp32 on CPU).
+        datastore: a datastore folder (``ragspec datastore build``).
+        eagle: a head folder; ``"auto"`` (default) the head shipped with ragspec for this
+            model when there is one and its fingerprint matches (one ships for the default
+            model), else none; None, ``""`` or ``"none"``: no head.
+        pld: prompt-lookup settings.
+        policy: draft-size settings.
+        calibrate: measure the target's forward latency at start-up (a few seconds); else
+            the reference CPU's table until refined online.
+        cache: ragspec's cache folder (default ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``).
+        cpu_kernels: on a CPU with float32 weights, route the model's few-row linear
+            layers and attention through ragspec's compiled kernels and, for a GGUF model,
+            read the weights it holds in Q4_1/Q8_0/Q5_0 blocks from those blocks (the same
+            output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
+
+    Raises:
+        ModelNotFoundError: the model is not fetched / the path does not exist.
+        ModelLoadError: the file is broken.
+        DatastoreError: the datastore cannot be opened for this tokenizer.
+        EagleHeadMismatchError: the head was trained for another model.
+    """
+    from . import models
+
+    target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels)
+    stores = []
+    if datastore:
+        from .datastore import Datastore
+
+        stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
+    eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
+    latency = LatencyModel.measure(target) if calibrate else None
+    return Engine(
+        target,
+        tokenizer,
+        drafter=compose_drafter(pld, stores, eagle_drafter),
+        policy=policy,
+        latency=latency,
+        eos_token_ids=models.eos_token_ids(target.model, tokenizer),
+        model_name=spec.name,
+        parts=DrafterParts(pld=pld, datastore=stores[0] if stores else None, eagle=eagle_drafter, eagle_path=eagle_path),
+    )
+
+
+def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
+    """An engine over the same model and backend as ``engine`` whose drafter is composed
+    the same way, with ``datastore`` instead of ``engine``'s (None: without one). No
+    model is loaded."""
+    parts = engine.parts
+    drafter = compose_drafter(parts.pld, [datastore] if datastore is not None else [], parts.eagle)
+    return engine.with_drafter(drafter, dataclasses.replace(parts, datastore=datastore))
