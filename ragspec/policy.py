@@ -143,12 +143,12 @@ class LatencyModel:
         """
         import time
 
-        from .backend.base import VerifyItem
+        from .backend.base import Capability, VerifyItem
 
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
         samples: dict[tuple[int, bool], list[float]] = {}
-        early = early and bool(target.capability("lazy_rows"))
+        early = early and bool(target.capability(Capability.LAZY_ROWS))
         modes = (False, True) if early else (False,)
         with torch.inference_mode():
             state = target.new_state()

@@ -34,10 +34,8 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
     default engine is checked as loaded; the head's drafts are then checked through the
     same head with the selection's timing off (retrieval when its match is long enough,
     the head otherwise), which does not depend on the machine's load."""
-    from ragspec import Engine
-    from ragspec.config import PLDConfig
-    from ragspec.drafters import PromptLookupDrafter
-    from ragspec.eagle import SHIPPED_HEADS, EagleDrafter, SelectingDrafter
+    from ragspec.drafters import SelectingDrafter
+    from ragspec.eagle import SHIPPED_HEADS
 
     assert real_engine.eagle is not None
     assert real_engine.eagle_path == str(SHIPPED_HEADS / "smollm2-135m-instruct")
@@ -47,14 +45,7 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
     ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
     out = real_engine.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
-    untimed = Engine(
-        real_engine.target,
-        real_engine.tokenizer,
-        drafter=SelectingDrafter(
-            PromptLookupDrafter(PLDConfig()), EagleDrafter(real_engine.eagle, real_engine.target), calibrate=False
-        ),
-        eos_token_ids=real_engine.eos_token_ids,
-    )
+    untimed = real_engine.with_drafter(real_engine.drafter.reproducible())  # the fixed rule, no timing
     out = untimed.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
     assert any(s.source == "eagle" and s.num_drafted > 0 for s in out.stats.steps)

@@ -431,22 +431,25 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     import torch
 
     from ragspec.datastore import DatastoreDrafter, build_datastore
-    from ragspec.drafters import CompositeDrafter, PromptLookupDrafter
-    from ragspec.eagle import EagleDrafter, EagleHead, SelectingDrafter
-    from ragspec.engine import Engine
+    from ragspec.config import PLDConfig
+    from ragspec.drafters import CompositeDrafter, SelectingDrafter
+    from ragspec.eagle import EagleDrafter, EagleHead
+    from ragspec.engine import DrafterParts, Engine
     from ragspec.integrations.server import _datastore_engines
+    from ragspec.loading import compose_drafter
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("the cat sat on the mat. " * 20)
     build_datastore([str(corpus)], tmp_path / "ds", tiny_engine.tokenizer, progress=False)
     torch.manual_seed(0)
-    eagle = EagleDrafter(EagleHead.from_target(tiny_engine.target).eval(), tiny_engine.target, pack=False)
+    eagle = EagleDrafter(EagleHead.from_target(tiny_engine.target).eval(), tiny_engine.target, fast=False)
     engine = Engine(
         tiny_engine.target,
         tiny_engine.tokenizer,
-        drafter=SelectingDrafter(PromptLookupDrafter(), eagle),
+        drafter=compose_drafter(PLDConfig(), (), eagle),
         eos_token_ids=tiny_engine.eos_token_ids,
+        parts=DrafterParts(pld=PLDConfig(), eagle=eagle),
     )
     variant = _datastore_engines(engine, ServerSettings(datastores=(("notes", str(tmp_path / "ds")),)))["notes"]
     assert isinstance(variant.drafter, SelectingDrafter) and variant.drafter.eagle is eagle
