@@ -9,7 +9,8 @@ One step of the engine is one ``verify`` call over a list of :class:`VerifyItem`
 active request: its state, its root token and its draft tree), so that a backend may run
 them in one forward (a flat batch with per-request offsets, as vLLM's
 ``cu_num_draft_tokens`` and llama.cpp's per-token sequence ids); the transformers backend
-runs them one after another today.
+does so where every request's output stays bit for bit its solo one
+(:meth:`ragspec.backend.hf.HFTarget.verify`), else runs them one after another.
 
 Optional capabilities are declared by name (:class:`Capability`) and queried with
 :meth:`Target.capability`; callers never reach into a backend's private attributes.

@@ -10,7 +10,7 @@ rounding only (summation order), like any multi-row verification.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -25,6 +25,8 @@ __all__ = [
     "KernelScope",
     "PACKED_MAX_ROWS",
     "ATTENTION_KERNEL_KW",
+    "ATTENTION_BATCH_KW",
+    "AttentionBatch",
     "GQA_SDPA",
     "bind_gguf_linear",
     "can_pack",
@@ -75,12 +77,22 @@ class KernelScope:
     (set by :class:`~ragspec.backend.hf.HFTarget` around its own forwards). Outside it (``model.generate``,
     training, user code) the layers compute with torch's ``F.linear``, unchanged. One per
     :class:`~ragspec.backend.hf.HFTarget`; not thread-safe across concurrent forwards (the engine runs one
-    forward at a time)."""
+    forward at a time).
 
-    __slots__ = ("active",)
+    Attributes:
+        active: the fast kernels apply.
+        chunked: inputs of more than ``SKINNY_MAX_ROWS`` rows also go through the compiled
+            kernel, in chunks of at most ``SKINNY_MAX_ROWS`` rows (set around a batched
+            verification forward, whose rows come from several requests: the kernel computes
+            each row independently, so every request's rows get exactly the values of its
+            own forward).
+    """
+
+    __slots__ = ("active", "chunked")
 
     def __init__(self) -> None:
         self.active = False
+        self.chunked = False
 
 
 # a weight's GGUF-block twin bound to the compiled kernel: (x float32 [R, I], bias) -> [R, O]
@@ -93,13 +105,20 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     gguf: Optional[GGUFLinear] = None,
+    chunked: bool = False,
 ) -> Optional[torch.Tensor]:
     """``x`` [..., in] -> [..., out] through the compiled few-row kernel of
     :mod:`ragspec.backend.kernels` where it applies (a kernel given, autograd off, float32 input and
-    weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows); None elsewhere, for the
-    caller's other path. ``gguf``: the same weight in GGUF blocks
+    weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows, or any number of rows
+    with ``chunked``: then in calls of at most ``SKINNY_MAX_ROWS`` rows); None elsewhere,
+    for the caller's other path. ``gguf``: the same weight in GGUF blocks
     (:meth:`~ragspec.backend.hf.HFTarget.use_gguf_weights`), used instead of ``weight`` where the kernel
-    applies (bit-identical output, fewer bytes streamed)."""
+    applies (bit-identical output, fewer bytes streamed).
+
+    The kernel computes every output row from its input row alone, in the same order of
+    operations whatever the number of rows (csrc/cpu_kernels.cpp: one accumulator per
+    (weight row, input row), split over output features only), so a row's values do not
+    depend on the other rows of the call nor on the chunking."""
     if (
         skinny is None
         or torch.is_grad_enabled()
@@ -109,10 +128,17 @@ def skinny_linear(
     ):
         return None
     rows = x.numel() // x.shape[-1]
-    if rows > SKINNY_MAX_ROWS:
+    if rows > SKINNY_MAX_ROWS and not chunked:
         return None
     x2 = x.reshape(rows, x.shape[-1])
-    y = gguf(x2, bias) if gguf is not None else skinny(x2, weight, bias)
+    if rows <= SKINNY_MAX_ROWS:
+        y = gguf(x2, bias) if gguf is not None else skinny(x2, weight, bias)
+    else:
+        parts = [
+            gguf(x2[r : r + SKINNY_MAX_ROWS], bias) if gguf is not None else skinny(x2[r : r + SKINNY_MAX_ROWS], weight, bias)
+            for r in range(0, rows, SKINNY_MAX_ROWS)
+        ]
+        y = torch.cat(parts, dim=0)  # [rows, out]
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -159,7 +185,7 @@ def pack_linear_forwards(
 
         def forward(x, _w=weight, _b=bias, _p=packed, _g=twin):
             if (scope is None or scope.active) and not torch.is_grad_enabled():
-                y = skinny_linear(skinny, x, _w, _b, _g)
+                y = skinny_linear(skinny, x, _w, _b, _g, chunked=scope is not None and scope.chunked)
                 if y is not None:
                     return y
                 if min_rows <= x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
@@ -188,6 +214,9 @@ def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    batch = kwargs.pop(ATTENTION_BATCH_KW, None)
+    if batch is not None:
+        return _batched_attention(batch, module, query, dropout, scaling, is_causal, kwargs), None
     kernel = kwargs.pop(ATTENTION_KERNEL_KW, None)
     if kernel is not None and kernel_attention_applies(query, key, attention_mask, dropout, kwargs):
         # ragspec's own forwards on CPU: the compiled few-query kernel (ragspec.backend.kernels)
@@ -216,6 +245,42 @@ def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 # _gqa_sdpa_attention (transformers passes a forward's extra keywords on to the attention
 # function): other callers of the model (model.generate, training) never set it
 ATTENTION_KERNEL_KW = "ragspec_attention_kernel"
+
+
+# keyword under which HFTarget's batched verification hands its AttentionBatch (the rows of
+# each request and that request's keys, values and mask) to _gqa_sdpa_attention
+ATTENTION_BATCH_KW = "ragspec_attention_batch"
+
+
+class AttentionBatch(Protocol):
+    """What the attention of a batched verification forward needs to know about its rows:
+    the forward's rows are the concatenated rows of several requests, each attending only
+    to its own KV cache (no padding, no copy of past keys)."""
+
+    def segments(self, layer_idx: int) -> Sequence[tuple[int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """For decoder layer ``layer_idx``, after its cache update: one ``(start, stop, key,
+        value, mask)`` per request, in row order: its rows ``start:stop`` of the forward,
+        its keys/values [1, H_kv, S_i, d] (its whole cache, the new rows included) and its
+        attention mask for that layer ([1, 1, stop - start, S_i], or None), exactly as a
+        forward over that request alone would have them."""
+
+
+def _batched_attention(batch: AttentionBatch, module, query, dropout, scaling, is_causal, kwargs) -> torch.Tensor:
+    """query [1, Hq, R, d] of all requests' rows -> [1, R, Hq, d]: each request's rows
+    attend to its own keys through the same call its forward alone would make (the
+    compiled kernel or SDPA, whichever applies to it), so each request's output is that
+    of its own forward, bit for bit."""
+    position_ids = kwargs.get("position_ids")
+    outs = []
+    for start, stop, key, value, mask in batch.segments(module.layer_idx):
+        seg_kwargs = dict(kwargs)
+        if position_ids is not None:
+            seg_kwargs["position_ids"] = position_ids[:, start:stop]
+        out, _ = _gqa_sdpa_attention(
+            module, query[:, :, start:stop], key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **seg_kwargs
+        )
+        outs.append(out)  # [1, stop - start, Hq, d]
+    return torch.cat(outs, dim=1)  # [1, R, Hq, d]
 
 
 def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> bool:

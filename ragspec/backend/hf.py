@@ -22,7 +22,9 @@ import torch
 from ..tree import tree_attention_mask, tree_position_ids
 from ..types import DraftTree
 from .base import Capability, DecoderLayout, Embeddings, FastLinear, ForwardOutput, VerifyItem
+from ..errors import ConfigError
 from .fastpaths import (
+    ATTENTION_BATCH_KW,
     ATTENTION_KERNEL_KW,
     GQA_SDPA,
     PACKED_MAX_ROWS,
@@ -36,6 +38,7 @@ from .fastpaths import (
     register_gqa_attention,
     skinny_linear,
 )
+from .kernels import SKINNY_MAX_ROWS
 
 if TYPE_CHECKING:
     from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
@@ -117,6 +120,57 @@ def _growable_cache_class() -> type:
     return _GrowableCache
 
 
+# decoders whose forward verify's batched path knows: attention layers only, masks built by
+# create_causal_mask (and create_sliding_window_causal_mask for local layers), rotary
+# position embeddings from position_ids, the cache updated once per layer in order
+_BATCHED_MODEL_TYPES = frozenset({"llama", "gemma3_text"})
+
+
+class _BatchCache:
+    """The cache a batched verification forward hands to the decoder (see
+    :meth:`HFTarget.verify`): each layer's ``update`` appends each request's new keys/values
+    (its rows ``start:stop`` of the flat batch) to that request's own cache layer, in place,
+    and keeps that request's whole keys/values for the layer's attention
+    (:meth:`segments`, through ``ATTENTION_BATCH_KW``). No past entry is copied.
+
+    Args:
+        states: the requests' KV states, in row order.
+        bounds: each request's rows ``(start, stop)`` of the forward.
+        masks: each request's attention mask as its solo forward gets it (a tensor, None, or
+            a dict per layer type).
+        layer_types: the decoder's layer types (``config.layer_types``), or empty.
+    """
+
+    def __init__(self, states: Sequence[KVState], bounds: Sequence[tuple[int, int]], masks: Sequence[Any], layer_types: Sequence[str]) -> None:
+        self._states = list(states)
+        self._bounds = list(bounds)
+        self._masks = list(masks)
+        self._layer_types = tuple(layer_types)
+        self._layer = -1
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """key_states, value_states [1, H_kv, R, d] of all rows -> the same tensors (the
+        attention reads each request's own keys from :meth:`segments`)."""
+        self._kv = [
+            state.cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx, *args, **kwargs)
+            for state, (a, b) in zip(self._states, self._bounds)
+        ]
+        self._layer = layer_idx
+        return key_states, value_states
+
+    def segments(self, layer_idx: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """``(start, stop, key, value, mask)`` of each request for layer ``layer_idx``
+        (after its update): keys/values [1, H_kv, S_i, d], mask [1, 1, stop - start, S_i]
+        or None."""
+        assert layer_idx == self._layer, f"attention of layer {layer_idx} before its cache update"
+        kind = self._layer_types[layer_idx] if layer_idx < len(self._layer_types) else "full_attention"
+        out = []
+        for (a, b), (k, v), m in zip(self._bounds, self._kv, self._masks):
+            out.append((a, b, k, v, m[kind] if isinstance(m, dict) else m))
+        return out
+
+
 @dataclass
 class KVState:
     """The KV cache of one request.
@@ -155,6 +209,12 @@ class RowLogits:
 
     def __len__(self) -> int:
         return int(self._hidden.shape[0])
+
+    def _know(self, row: int, token: int) -> None:
+        """Record the argmax of ``row``, computed by the caller with the same kernel (a
+        batched verification computes row 0 of every request in one call)."""
+        self._pred[row] = int(token)
+        self.rows_computed += 1
 
     def argmax(self, row: int, group: Sequence[int] = ()) -> int:
         """Argmax token of ``row``; when it is not known yet, computes it together with the
@@ -455,13 +515,19 @@ class HFTarget:
         logger.debug("attention routed through %s (%d query / %d key-value heads)", self._attn_impl, heads, kv_heads)
         return self._attn_impl == GQA_SDPA
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, H] -> logits float32 [R, V]."""
+    def _logits(self, hidden: torch.Tensor, chunked: bool = False) -> torch.Tensor:
+        """hidden: [R, H] -> logits float32 [R, V] (``chunked``: more than
+        ``SKINNY_MAX_ROWS`` rows also through the compiled kernel, see :func:`skinny_linear`)."""
         rows = hidden.shape[0]
         bias = getattr(self._lm_head, "bias", None)
         weight = self._lm_head.weight
         logits = skinny_linear(
-            self._skinny, hidden, weight, None if bias is None else bias.detach(), self._gguf.get(weight.data_ptr())
+            self._skinny,
+            hidden,
+            weight,
+            None if bias is None else bias.detach(),
+            self._gguf.get(weight.data_ptr()),
+            chunked=chunked,
         )
         if logits is None:
             packed = self._packed_lm_head() if rows <= PACKED_MAX_ROWS else None
@@ -516,9 +582,162 @@ class HFTarget:
         return ForwardOutput(self._logits(hidden[-1:]), hidden if return_hidden else None)
 
     def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
-        """One verification forward per item (see :meth:`verify_one`), one after another:
-        each request attends to its own KV cache."""
-        return [self.verify_one(it.state, it.root_token, it.tree, return_hidden=it.hidden, lazy_logits=it.lazy_logits) for it in items]
+        """The verification forward of every item (see :meth:`verify_one`; each request
+        attends to its own KV cache only).
+
+        Two or more items run as one forward over their concatenated rows (a flat batch:
+        request i's root and draft nodes at rows ``cu[i]:cu[i + 1]``, each row with its own
+        position id), the linear layers over all rows at once and the attention of each
+        request over its own cache, where that gives every request exactly the output of
+        its own forward (:meth:`batches`): the compiled few-row kernel in use, the attention
+        routed through ragspec's function, a Llama or Gemma-3 text decoder, items of at
+        most ``SKINNY_MAX_ROWS`` rows. Other items (and every item elsewhere) run one after
+        another through :meth:`verify_one`. A single item always takes :meth:`verify_one`.
+
+        Returns:
+            one :class:`ForwardOutput` per item, in order; each state grew by its N + 1 rows.
+
+        Raises:
+            ConfigError: the same state appears in two items.
+        """
+        items = list(items)
+        outs: list[Optional[ForwardOutput]] = [None] * len(items)
+        if len(items) > 1:
+            if len({id(it.state) for it in items}) != len(items):
+                raise ConfigError("verify: the same KV state appears in two items")
+            group = [i for i, it in enumerate(items) if self._batchable(it)] if self.batches else []
+            if len(group) > 1:
+                for i, out in zip(group, self._verify_batch([items[i] for i in group])):
+                    outs[i] = out
+        return [
+            out
+            if out is not None
+            else self.verify_one(it.state, it.root_token, it.tree, return_hidden=it.hidden, lazy_logits=it.lazy_logits)
+            for it, out in zip(items, outs)
+        ]
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`verify` runs several requests' rows in one forward.
+
+        Only where each request's output is then bit for bit that of its own forward:
+        float32 on CPU with the compiled few-row kernel (it computes each row on its own,
+        so the linear layers and the output layer give every row the values of a solo
+        forward; without it, BLAS may sum differently for other row counts), the attention
+        through ragspec's function (:meth:`route_gqa_attention`: each request's rows attend
+        to its own keys through the call its solo forward makes), a decoder whose forward
+        ragspec knows (Llama, Gemma-3 text: masks built as transformers builds them), and
+        head size, hidden and intermediate sizes multiples of 32 (element-wise functions
+        such as SiLU and the rotary cos/sin take ATen's vector path for every element of
+        such rows, whatever the number of rows; a scalar tail may round differently).
+        """
+        if self._skinny is None or self._attn_impl != GQA_SDPA or self.device.type != "cpu":
+            return False
+        cfg = getattr(self._decoder, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in _BATCHED_MODEL_TYPES:
+            return False
+        if getattr(cfg, "use_bidirectional_attention", False):
+            return False
+        heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+        hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+        head_dim = int(getattr(cfg, "head_dim", 0) or (hidden // heads if heads else 0))
+        inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+        if not (head_dim and hidden and inter) or head_dim % 32 or hidden % 32 or inter % 32:
+            return False
+        w = self._lm_head.weight
+        return w.dtype == torch.float32 and w.is_contiguous()
+
+    def _batchable(self, item: VerifyItem) -> bool:
+        """Whether ``item`` can share a batched forward: at most ``SKINNY_MAX_ROWS`` rows (its
+        solo forward then runs every linear layer through the compiled kernel) and a cache
+        of this backend."""
+        return item.tree.num_nodes + 1 <= SKINNY_MAX_ROWS and isinstance(
+            getattr(item.state, "cache", None), _growable_cache_class()
+        )
+
+    def _causal_masks(self, state: KVState, rows: int) -> Any:
+        """The attention mask(s) transformers' own forward builds for ``rows`` new tokens of
+        plain causal decoding over ``state`` (None where it lets SDPA mask by itself; a dict
+        per layer type for models with local layers)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kwargs = dict(
+            config=self._decoder.config,
+            inputs_embeds=torch.empty((1, rows, 0), dtype=self.dtype, device=self.device),  # shape/dtype only
+            attention_mask=None,
+            cache=state.cache,
+            position_ids=(torch.arange(rows, device=self.device) + state.length)[None],
+        )
+        full = create_causal_mask(**kwargs)
+        if self._sliding_window is None:
+            return full
+        return {"full_attention": full, "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
+
+    def _verify_batch(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
+        """One forward over the rows of all ``items`` (see :meth:`verify`)."""
+        bounds: list[tuple[int, int]] = []
+        tokens: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        masks: list[Any] = []
+        start = 0
+        for it in items:
+            tree, past = it.tree, it.state.length
+            n = tree.num_nodes
+            tokens.append(torch.tensor([it.root_token], dtype=torch.long))
+            if n:
+                tokens.append(tree.tokens.to(torch.long))
+            if n == 0 or tree.is_chain:
+                # plain causal attention: the mask transformers would build for it alone
+                positions.append(torch.arange(past, past + n + 1, device=self.device))
+                masks.append(self._causal_masks(it.state, n + 1))
+            else:
+                pos, attn = self._tree_masks(tree, past)
+                positions.append(pos[0])
+                masks.append(attn)
+            bounds.append((start, start + n + 1))
+            start += n + 1
+        ids = torch.cat(tokens).to(self.device)[None]  # [1, R]
+        pos_ids = torch.cat(positions)[None]  # [1, R]
+        layer_types = tuple(getattr(self._decoder.config, "layer_types", None) or ())
+        batch = _BatchCache([it.state for it in items], bounds, masks, layer_types)
+        extra = {self._cache_kw: batch, ATTENTION_BATCH_KW: batch}
+        if self._attention_kernel is not None:
+            extra[ATTENTION_KERNEL_KW] = self._attention_kernel
+        # a prepared 4-D mask stops transformers from building one over the flat batch; the
+        # attention reads each request's own mask from the batch instead
+        unused = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        attn_arg: Any = unused
+        if self._sliding_window is not None:
+            attn_arg = {"full_attention": unused, "sliding_attention": unused}
+        self._scope.active = True
+        self._scope.chunked = True
+        try:
+            out = self._decoder(input_ids=ids, position_ids=pos_ids, attention_mask=attn_arg, use_cache=True, **extra)
+        finally:
+            self._scope.active = False
+            self._scope.chunked = False
+        for it, (a, b) in zip(items, bounds):
+            it.state.length += b - a
+        hidden = out.last_hidden_state[0]  # [R, H]
+        # the output layer over every row needed now, all requests at once: all rows of a
+        # request verified with full logits, row 0 of a lazy one (greedy always reads it)
+        rows: list[int] = []
+        for it, (a, b) in zip(items, bounds):
+            rows.extend([a] if it.lazy_logits else range(a, b))
+        logits = self._logits(hidden[rows], chunked=True)  # [len(rows), V]
+        outs: list[ForwardOutput] = []
+        at = 0
+        for it, (a, b) in zip(items, bounds):
+            h = hidden[a:b]  # [N+1, H]
+            if it.lazy_logits:
+                row_logits = RowLogits(self, h)
+                row_logits._know(0, int(logits[at].argmax()))
+                at += 1
+                outs.append(ForwardOutput(None, h if it.hidden else None, row_logits))
+            else:
+                outs.append(ForwardOutput(logits[at : at + b - a], h if it.hidden else None))
+                at += b - a
+        return outs
 
     def verify_one(
         self,
@@ -553,21 +772,28 @@ class HFTarget:
             # plain causal attention: transformers builds the mask itself
             hidden = self._run(state, ids, None, None)
         else:
-            mask = tree_attention_mask(tree, past, device=self.device)  # [1, 1, N+1, past+N+1]
-            pos = tree_position_ids(tree, past, device=self.device)  # [1, N+1]
-            attn = self._mask_for_model(mask)
-            if self._sliding_window is not None:
-                # local layers: also hide keys more than `window` positions behind the query
-                kv_pos = torch.cat([torch.arange(past, device=self.device), pos[0]])  # [past+N+1]
-                near = kv_pos[None, :] > pos[0][:, None] - self._sliding_window  # [N+1, past+N+1]
-                attn = {
-                    "full_attention": attn,
-                    "sliding_attention": self._mask_for_model(mask & near[None, None]),
-                }
+            pos, attn = self._tree_masks(tree, past)
             hidden = self._run(state, ids, pos, attn)
         if lazy_logits:
             return ForwardOutput(None, hidden if return_hidden else None, RowLogits(self, hidden))
         return ForwardOutput(self._logits(hidden), hidden if return_hidden else None)
+
+    def _tree_masks(self, tree: DraftTree, past: int) -> tuple[torch.Tensor, Any]:
+        """Position ids int64 [1, N + 1] and the attention mask(s) of a tree's verification
+        forward: [1, 1, N + 1, past + N + 1] in the attention implementation's form, or for
+        models with local layers a dict of one such mask per layer type."""
+        mask = tree_attention_mask(tree, past, device=self.device)  # [1, 1, N+1, past+N+1]
+        pos = tree_position_ids(tree, past, device=self.device)  # [1, N+1]
+        attn = self._mask_for_model(mask)
+        if self._sliding_window is not None:
+            # local layers: also hide keys more than `window` positions behind the query
+            kv_pos = torch.cat([torch.arange(past, device=self.device), pos[0]])  # [past+N+1]
+            near = kv_pos[None, :] > pos[0][:, None] - self._sliding_window  # [N+1, past+N+1]
+            attn = {
+                "full_attention": attn,
+                "sliding_attention": self._mask_for_model(mask & near[None, None]),
+            }
+        return pos, attn
 
     def _mask_for_model(self, mask: torch.Tensor) -> torch.Tensor:
         """bool mask (True = attend) in the form the attention implementation expects."""
