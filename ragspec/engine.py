@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -27,6 +28,7 @@ from .detok import TextAssembler
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
 from .target import TargetModel
+from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
@@ -95,6 +97,7 @@ class Engine:
         self.datastore = None
         self.eagle = None
         self.eagle_path: Optional[str] = None  # folder of the loaded EAGLE head
+        self._invalid_draft_sources: set[str] = set()  # sources already warned about
 
     # ------------------------------------------------------------------ factory
     @classmethod
@@ -448,7 +451,11 @@ class Engine:
         predicted = 0.0
         lazy = greedy
         if req.session is not None and budget > 0:
-            proposal = req.session.propose(budget)
+            raw = req.session.propose(budget)
+            # a misbehaving drafter (a damaged datastore, ...) never reaches the target
+            proposal, dropped = drop_invalid_nodes(raw, target.vocab_size)
+            if dropped:
+                self._dropped_invalid_drafts(req.stats, raw, proposal, dropped)
             if proposal.num_nodes:
                 if self.policy.adaptive:
                     choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
@@ -486,6 +493,20 @@ class Engine:
             req.session.extend(committed)
         self._record_step(req.stats, tree, res, kept, t1 - t0, t2 - t1, predicted, return_steps)
         return committed[-1]
+
+    def _dropped_invalid_drafts(self, stats: GenerationStats, raw: DraftTree, kept: DraftTree, dropped: int) -> None:
+        """Count draft nodes dropped by :func:`drop_invalid_nodes`; warn once per source."""
+        stats.num_invalid_draft_tokens += dropped
+        sources = sorted(set((Counter(raw.sources) - Counter(kept.sources)).keys()) or {"draft"})
+        new = [s for s in sources if s not in self._invalid_draft_sources]
+        if new:
+            self._invalid_draft_sources.update(new)
+            logger.warning(
+                "drafter %s proposed token ids outside the vocabulary [0, %d) or a malformed tree: %d node(s) "
+                "dropped (counted in stats.num_invalid_draft_tokens; a datastore may be damaged: "
+                "ragspec datastore info --verify DIR); further drops from it are not logged",
+                "/".join(new), self.target.vocab_size, dropped,
+            )
 
     @staticmethod
     def _record_step(stats, tree, res, kept, draft_s, verify_s, predicted, keep_steps) -> None:
