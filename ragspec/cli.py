@@ -1,7 +1,8 @@
 """The ``ragspec`` command line: models, generation, summaries, benchmarks, datastores, server.
 
 Every command prints a one-line error and exits with status 2 on bad input (a typed
-:class:`~ragspec.errors.RagspecError`), never a traceback.
+:class:`~ragspec.errors.RagspecError`), never a traceback; any other failure is one line
+too (``ragspec: internal error: ...``, exit 1), its traceback logged only with ``-v``.
 """
 
 from __future__ import annotations
@@ -412,6 +413,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:  # a bug, not bad input: still one line (-v logs the traceback)
+        if args.verbose:
+            logger.exception("internal error")
+        detail = " ".join(str(e).split())[:300]
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"ragspec: internal error: {type(e).__name__}: {detail}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

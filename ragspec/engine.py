@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -30,6 +31,7 @@ from .detok import TextAssembler
 from .drafters.base import Drafter, DraftSession, reproducible_drafter
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
+from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
@@ -170,6 +172,7 @@ class Engine:
         self.parts = parts
         self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
         self._lazy_rows = bool(target.capability(Capability.LAZY_ROWS))
+        self._invalid_draft_sources: set[str] = set()  # sources already warned about (logging only)
 
     # ------------------------------------------------------------------ factories
     @classmethod
@@ -479,7 +482,11 @@ class Engine:
         predicted = 0.0
         lazy = greedy
         if req.session is not None and budget > 0:
-            proposal = req.session.propose(budget)
+            raw = req.session.propose(budget)
+            # a misbehaving drafter (a damaged datastore, ...) never reaches the target
+            proposal, dropped = drop_invalid_nodes(raw, self.target.vocab_size)
+            if dropped:
+                self._dropped_invalid_drafts(req.stats, raw, proposal, dropped)
             if proposal.num_nodes:
                 if self.policy.adaptive:
                     choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
@@ -489,6 +496,23 @@ class Engine:
                 else:
                     tree = proposal.truncate(budget)
         return _Pending(index, req, tree, predicted, lazy, time.perf_counter() - t0, past)
+
+    def _dropped_invalid_drafts(self, stats: GenerationStats, raw: DraftTree, kept: DraftTree, dropped: int) -> None:
+        """Count draft nodes dropped by :func:`~ragspec.tree.drop_invalid_nodes`; warn once
+        per source."""
+        stats.num_invalid_draft_tokens += dropped
+        sources = sorted(set((Counter(raw.sources) - Counter(kept.sources)).keys()) or {"draft"})
+        new = [s for s in sources if s not in self._invalid_draft_sources]
+        if new:
+            self._invalid_draft_sources.update(new)
+            logger.warning(
+                "drafter %s proposed token ids outside the vocabulary [0, %d) or a malformed tree: %d node(s) "
+                "dropped (counted in stats.num_invalid_draft_tokens; a datastore may be damaged: "
+                "ragspec datastore info --verify DIR); further drops from it are not logged",
+                "/".join(new),
+                self.target.vocab_size,
+                dropped,
+            )
 
     def _accept(self, p: _Pending, out: Any, t1: float, solo: bool) -> None:
         """Stages 2-4 for one request: verify its tree against ``out`` (the backend's

@@ -14,6 +14,7 @@ __all__ = [
     "DatastoreError",
     "DatastoreFormatError",
     "EmptyCorpusError",
+    "DatastoreInputError",
     "TokenizerMismatchError",
     "CapacityError",
     "PromptTooLongError",
@@ -50,6 +51,11 @@ class DatastoreFormatError(DatastoreError):
 
 class EmptyCorpusError(DatastoreError, ValueError):
     """A datastore build was given no text to index."""
+
+
+class DatastoreInputError(DatastoreError, ValueError):
+    """A datastore input is binary or holds a malformed JSONL line, in a strict build
+    (``--strict``; otherwise such input is skipped with a warning and counted)."""
 
 
 class TokenizerMismatchError(DatastoreError):

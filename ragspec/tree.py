@@ -14,7 +14,14 @@ import torch
 
 from .types import DraftTree
 
-__all__ = ["tree_from_candidates", "tree_attention_mask", "tree_position_ids", "path_to_node", "merge_trees"]
+__all__ = [
+    "tree_from_candidates",
+    "tree_attention_mask",
+    "tree_position_ids",
+    "path_to_node",
+    "merge_trees",
+    "drop_invalid_nodes",
+]
 
 
 def tree_from_candidates(
@@ -197,3 +204,62 @@ def path_to_node(tree: DraftTree, node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def drop_invalid_nodes(tree: DraftTree, vocab_size: int) -> tuple[DraftTree, int]:
+    """Drop the draft nodes a verification must never see, with their subtrees.
+
+    A node is invalid when its token id is outside ``[0, vocab_size)`` (the target's
+    embedding would fail on it), when its parent is not an earlier node (or -1), or when
+    its depth is not its parent's depth + 1 (its position would be wrong). Every
+    descendant of an invalid node is dropped too, so the rest is still a valid tree.
+
+    Example: tokens [5, 99, 7, 8], parents [-1, -1, 1, 0], vocab_size 50: node 1 (id 99)
+    is out of range and node 2 is its child; kept: tokens [5, 8], parents [-1, 0], depth
+    [0, 1]; 2 dropped.
+
+    Args:
+        tree: a proposal (N nodes), as a drafter returned it.
+        vocab_size: V, the number of token ids the target knows.
+
+    Returns:
+        (the kept nodes in their order with parents re-indexed, number of nodes dropped);
+        ``tree`` itself (same object) when nothing is dropped.
+    """
+    n = tree.num_nodes
+    if n == 0:
+        return tree, 0
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    depth = tree.depth.tolist()
+    new_index = [-1] * n  # old node -> kept index, -1 = dropped
+    kept: list[int] = []
+    for i in range(n):
+        p = parents[i]
+        if not 0 <= tokens[i] < vocab_size or not -1 <= p < i:
+            continue
+        if p == -1:
+            ok = depth[i] == 0
+        else:
+            ok = new_index[p] >= 0 and depth[i] == depth[p] + 1
+        if ok:
+            new_index[i] = len(kept)
+            kept.append(i)
+    dropped = n - len(kept)
+    if dropped == 0:
+        return tree, 0
+    if not kept:
+        return DraftTree.empty(), dropped
+    idx = torch.tensor(kept, dtype=torch.long)  # [K]
+    return (
+        DraftTree(
+            tokens=tree.tokens[idx],
+            parents=torch.tensor([new_index[parents[i]] if parents[i] != -1 else -1 for i in kept], dtype=torch.long),
+            depth=tree.depth[idx],
+            sources=tuple(tree.sources[i] for i in kept) if len(tree.sources) == n else (),
+            scores=None if tree.scores is None or tree.scores.shape[0] != n else tree.scores[idx],
+            draft_probs=None if tree.draft_probs is None else tree.draft_probs[idx],
+            match_len=tree.match_len,
+        ),
+        dropped,
+    )

@@ -171,7 +171,10 @@ class GenerationStats:
 
     ``num_forward_passes`` counts target forwards including the prefill; decode steps are
     ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
-    step, bonus included (plain decoding gives 1.0).
+    step, bonus included (plain decoding gives 1.0). ``num_invalid_draft_tokens`` counts
+    proposed draft nodes dropped before verification because a drafter returned token ids
+    outside the vocabulary or a malformed tree (see :func:`ragspec.tree.drop_invalid_nodes`);
+    they are not in ``num_drafted_tokens``.
     """
 
     num_prompt_tokens: int = 0
@@ -179,6 +182,7 @@ class GenerationStats:
     num_forward_passes: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_invalid_draft_tokens: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -219,6 +223,7 @@ class GenerationStats:
             "num_forward_passes": self.num_forward_passes,
             "num_drafted_tokens": self.num_drafted_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_invalid_draft_tokens": self.num_invalid_draft_tokens,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "prefill_s": self.prefill_s,

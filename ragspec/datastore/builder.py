@@ -9,11 +9,16 @@ Inputs (each of ``inputs``):
 
 Every file (every JSONL line) is one document; documents are separated by the id -1 in
 the token array, so no match and no continuation runs across two documents.
+
+Input hygiene: a file with NUL bytes, or of which more than 10% is not valid UTF-8, is
+binary: skipped with a warning (a file with a few invalid bytes is indexed, the bytes
+replaced by U+FFFD, with a warning). A JSONL line that is not valid JSON, or has no string
+in ``field``, is skipped with a warning. The skips are counted in the manifest (and in the
+build summary). ``strict=True`` (``--strict``) fails on the first of them instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import hashlib
 import html.parser
@@ -30,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from ragspec.errors import DatastoreError, EmptyCorpusError
+from ragspec.errors import DatastoreError, DatastoreInputError, EmptyCorpusError
 
 from .format import (
     DOCS_DTYPE,
@@ -45,7 +50,9 @@ from .format import (
     atomic_directory,
     check_tokenizer,
     fsync_dir,
+    locked,
     read_manifest,
+    remove_leftovers,
     set_default_mode,
     tokenizer_identity,
     write_array,
@@ -64,6 +71,7 @@ HTML_SUFFIXES = (".html", ".htm")
 JSONL_SUFFIXES = (".jsonl",)
 _BATCH_CHARS = 1 << 21  # tokenize ~2 MB of text per call (the fast tokenizer parallelises a batch)
 _BATCH_DOCS = 512
+_MAX_INVALID_UTF8 = 0.1  # above this share of undecodable characters a file is binary
 
 
 @dataclass
@@ -72,6 +80,26 @@ class _Source:
     sha256: str
     bytes: int
     texts: list[str]
+    skipped_lines: int = 0
+    binary: str = ""
+    """Why the file was skipped as binary ("" = it was not)."""
+
+
+def _decode(raw: bytes, where: str) -> tuple[str, str]:
+    """(text, "") for text; ("", reason) for binary content (NUL bytes, or more than 10%
+    of the characters not UTF-8). A few invalid bytes become U+FFFD, with a warning."""
+    if b"\0" in raw:
+        return "", "NUL bytes"
+    try:
+        return raw.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    share = bad / max(1, len(text))
+    if share > _MAX_INVALID_UTF8:
+        return "", f"{share:.0%} of it is not UTF-8"
+    logger.warning("%s: %d invalid UTF-8 byte sequence(s) replaced by U+FFFD", where, bad)
+    return text, ""
 
 
 class _HTMLText(html.parser.HTMLParser):
@@ -114,37 +142,68 @@ def html_to_text(markup: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def _jsonl_texts(data: str, field: str, where: str) -> list[str]:
+def _jsonl_texts(data: str, field: str, where: str, strict: bool = False) -> tuple[list[str], int]:
+    """(texts, number of lines skipped) of JSONL ``data``: one text per line, from ``field``.
+
+    Raises:
+        DatastoreInputError: ``strict`` and a line is not JSON or has no string ``field``.
+    """
     texts = []
-    missing = 0
+    malformed: list[int] = []
+    missing: list[int] = []
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatastoreError(f"{where}:{lineno}: invalid JSON ({e.msg})") from e
+            if strict:
+                raise DatastoreInputError(f"{where}:{lineno}: invalid JSON ({e.msg})") from e
+            malformed.append(lineno)
+            continue
         value = obj.get(field) if isinstance(obj, dict) else None
         if not isinstance(value, str):
-            missing += 1
+            if strict:
+                raise DatastoreInputError(f"{where}:{lineno}: no string field {field!r}")
+            missing.append(lineno)
             continue
         texts.append(value)
+
+    def lines(nums: list[int]) -> str:
+        return ", ".join(map(str, nums[:5])) + (", ..." if len(nums) > 5 else "")
+
+    if malformed:
+        logger.warning("%s: %d line(s) of invalid JSON skipped (line %s; --strict fails instead)",
+                       where, len(malformed), lines(malformed))
     if missing:
-        logger.warning("%s: %d line(s) without a string field %r skipped", where, missing, field)
-    return texts
+        logger.warning("%s: %d line(s) without a string field %r skipped (line %s)", where, len(missing), field,
+                       lines(missing))
+    return texts, len(malformed) + len(missing)
 
 
-def _read_file(path: Path, field: str) -> _Source:
-    raw = path.read_bytes()
-    text = raw.decode("utf-8", errors="replace")
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        texts = _jsonl_texts(text, field, str(path))
-    elif suffix in HTML_SUFFIXES:
+def _parse(raw: bytes, where: str, kind: str, field: str, strict: bool) -> _Source:
+    """A source from raw bytes: binary content skipped (or refused when ``strict``)."""
+    digest = hashlib.sha256(raw).hexdigest()
+    text, binary = _decode(raw, where)
+    if binary:
+        if strict:
+            raise DatastoreInputError(f"{where}: binary content ({binary}); remove it, or build without --strict to skip it")
+        logger.warning("skipping %s: binary content (%s)", where, binary)
+        return _Source(where, digest, len(raw), [], binary=binary)
+    skipped = 0
+    if kind == "jsonl":
+        texts, skipped = _jsonl_texts(text, field, where, strict)
+    elif kind == "html":
         texts = [html_to_text(text)]
     else:
         texts = [text]
-    return _Source(str(path), hashlib.sha256(raw).hexdigest(), len(raw), texts)
+    return _Source(where, digest, len(raw), texts, skipped_lines=skipped)
+
+
+def _read_file(path: Path, field: str, strict: bool = False) -> _Source:
+    suffix = path.suffix.lower()
+    kind = "jsonl" if suffix in JSONL_SUFFIXES else "html" if suffix in HTML_SUFFIXES else "text"
+    return _parse(path.read_bytes(), str(path), kind, field, strict)
 
 
 def _list_inputs(inputs: Sequence[str | os.PathLike]) -> list[tuple[str, Optional[Path], int]]:
@@ -178,25 +237,27 @@ def _list_inputs(inputs: Sequence[str | os.PathLike]) -> list[tuple[str, Optiona
 def iter_documents(
     inputs: Sequence[str | os.PathLike], *, field: str = "text", stdin: Optional[TextIO] = None
 ) -> Iterator[tuple[str, list[str]]]:
-    """Yield (source path, document texts) per input file ("-" for standard input)."""
+    """Yield (source path, document texts) per input file ("-" for standard input); binary
+    files and malformed JSONL lines are skipped with a warning."""
     for src in _iter_sources(_list_inputs(inputs), field, stdin):
         yield src.path, src.texts
 
 
 def _iter_sources(
-    listing: list[tuple[str, Optional[Path], int]], field: str, stdin: Optional[TextIO]
+    listing: list[tuple[str, Optional[Path], int]], field: str, stdin: Optional[TextIO], strict: bool = False
 ) -> Iterator[_Source]:
     for kind, path, _size in listing:
         if kind == "stdin":
             stream = stdin if stdin is not None else sys.stdin
             buf = getattr(stream, "buffer", None)
             raw = buf.read() if buf is not None else stream.read().encode("utf-8")
-            text = raw.decode("utf-8", errors="replace")
-            yield _Source("-", hashlib.sha256(raw).hexdigest(), len(raw), _jsonl_texts(text, field, "<stdin>"))
+            src = _parse(raw, "<stdin>", "jsonl", field, strict)
+            src.path = "-"
+            yield src
         else:
             assert path is not None, "file inputs carry a path"
             try:
-                yield _read_file(path, field)
+                yield _read_file(path, field, strict)
             except OSError as e:
                 raise DatastoreError(f"cannot read {str(path)!r}: {e.strerror or e}") from e
 
@@ -205,10 +266,24 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+@dataclass
+class _Tokenized:
+    """What :func:`_tokenize_inputs` read: documents, sources, id range, skips."""
+
+    docs: list[np.ndarray]
+    sources: list[dict[str, Any]]
+    min_id: int
+    max_id: int
+    skipped_files: int
+    skipped_lines: int
+
+
 def _tokenize_inputs(
-    inputs: Sequence[str | os.PathLike], tokenizer: Any, field: str, progress: bool, stdin: Optional[TextIO]
-) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-    """Read and tokenize all inputs: (documents as int32 arrays, per-source records)."""
+    inputs: Sequence[str | os.PathLike], tokenizer: Any, field: str, progress: bool, stdin: Optional[TextIO],
+    strict: bool = False,
+) -> _Tokenized:
+    """Read and tokenize all inputs: documents as int32 arrays, per-source records, the
+    smallest and largest id, and the binary files and JSONL lines skipped."""
     listing = _list_inputs(inputs)
     total_bytes = sum(size for _, _, size in listing)
     docs: list[np.ndarray] = []
@@ -217,9 +292,11 @@ def _tokenize_inputs(
     pending_src: list[int] = []
     pending_chars = 0
     num_tokens = 0
+    lo, hi = 2**31, -1
+    skipped_files = skipped_lines = 0
 
     def flush() -> None:
-        nonlocal pending, pending_src, pending_chars, num_tokens
+        nonlocal pending, pending_src, pending_chars, num_tokens, lo, hi
         if not pending:
             return
         encoded = tokenizer(pending, add_special_tokens=False)["input_ids"]
@@ -227,8 +304,10 @@ def _tokenize_inputs(
             if len(ids) == 0:
                 continue
             arr = np.asarray(ids, dtype=np.int64)
-            if int(arr.min()) < 0 or int(arr.max()) >= 2**31 - 1:
+            a, b = int(arr.min()), int(arr.max())
+            if a < 0 or b >= 2**31 - 1:
                 raise DatastoreError(f"tokenizer produced an id outside [0, 2^31 - 1) for {sources[si]['path']!r}")
+            lo, hi = min(lo, a), max(hi, b)
             docs.append(arr.astype(np.int32))
             sources[si]["num_documents"] += 1
             num_tokens += len(arr)
@@ -241,9 +320,16 @@ def _tokenize_inputs(
         bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr,
                    dynamic_ncols=True)
     try:
-        for src in _iter_sources(listing, field, stdin):
+        for src in _iter_sources(listing, field, stdin, strict):
             si = len(sources)
-            sources.append({"path": src.path, "sha256": src.sha256, "bytes": src.bytes, "num_documents": 0})
+            record = {"path": src.path, "sha256": src.sha256, "bytes": src.bytes, "num_documents": 0}
+            if src.binary:
+                record["skipped"] = f"binary: {src.binary}"
+                skipped_files += 1
+            if src.skipped_lines:
+                record["skipped_lines"] = src.skipped_lines
+                skipped_lines += src.skipped_lines
+            sources.append(record)
             for text in src.texts:
                 if not text.strip():
                     continue
@@ -262,17 +348,20 @@ def _tokenize_inputs(
             bar.close()
     if not docs:
         where = ", ".join(str(i) for i in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
+        skips = f", {skipped_files} skipped as binary" if skipped_files else ""
         raise EmptyCorpusError(
-            f"no text to index in {where or 'the inputs'}: {len(sources)} file(s) read, all empty or whitespace "
-            f"(directories are searched for {', '.join(TEXT_SUFFIXES + HTML_SUFFIXES + JSONL_SUFFIXES)})"
+            f"no text to index in {where or 'the inputs'}: {len(sources)} file(s) read{skips}, the rest empty or "
+            f"whitespace (directories are searched for {', '.join(TEXT_SUFFIXES + HTML_SUFFIXES + JSONL_SUFFIXES)})"
         )
-    return docs, sources
+    if skipped_files or skipped_lines:
+        logger.warning("skipped %d binary file(s) and %d JSONL line(s) (see the warnings above)", skipped_files,
+                       skipped_lines)
+    return _Tokenized(docs, sources, lo, hi, skipped_files, skipped_lines)
 
 
-def _write_shard(
-    sdir: Path, name: str, docs: list[np.ndarray], sources: list[dict[str, Any]], t0: float, progress: bool
-) -> ShardEntry:
+def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: bool) -> ShardEntry:
     """Write tokens.bin, sa.bin, docs.bin and sources.json of one shard into ``sdir``."""
+    docs, sources = read.docs, read.sources
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))  # [D]
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)  # [D + 1]
     np.cumsum(lengths + 1, out=offsets[1:])
@@ -314,6 +403,10 @@ def _write_shard(
         created=_now(),
         build_s=round(time.perf_counter() - t0, 3),
         files=files,
+        min_id=read.min_id,
+        max_id=read.max_id,
+        skipped_files=read.skipped_files,
+        skipped_lines=read.skipped_lines,
     )
 
 
@@ -327,6 +420,7 @@ def build_datastore(
     progress: bool = True,
     overwrite: bool = False,
     stdin: Optional[TextIO] = None,
+    strict: bool = False,
 ) -> DatastoreInfo:
     """Build a datastore of one shard from text inputs.
 
@@ -339,12 +433,15 @@ def build_datastore(
         progress: show a tqdm bar on stderr.
         overwrite: replace an existing ``out_dir``.
         stdin: stream read for "-" (default ``sys.stdin``).
+        strict: fail on a binary file or a malformed JSONL line instead of skipping it.
 
     Returns:
-        The new datastore's :class:`DatastoreInfo`.
+        The new datastore's :class:`DatastoreInfo` (``skipped_files`` / ``skipped_lines``:
+        what the build skipped).
 
     Raises:
         EmptyCorpusError: the inputs hold no text (only empty or whitespace documents).
+        DatastoreInputError: ``strict`` and an input is binary or a JSONL line malformed.
         DatastoreError: an input is missing or unreadable, or ``out_dir`` exists.
     """
     t0 = time.perf_counter()
@@ -354,32 +451,16 @@ def build_datastore(
     if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
         raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
     identity = tokenizer_identity(tokenizer, tokenizer_name)
-    docs, sources = _tokenize_inputs(inputs, tokenizer, field, progress, stdin)
+    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict)
     with atomic_directory(dest, overwrite=overwrite) as tmp:
         name = "shard-00000"
         (tmp / name).mkdir()
-        shard = _write_shard(tmp / name, name, docs, sources, t0, progress)
+        shard = _write_shard(tmp / name, name, read, t0, progress)
         now = _now()
         write_manifest(tmp, Manifest(tokenizer=identity, shards=(shard,), created=now, updated=now))
     logger.info("datastore %s: %d documents, %d tokens", dest, shard.num_documents, shard.num_tokens)
     with Datastore.open(dest) as ds:
         return ds.info()
-
-
-@contextlib.contextmanager
-def _exclusive_lock(directory: Path) -> Iterator[None]:
-    """An advisory lock on ``DIR/.lock`` so two ``add`` calls do not race on the manifest."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with open(directory / ".lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def add_to_datastore(
@@ -390,12 +471,15 @@ def add_to_datastore(
     field: str = "text",
     progress: bool = True,
     stdin: Optional[TextIO] = None,
+    strict: bool = False,
 ) -> DatastoreInfo:
     """Append the inputs to an existing datastore as a new shard (no rebuild of the others).
 
     The shard is written to a temporary directory inside the datastore, renamed into place,
     and only then listed in the manifest (replaced atomically), so a crash leaves the
-    datastore as it was (plus, at worst, an unlisted directory that is ignored).
+    datastore as it was (plus, at worst, an unlisted directory that is ignored, and removed
+    by the next add: leftovers of interrupted adds go once this one holds ``DIR/.lock``).
+    ``strict``: as in :func:`build_datastore`.
 
     Raises:
         TokenizerMismatchError: ``tokenizer`` is not the one the datastore was built with.
@@ -408,9 +492,10 @@ def add_to_datastore(
     check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
-    docs, sources = _tokenize_inputs(inputs, tokenizer, field, progress, stdin)
-    with _exclusive_lock(d):
+    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict)
+    with locked(d / ".lock"):
         manifest = read_manifest(d)  # another add may have finished meanwhile
+        remove_leftovers(d, manifest)
         taken = {s.name for s in manifest.shards} | {p.name for p in d.iterdir()}
         k = len(manifest.shards)
         while f"shard-{k:05d}" in taken:
@@ -418,7 +503,7 @@ def add_to_datastore(
         name = f"shard-{k:05d}"
         tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
         try:
-            shard = _write_shard(tmp, name, docs, sources, t0, progress)
+            shard = _write_shard(tmp, name, read, t0, progress)
             set_default_mode(tmp)
             os.rename(tmp, d / name)
         except BaseException:

@@ -86,7 +86,11 @@ def _print_info(info: Any, as_json: bool) -> None:
         ("created", info.created),
         ("updated", info.updated),
         ("build time", f"{info.build_s:.1f} s"),
+        ("skipped inputs", f"{info.skipped_files} binary file(s), {info.skipped_lines} malformed JSONL line(s)"),
     ]
+    if info.leftovers:
+        rows.append(("leftovers", f"{len(info.leftovers)} from interrupted builds/adds (removed by the next build of "
+                                  f"this directory or add to it): " + ", ".join(info.leftovers)))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -100,13 +104,20 @@ def cmd_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     info = build_datastore(
         args.inputs, args.output, tokenizer, field=args.field, tokenizer_name=name,
-        progress=not args.no_progress, overwrite=args.overwrite,
+        progress=not args.no_progress, overwrite=args.overwrite, strict=args.strict,
     )
     dt = time.perf_counter() - t0
     print(f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
           f"({info.num_tokens / max(dt, 1e-9):,.0f} tokens/s), {_fmt_bytes(info.bytes_on_disk)} "
-          f"({info.bytes_per_token:.2f} bytes/token)")
+          f"({info.bytes_per_token:.2f} bytes/token){_skips(info)}")
     return 0
+
+
+def _skips(info: Any) -> str:
+    if not (info.skipped_files or info.skipped_lines):
+        return ""
+    return (f"; skipped {info.skipped_files} binary file(s) and {info.skipped_lines} malformed JSONL line(s) "
+            "(--strict fails instead)")
 
 
 @_guard
@@ -114,9 +125,10 @@ def cmd_add(args: argparse.Namespace) -> int:
     from .builder import add_to_datastore
 
     tokenizer = _tokenizer_for(args.directory, args.model)
-    info = add_to_datastore(args.directory, args.inputs, tokenizer, field=args.field, progress=not args.no_progress)
+    info = add_to_datastore(args.directory, args.inputs, tokenizer, field=args.field, progress=not args.no_progress,
+                            strict=args.strict)
     print(f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
-          f"{info.num_tokens:,} tokens")
+          f"{info.num_tokens:,} tokens{_skips(info).replace('; skipped', '; skipped in all')}")
     return 0
 
 
@@ -282,6 +294,8 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--model", default=model_default, help="model whose tokenizer is used (default: the default model)")
     b.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     b.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    b.add_argument("--strict", action="store_true",
+                   help="fail on a binary input file or a malformed JSONL line (default: skip it with a warning)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_build)
 
@@ -290,13 +304,15 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("inputs", nargs="+", metavar="INPUT")
     a.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
     a.add_argument("--field", default="text")
+    a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(func=cmd_add)
 
     i = sub.add_parser("info", help="format, tokenizer, counts and size of a datastore")
     i.add_argument("directory", metavar="DIR")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    i.add_argument("--verify", action="store_true",
+                   help="also check every file's sha256 and every token id against the vocabulary")
     i.set_defaults(func=cmd_info)
 
     q = sub.add_parser("query", help="show the continuations a context gets")

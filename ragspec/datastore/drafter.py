@@ -120,5 +120,6 @@ class DatastoreDrafter:
     ) -> _DatastoreSession:
         prefer = None
         if self.selector is not None:
-            prefer = self.selector.select([prompt_ids, *documents])
+            selection = self.selector.select([prompt_ids, *documents])
+            prefer = None if selection.is_empty else selection  # nothing similar: no preference
         return _DatastoreSession(self, prompt_ids, frozenset(int(e) for e in eos_token_ids), prefer)

@@ -23,10 +23,21 @@ per-file list of sources are in ``docs.bin`` and ``sources.json`` (listed with t
 checksums in the manifest) rather than in the manifest itself, which stays small (a corpus
 has tens of thousands of files) and opens in microseconds.
 
+Each shard entry of the manifest also records the smallest and largest token id of the
+shard (``min_id``, ``max_id``; separators excluded), so that opening a datastore checks its
+ids against the vocabulary without reading ``tokens.bin``, and how many input files and
+JSONL lines the build skipped (``skipped``). Manifests written before these fields existed
+still open (see :meth:`ragspec.datastore.Datastore.open` for how their ids are checked).
+
 Atomicity: a build writes into a temporary directory next to the destination and renames
 it into place; ``add`` renames a finished shard into the directory and then replaces the
 manifest (``os.replace``). A crash leaves either the old datastore or the new one, never a
-half-written datastore that opens.
+half-written datastore that opens. What a killed build or add leaves behind (a temporary
+directory ``.NAME.tmp-*`` next to the datastore, ``.shard-tmp-*`` or an unlisted shard
+inside it, a ``.manifest.*.tmp``) is listed by :func:`find_leftovers` (``ragspec datastore
+info`` reports it) and removed by the next build of the same directory or add to it, under
+a lock: an add removes them under ``DIR/.lock`` (:func:`locked`, :func:`remove_leftovers`),
+a build those of its destination that no live build holds (:func:`atomic_directory`).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -69,6 +81,9 @@ __all__ = [
     "atomic_directory",
     "set_default_mode",
     "fsync_dir",
+    "locked",
+    "find_leftovers",
+    "remove_leftovers",
 ]
 
 FORMAT_NAME = "ragspec-datastore"
@@ -136,8 +151,12 @@ def tokenizer_identity(tokenizer: Any, name: Optional[str] = None) -> TokenizerI
     return TokenizerIdentity(name=name, fingerprint=vocab_fingerprint(tokenizer), vocab_size=int(size))
 
 
-def check_tokenizer(expected: TokenizerIdentity, tokenizer: Any, where: str) -> None:
-    """Raise :class:`TokenizerMismatchError` naming both tokenizers when their vocabularies differ."""
+def check_tokenizer(expected: TokenizerIdentity, tokenizer: Any, where: str) -> TokenizerIdentity:
+    """The identity of ``tokenizer``, once checked to be ``expected``'s.
+
+    Raises:
+        TokenizerMismatchError: naming both tokenizers, when their vocabularies differ.
+    """
     got = tokenizer_identity(tokenizer)
     if got.fingerprint != expected.fingerprint:
         raise TokenizerMismatchError(
@@ -145,6 +164,7 @@ def check_tokenizer(expected: TokenizerIdentity, tokenizer: Any, where: str) -> 
             f"{expected.fingerprint[:16]}, {expected.vocab_size} tokens) but the given tokenizer is "
             f"{got.name!r} (fingerprint {got.fingerprint[:16]}, {got.vocab_size} tokens)"
         )
+    return got
 
 
 @dataclass(frozen=True)
@@ -174,6 +194,14 @@ class ShardEntry:
     build_s: float
     """Seconds spent building the shard (reading, tokenizing, sorting, writing)."""
     files: Mapping[str, FileEntry]
+    min_id: Optional[int] = None
+    """Smallest token id stored (separators excluded); None in manifests of older builds."""
+    max_id: Optional[int] = None
+    """Largest token id stored; None in manifests of older builds."""
+    skipped_files: int = 0
+    """Input files the build skipped (binary content)."""
+    skipped_lines: int = 0
+    """JSONL lines the build skipped (malformed JSON, or no string in the text field)."""
 
     @property
     def length(self) -> int:
@@ -181,7 +209,7 @@ class ShardEntry:
         return self.num_tokens + self.num_documents
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
@@ -190,9 +218,16 @@ class ShardEntry:
             "build_s": self.build_s,
             "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
         }
+        if self.min_id is not None and self.max_id is not None:
+            out["min_id"], out["max_id"] = self.min_id, self.max_id
+        if self.skipped_files or self.skipped_lines:
+            out["skipped"] = {"files": self.skipped_files, "lines": self.skipped_lines}
+        return out
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "ShardEntry":
+        skipped = d.get("skipped") or {}
+        has_range = d.get("min_id") is not None and d.get("max_id") is not None
         return ShardEntry(
             name=str(d["name"]),
             num_tokens=int(d["num_tokens"]),
@@ -201,6 +236,10 @@ class ShardEntry:
             created=str(d["created"]),
             build_s=float(d.get("build_s", 0.0)),
             files={k: FileEntry(int(v["bytes"]), str(v["sha256"])) for k, v in d["files"].items()},
+            min_id=int(d["min_id"]) if has_range else None,
+            max_id=int(d["max_id"]) if has_range else None,
+            skipped_files=int(skipped.get("files", 0)),
+            skipped_lines=int(skipped.get("lines", 0)),
         )
 
 
@@ -436,11 +475,144 @@ def check_files(directory: Path, shard: ShardEntry, *, verify_checksums: bool) -
 
 
 @contextlib.contextmanager
+def locked(lock_file: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive advisory lock (``flock``) on ``lock_file`` (created if missing):
+    two builds of one directory, or two adds to one datastore, run one after the other.
+    Not POSIX: no lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(lock_file, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+_MKDTEMP_TAIL = r"[a-z0-9_]{8}"  # tempfile.mkdtemp's random suffix
+_SHARD_NAME = re.compile(r"^shard-\d{5,}$")
+_SHARD_TMP = re.compile(r"^\.shard-tmp-" + _MKDTEMP_TAIL + "$")
+_MANIFEST_TMP = re.compile(r"^\.manifest\..+\.tmp$")
+
+
+def _sibling_pattern(name: str, kind: str) -> re.Pattern:
+    return re.compile("^" + re.escape(f".{name}.{kind}-") + _MKDTEMP_TAIL + "$")
+
+
+def find_leftovers(directory: str | os.PathLike, manifest: Optional["Manifest"] = None) -> list[Path]:
+    """What interrupted builds and adds of the datastore ``directory`` left behind.
+
+    Inside it: ``.shard-tmp-*`` (an add killed while writing its shard), ``.manifest.*.tmp``
+    (killed while replacing the manifest) and, when ``manifest`` is given, ``shard-NNNNN``
+    directories it does not list (an add killed between renaming its shard into place and
+    listing it). Next to it: ``.NAME.tmp-*`` (a build killed while writing) and
+    ``.NAME.old-*`` (an overwrite killed while removing the old datastore). A build or add
+    running right now shows up too. Other files are never listed.
+
+    Returns:
+        The paths, sorted.
+    """
+    d = Path(directory)
+    out: list[Path] = []
+    if d.is_dir():
+        listed = {s.name for s in manifest.shards} if manifest is not None else None
+        for p in d.iterdir():
+            n = p.name
+            if _SHARD_TMP.match(n) or _MANIFEST_TMP.match(n):
+                out.append(p)
+            elif listed is not None and _SHARD_NAME.match(n) and n not in listed and p.is_dir():
+                out.append(p)
+    parent = d.parent if str(d.parent) else Path(".")
+    if parent.is_dir() and d.name:
+        pats = (_sibling_pattern(d.name, "tmp"), _sibling_pattern(d.name, "old"))
+        out.extend(p for p in parent.iterdir() if any(pt.match(p.name) for pt in pats))
+    return sorted(out)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def remove_leftovers(directory: str | os.PathLike, manifest: "Manifest") -> list[Path]:
+    """Remove the leftovers of interrupted adds inside the datastore ``directory`` (see
+    :func:`find_leftovers`; the ones next to it are the next build's). Call only while
+    holding ``DIR/.lock`` (:func:`locked`): every add creates and finishes its temporary
+    files under that lock, so whatever is there then is from a process that died.
+
+    Returns:
+        The paths removed (each logged as a warning).
+    """
+    d = Path(directory)
+    gone = [p for p in find_leftovers(d, manifest) if p.parent == d]
+    for p in gone:
+        logger.warning("removing %s, left by an interrupted datastore add", p)
+        _remove(p)
+    return gone
+
+
+@contextlib.contextmanager
+def _dir_lock(path: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on the directory ``path`` itself (no lock file): yields
+    whether it was acquired (always True when ``blocking``; True without any lock where
+    ``fcntl`` does not exist). Released when the block ends."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield True
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _clean_siblings(dest: Path) -> None:
+    """Remove what interrupted builds of ``dest`` left next to it (call with the parent
+    directory locked). A temporary directory a live build holds (locked) stays. When an
+    overwrite died after moving the old datastore away and before renaming the new one into
+    place, the old one is put back first."""
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:  # no locks: a leftover cannot be told from a live build's directory
+        return
+    stale = []
+    for p in find_leftovers(dest):
+        if p.parent == dest:
+            continue
+        with _dir_lock(p, blocking=False) as free:
+            if free:
+                stale.append(p)
+    olds = sorted((p for p in stale if ".old-" in p.name), key=lambda p: p.stat().st_mtime)
+    if olds and not dest.exists():
+        logger.warning("restoring %s from %s (an overwrite was interrupted)", dest, olds[-1])
+        os.rename(olds[-1], dest)
+        stale.remove(olds[-1])
+    for p in stale:
+        logger.warning("removing %s, left by an interrupted datastore build", p)
+        _remove(p)
+
+
+@contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``destination``; on success rename it into place.
 
-    On any exception (Ctrl-C included) the temporary directory is removed and
-    ``destination`` is left as it was.
+    First removes what interrupted builds of ``destination`` left next to it (see
+    :func:`find_leftovers`): the temporary directory of a build is ``flock``-ed by it while
+    it lives, so one nobody holds is a dead build's. On any exception (Ctrl-C included) the
+    temporary directory is removed and ``destination`` is left as it was.
 
     Raises:
         DatastoreError: ``destination`` exists (and is not empty) and ``overwrite`` is False.
@@ -448,24 +620,34 @@ def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False)
     dest = Path(destination)
     parent = dest.parent if str(dest.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
-    try:
-        yield tmp
-        set_default_mode(tmp)
-        fsync_dir(tmp)
-        if dest.exists():
-            if not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-                raise DatastoreError(f"{str(dest)!r} appeared while building; not replacing it")
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=parent))
-            os.rmdir(old)
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
-        fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with contextlib.ExitStack() as stack:
+        # cleaning and creating (then locking) the temporary directory happen under a short
+        # lock of the parent, so a cleaner never sees a live build's directory unlocked
+        with _dir_lock(parent):
+            _clean_siblings(dest)
+            if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+                raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+            stack.enter_context(_dir_lock(tmp))
+        try:
+            yield tmp
+            set_default_mode(tmp)
+            fsync_dir(tmp)
+            old = None
+            with _dir_lock(parent):
+                if dest.exists():
+                    if not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+                        raise DatastoreError(f"{str(dest)!r} appeared while building; not replacing it")
+                    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=parent))
+                    os.rmdir(old)
+                    os.rename(dest, old)
+                    stack.enter_context(_dir_lock(old))
+                    os.rename(tmp, dest)
+                else:
+                    os.rename(tmp, dest)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            fsync_dir(parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

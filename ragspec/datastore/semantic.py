@@ -151,6 +151,11 @@ class ChunkSelection:
     starts: tuple[np.ndarray, ...]
     ends: tuple[np.ndarray, ...]
 
+    @property
+    def is_empty(self) -> bool:
+        """No chunk selected: nothing to prefer (lookups use every occurrence)."""
+        return all(st.size == 0 for st in self.starts)
+
     def contains(self, shard: int, positions: np.ndarray) -> np.ndarray:
         """bool [M]: whether each position (int64 [M]) lies in a selected chunk of the shard."""
         if shard >= len(self.starts) or self.starts[shard].size == 0:
@@ -251,9 +256,17 @@ class SemanticSelector:
         return mean_embeddings(ids, np.zeros(1, dtype=np.int64), self.embedding)[0]
 
     def select(self, sequences: Sequence[Sequence[int]]) -> ChunkSelection:
-        """The ``top_k`` chunks nearest the mean embedding of ``sequences`` (prompt, documents)."""
-        _scores, ids = self.index.search(self.query_vector(sequences), self.top_k)
-        chosen = ids[0][ids[0] >= 0]
+        """The ``top_k`` chunks nearest the mean embedding of ``sequences`` (prompt, documents).
+
+        Only chunks of positive cosine similarity are hits: a zero query vector (no token
+        with an embedding row) or zero-vector chunks (similarity 0.0) select nothing, and
+        an empty selection (:attr:`ChunkSelection.is_empty`) prefers nothing."""
+        query = self.query_vector(sequences)
+        if not np.any(query):
+            return ChunkSelection(tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)),
+                                  tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)))
+        scores, ids = self.index.search(query, self.top_k)
+        chosen = ids[0][(ids[0] >= 0) & (scores[0] > 0.0)]
         starts, ends = [], []
         for s in range(self.num_shards):
             mine = chosen[self.chunk_shard[chosen] == s]

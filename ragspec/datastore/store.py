@@ -41,6 +41,7 @@ from .format import (
     ShardEntry,
     check_files,
     check_tokenizer,
+    find_leftovers,
     read_manifest,
 )
 from .suffix import encode_reversed_key, longest_match, sa_view
@@ -53,6 +54,7 @@ _SEP_U32 = 0xFFFFFFFF
 _FEW = 24  # occurrences below which counting runs in plain Python
 _ID_LIMIT = 2**31 - 1
 _END = (_SEP_U32,)  # sorts after every token id
+_SCAN_UNRECORDED = 1 << 24  # shards of older builds (no id range recorded) up to 64 MiB of ids are scanned at open
 
 
 class Continuation(NamedTuple):
@@ -105,6 +107,13 @@ class DatastoreInfo:
     updated: str
     build_s: float
     """Seconds spent building all shards."""
+    skipped_files: int = 0
+    """Input files skipped as binary, over all builds and adds."""
+    skipped_lines: int = 0
+    """JSONL lines skipped as malformed, over all builds and adds."""
+    leftovers: tuple[str, ...] = ()
+    """What interrupted builds and adds left (see :func:`~ragspec.datastore.format.find_leftovers`):
+    removed by the next build of this directory (the ones next to it) or add to it (inside)."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -125,6 +134,9 @@ class DatastoreInfo:
             "created": self.created,
             "updated": self.updated,
             "build_s": round(self.build_s, 3),
+            "skipped_files": self.skipped_files,
+            "skipped_lines": self.skipped_lines,
+            "leftovers": list(self.leftovers),
         }
 
 
@@ -168,6 +180,38 @@ class _Shard:
         if n and (int(docs[0]) != 0 or int(docs[-1]) != n or int(shard.tokens[n - 1]) != SEPARATOR_ID):
             raise DatastoreFormatError(f"{str(sdir)!r}: document offsets or separators are damaged")
         return shard
+
+
+def _check_id_range(directory: Path, shard: _Shard, vocab_size: int, *, scan: bool) -> None:
+    """Token ids of ``shard`` within ``[0, vocab_size)``: the range its manifest entry
+    records, and with ``scan`` (or for an older shard without a range, when small) every id.
+
+    Raises:
+        DatastoreFormatError: naming the shard, the ids found and the vocabulary size.
+    """
+    e = shard.entry
+    where = str(directory / e.name)
+    if e.min_id is not None and e.max_id is not None and (e.min_id < 0 or e.max_id >= vocab_size):
+        raise DatastoreFormatError(
+            f"{where!r}: token ids {e.min_id}..{e.max_id} (manifest) are outside the vocabulary of "
+            f"{vocab_size} tokens (built for another tokenizer, or a damaged manifest)"
+        )
+    unrecorded = e.min_id is None or e.max_id is None
+    if not (scan or (unrecorded and shard.length <= _SCAN_UNRECORDED)):
+        if unrecorded:
+            logger.info("%s: no id range recorded (older build); its ids are checked by --verify", where)
+        return
+    if shard.length == 0:
+        return
+    tokens = shard.tokens
+    lo, hi = int(tokens.min()), int(tokens.max())  # separators are -1
+    if lo < SEPARATOR_ID or hi >= vocab_size:
+        bad = np.flatnonzero((tokens < SEPARATOR_ID) | (tokens >= vocab_size))  # [B] (the error path only)
+        raise DatastoreFormatError(
+            f"{str(directory / e.name / TOKENS_FILE)!r} holds {len(bad)} token id(s) outside the vocabulary of "
+            f"{vocab_size} tokens (the first: {int(tokens[bad[0]])} at position {int(bad[0])}; damaged file: "
+            "rebuild the datastore)"
+        )
 
 
 class Datastore:
@@ -229,21 +273,32 @@ class Datastore:
             path: the directory written by ``build_datastore``.
             tokenizer: if given, its vocabulary fingerprint must equal the one the datastore
                 was built with.
-            verify: also check the sha256 of every file (reads the whole datastore); sizes
-                are always checked.
+            verify: also check the sha256 of every file and scan every token id against the
+                vocabulary (reads the whole datastore); sizes are always checked, and so is
+                the id range the manifest recorded at build (no file read).
             warm: fault every page in now (see :meth:`warm`), for steady lookup latency.
             min_match, max_match, max_samples: see the class attributes.
 
         Raises:
             DatastoreError: no datastore there.
             DatastoreFormatError: unknown format version, missing, truncated or (with
-                ``verify``) damaged files.
+                ``verify``) damaged files; token ids outside the vocabulary (recorded in the
+                manifest, or found by the scan).
             TokenizerMismatchError: ``tokenizer`` is not the one the datastore was built with.
+
+        Token ids: the range each shard's manifest entry recorded at build is checked against
+        the vocabulary (of ``tokenizer``, else the one recorded). A shard of an older build
+        (no range recorded) is scanned when it holds at most 2^24 ids (64 MiB, tens of
+        milliseconds), else only with ``verify``. A ``tokens.bin`` damaged in place (same
+        size) passes without ``verify``; the engine then drops every draft id outside the
+        vocabulary (see :func:`ragspec.tree.drop_invalid_nodes`), so generations stay
+        correct.
         """
         d = Path(path)
         manifest = read_manifest(d)
+        vocab_size = manifest.tokenizer.vocab_size
         if tokenizer is not None:
-            check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
+            vocab_size = check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}").vocab_size
         shards = []
         for entry in manifest.shards:
             check_files(d, entry, verify_checksums=verify)
@@ -251,6 +306,7 @@ class Datastore:
                 shards.append(_Shard.map(d, entry))
             except (OSError, ValueError) as e:
                 raise DatastoreFormatError(f"{str(d / entry.name)!r}: cannot map shard files ({e})") from e
+            _check_id_range(d, shards[-1], vocab_size, scan=verify)
         ds = cls(d, manifest, shards, min_match=min_match, max_match=max_match, max_samples=max_samples)
         if warm:
             ds.warm()
@@ -275,6 +331,7 @@ class Datastore:
         size = (self.path / MANIFEST_NAME).stat().st_size
         size += sum(f.bytes for s in self.manifest.shards for f in s.files.values())
         m = self.manifest
+        leftovers = tuple(str(p) for p in find_leftovers(self.path, m))
         return DatastoreInfo(
             path=str(self.path),
             format_version=m.format_version,
@@ -288,6 +345,9 @@ class Datastore:
             created=m.created,
             updated=m.updated,
             build_s=m.build_s,
+            skipped_files=sum(s.skipped_files for s in m.shards),
+            skipped_lines=sum(s.skipped_lines for s in m.shards),
+            leftovers=leftovers,
         )
 
     def document(self, index: int) -> np.ndarray:

@@ -41,6 +41,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         default_max_tokens=args.default_max_tokens,
         calibrate=False if args.no_calibrate else None,
         served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        max_document_chars=args.max_document_chars,
+        docs=False if args.no_docs else None,
     )
 
 
@@ -90,6 +94,20 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: the model's)")
     p.add_argument("--no-speculation", action="store_true", help="plain decoding unless a request sets speculative=true")
     p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=None,
+        help="largest request body; larger gets 413 before it is read (default: sized to the context length, "
+        "1.5 MiB for 8192 tokens; RAGSPEC_MAX_BODY_BYTES)",
+    )
+    p.add_argument(
+        "--max-prompt-chars", type=int, default=None,
+        help="most characters of prompt text, refused with 400 before tokenizing (default: 32 per token of context)",
+    )
+    p.add_argument(
+        "--max-document-chars", type=int, default=None,
+        help="most characters of a request's documents together (default: 16 per token of context)",
+    )
+    p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)")
     p.set_defaults(func=cmd_serve)
     return p
 

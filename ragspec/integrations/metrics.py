@@ -6,6 +6,9 @@ Names (all prefixed ``ragspec_``; times in seconds):
     cancelled_requests_total                 generations dropped because the client left
     prompt_tokens_total, generated_tokens_total
     drafted_tokens_total, accepted_tokens_total
+    invalid_draft_tokens_total               draft nodes dropped before verification (ids
+                                             outside the vocabulary, malformed trees: a
+                                             damaged datastore, a buggy drafter)
     decode_steps_total                       target forwards after the prefill
     drafted_tokens_per_position_total{position}, accepted_tokens_per_position_total{position}
         per draft depth (0 = first draft token): steps that drafted / accepted a token
@@ -16,7 +19,9 @@ Names (all prefixed ``ragspec_``; times in seconds):
     prefill_seconds_total, draft_seconds_total, verify_seconds_total
     request_latency_seconds{endpoint}        histogram, arrival to last byte of the answer
     time_to_first_token_seconds{endpoint}    histogram, arrival to first generated text
-    queue_depth, active_requests             gauges (read at scrape time)
+    queue_depth, active_requests             gauges (read at scrape time): requests
+                                             admitted and not generating yet (being read,
+                                             prepared, or waiting), generations running
 
 P50 / P95 / P99 come from the histograms, e.g.
 ``histogram_quantile(0.95, rate(ragspec_request_latency_seconds_bucket[5m]))``.
@@ -57,6 +62,9 @@ class ServerMetrics:
         self.generated_tokens = Counter(p + "generated_tokens", "Generated tokens.", registry=r)
         self.drafted_tokens = Counter(p + "drafted_tokens", "Draft tokens verified.", registry=r)
         self.accepted_tokens = Counter(p + "accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.invalid_draft_tokens = Counter(
+            p + "invalid_draft_tokens", "Draft nodes dropped before verification (ids outside the vocabulary).", registry=r
+        )
         self.decode_steps = Counter(p + "decode_steps", "Target forwards after the prefill.", registry=r)
         self.drafted_per_position = Counter(
             p + "drafted_tokens_per_position", "Steps that drafted a token at this draft depth.", ["position"], registry=r
@@ -79,7 +87,7 @@ class ServerMetrics:
         self.ttft = Histogram(
             p + "time_to_first_token_seconds", "Arrival to first generated text.", ["endpoint"], buckets=_TTFT_BUCKETS, registry=r
         )
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the worker.", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests admitted, not generating yet.", registry=r)
         self.active = Gauge(p + "active_requests", "Generations in progress.", registry=r)
         if queue_depth is not None:
             self.queue_depth.set_function(queue_depth)
@@ -95,6 +103,7 @@ class ServerMetrics:
         self.generated_tokens.inc(stats.num_generated_tokens)
         self.drafted_tokens.inc(stats.num_drafted_tokens)
         self.accepted_tokens.inc(stats.num_accepted_tokens)
+        self.invalid_draft_tokens.inc(stats.num_invalid_draft_tokens)
         self.decode_steps.inc(stats.num_steps)
         for pos, n in stats.drafted_per_position.items():
             self.drafted_per_position.labels(position=str(pos)).inc(n)

@@ -1,6 +1,8 @@
 """One worker thread owns the model and interleaves the active requests step by step.
 
 Glossary:
+    ticket: a place in the system, reserved (:meth:`Scheduler.reserve`) before a request's
+        body is read, so that requests being read and prepared count against the bound too.
     job: one request's generation: its engine stream, its asyncio queue, its cancel flag.
     incoming: submitted jobs not yet seen by the worker.
     waiting: jobs whose stream is prepared (prompt encoded and checked) but not started.
@@ -10,8 +12,9 @@ Glossary:
 The model is shared, per-request state (KV cache, draft session, generator) lives in each
 job's stream, so a job's output is what the same request gives alone. Chunks go to the
 event loop with ``loop.call_soon_threadsafe``. Admission is bounded: at most
-``max_active + max_queue`` jobs are in the system; one more raises :class:`CapacityError`
-(the server answers 429). A cancelled job (client gone) is closed before its next step.
+``max_active + max_queue`` tickets and jobs are in the system; one more raises
+:class:`CapacityError` (the server answers 429). A cancelled job (client gone) is dropped
+before its next step, wherever it is (incoming, waiting or active).
 """
 
 from __future__ import annotations
@@ -32,11 +35,28 @@ from ragspec.types import StreamChunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "Scheduler"]
+__all__ = ["Job", "Scheduler", "Ticket"]
 
 READY = "ready"
 CHUNK = "chunk"
 ERROR = "error"
+GONE = "gone"
+"""Put on a job's queue by the event loop when its client disconnected."""
+
+
+class Ticket:
+    """A place reserved in a :class:`Scheduler` (see :meth:`Scheduler.reserve`): used by
+    :meth:`Scheduler.submit`, or given back with :meth:`release`."""
+
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self._scheduler = scheduler
+        self.spent = False
+
+    def release(self) -> None:
+        """Give the place back (no-op once spent or released)."""
+        if not self.spent:
+            self.spent = True
+            self._scheduler._unreserve()
 
 
 @dataclass(eq=False)
@@ -99,32 +119,59 @@ class Scheduler:
     # ------------------------------------------------------------------ event-loop side
     @property
     def num_jobs(self) -> int:
-        """Jobs in the system (incoming + waiting + active)."""
+        """Requests in the system: reserved (being read or prepared) + incoming + waiting + active."""
         return self._num_jobs
 
     @property
     def num_active(self) -> int:
         return self._num_active
 
-    def submit(self, make_stream: Callable[[], Any]) -> Job:
-        """Queue a generation; call from the event loop. ``make_stream()`` runs in the worker
-        and returns the request's ``engine.stream(...)`` (it encodes and checks the prompt:
-        an exception there is delivered to the reader as the request's error).
+    def _admit(self) -> None:
+        """Count one more request in the system (hold ``_cv``)."""
+        if self._stopping:
+            raise CapacityError("the server is shutting down")
+        if self._num_jobs >= self.max_active + self.max_queue:
+            raise CapacityError(
+                f"the request queue is full ({self._num_jobs} requests in progress or waiting); retry later"
+            )
+        self._num_jobs += 1
+
+    def reserve(self) -> Ticket:
+        """Reserve a place before reading and preparing a request, so that requests in
+        preparation count against ``max_active + max_queue`` (their memory is bounded).
 
         Raises:
-            CapacityError: ``max_active + max_queue`` jobs are in the system already.
+            CapacityError: the system is full.
+        """
+        with self._cv:
+            self._admit()
+        return Ticket(self)
+
+    def _unreserve(self) -> None:
+        with self._cv:
+            self._num_jobs -= 1
+            self._cv.notify()
+
+    def submit(self, make_stream: Callable[[], Any], ticket: Optional[Ticket] = None) -> Job:
+        """Queue a generation; call from the event loop. ``make_stream()`` runs in the worker
+        and returns the request's ``engine.stream(...)`` (an exception there is delivered to
+        the reader as the request's error). ``ticket``: the place reserved for it (spent
+        here); None takes a new one.
+
+        Raises:
+            CapacityError: no ticket and ``max_active + max_queue`` jobs are in the system.
         """
         loop = asyncio.get_running_loop()
         job = Job(make_stream=make_stream, loop=loop, queue=asyncio.Queue())
         with self._cv:
-            if self._stopping:
-                raise CapacityError("the server is shutting down")
-            if self._num_jobs >= self.max_active + self.max_queue:
-                raise CapacityError(
-                    f"the request queue is full ({self._num_jobs} requests in progress or waiting); retry later"
-                )
+            if ticket is not None and not ticket.spent:
+                ticket.spent = True
+                if self._stopping:
+                    self._num_jobs -= 1
+                    raise CapacityError("the server is shutting down")
+            else:
+                self._admit()
             job.id = next(self._ids)
-            self._num_jobs += 1
             self._incoming.append(job)
             self._cv.notify()
         return job
@@ -180,6 +227,13 @@ class Scheduler:
         with self._cv:
             self._num_jobs -= 1
 
+    def _sweep(self, jobs) -> None:
+        """Drop the cancelled jobs of ``jobs`` (a list or deque), now."""
+        for job in [j for j in jobs if j.cancelled.is_set()]:
+            jobs.remove(job)
+            self._release(job)
+            self._notify(self.on_cancel, job)
+
     def _run(self) -> None:
         waiting: collections.deque[Job] = collections.deque()
         active: list[Job] = []
@@ -201,18 +255,16 @@ class Scheduler:
                         self._release(job)
                     else:
                         waiting.append(job)
-                for job in [j for j in waiting if j.cancelled.is_set()]:
-                    waiting.remove(job)
-                    self._release(job)
-                    self._notify(self.on_cancel, job)
+                self._sweep(waiting)
                 while waiting and len(active) < self.max_active:
                     active.append(waiting.popleft())
                 self._num_active = len(active)
                 for job in list(active):
-                    if job.cancelled.is_set():
-                        active.remove(job)
-                        self._release(job)
-                        self._notify(self.on_cancel, job)
+                    # a job whose client left is dropped before the next step of any job,
+                    # not only before its own: cancellation within one step
+                    self._sweep(active)
+                    self._num_active = len(active)
+                    if job not in active:
                         continue
                     try:
                         chunk: Optional[StreamChunk] = next(job.iterator, None)

@@ -6,13 +6,19 @@ ask for something ragspec does not do (``n > 1``, log-probabilities, penalties, 
 otherwise answered with a 400 naming the field (:func:`unsupported`). Anything else unknown
 is a 400 too. ragspec extensions: ``top_k``, ``documents`` (texts the drafter may copy
 from), ``datastore`` (by name) and ``speculative``.
+
+Types are strict: no booleans as numbers (``max_tokens: true``, ``prompt: [true]``), no
+strings as booleans (``stream: "yes"``), no floats as integers. Shapes are bounded here
+(:data:`MAX_DOCUMENTS`, :data:`MAX_MESSAGES`, :data:`MAX_STOP`, :data:`MAX_STOP_CHARS`,
+:data:`MAX_LOGIT_BIAS`); sizes (body bytes, prompt and document characters) by the server's
+:class:`~ragspec.integrations.settings.RequestLimits`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 __all__ = [
     "StreamOptions",
@@ -21,14 +27,43 @@ __all__ = [
     "ChatCompletionRequest",
     "SummarizeRequest",
     "unsupported",
+    "MAX_DOCUMENTS",
+    "MAX_MESSAGES",
+    "MAX_STOP",
+    "MAX_STOP_CHARS",
+    "MAX_LOGIT_BIAS",
+    "MAX_CONTENT_PARTS",
+    "MAX_PROMPT_IDS",
+    "first_unknown_field",
 ]
 
 MAX_TOKENS_LIMIT = 1_000_000
 """Largest ``max_tokens`` accepted at all (the context length checks the rest)."""
+MAX_DOCUMENTS = 256
+"""Most ``documents`` of one request."""
+MAX_MESSAGES = 256
+"""Most chat ``messages`` of one request."""
+MAX_STOP = 16
+"""Most stop strings."""
+MAX_STOP_CHARS = 1000
+"""Longest stop string (characters): every committed token is matched against them."""
+MAX_LOGIT_BIAS = 300
+"""Most ``logit_bias`` entries (OpenAI's limit; only ``{}`` is supported anyway)."""
+MAX_CONTENT_PARTS = 256
+"""Most content parts of one chat message."""
+MAX_PROMPT_IDS = 1 << 17
+"""Most token ids in a prompt given as ids (the context length checks the rest)."""
+MAX_TOOLS = 128
+
+
+def _bounded(item: Any, max_length: int) -> Any:
+    """``list[item]`` of at most ``max_length`` items that stops at its first invalid item
+    (no error per item: a list of a million wrong values costs one error, not a million)."""
+    return Annotated[list[item], Field(max_length=max_length, fail_fast=True)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -42,10 +77,12 @@ def _check_stop(v):
     if v is None:
         return v
     stops = [v] if isinstance(v, str) else list(v)
-    if len(stops) > 16:
-        raise ValueError("at most 16 stop strings")
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop strings")
     if any(s == "" for s in stops):
         raise ValueError("stop strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
     return v
 
 
@@ -62,7 +99,7 @@ class _Sampling(_Body):
     top_k: Optional[int] = Field(default=None, ge=0)
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     """Seed of this request's own random generator (sampling only)."""
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop: Optional[Union[StrictStr, _bounded(StrictStr, MAX_STOP)]] = None
     """Stop string(s): the text from the first match on is dropped."""
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -70,7 +107,7 @@ class _Sampling(_Body):
     """Name of a datastore the server was started with (never a path)."""
     speculative: Optional[bool] = None
     """False: plain decoding, no drafts (None: the server's default)."""
-    documents: Optional[list[StrictStr]] = None
+    documents: Optional[_bounded(StrictStr, MAX_DOCUMENTS)] = None
     """Extra texts the drafter may copy from."""
     user: Optional[str] = None
     """Accepted, ignored."""
@@ -88,13 +125,13 @@ class _OpenAIExtras(_Body):
     logprobs: Optional[Union[bool, int]] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(default=None, max_length=MAX_LOGIT_BIAS)
 
 
 class CompletionRequest(_Sampling, _OpenAIExtras):
     """``POST /v1/completions``."""
 
-    prompt: Union[StrictStr, list[StrictStr], list[int]]
+    prompt: Union[StrictStr, _bounded(StrictStr, MAX_PROMPT_IDS), _bounded(StrictInt, MAX_PROMPT_IDS)]
     """Text, a list of one text, or token ids."""
     echo: Optional[bool] = None
     best_of: Optional[int] = None
@@ -103,11 +140,11 @@ class CompletionRequest(_Sampling, _OpenAIExtras):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
+    content: Optional[Union[StrictStr, _bounded(dict[str, Any], MAX_CONTENT_PARTS)]] = None
     """Text, or a list of ``{"type": "text", "text": ...}`` parts."""
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[_bounded(dict[str, Any], MAX_TOOLS)] = None
     refusal: Optional[str] = None
 
     def text(self) -> str:
@@ -131,10 +168,10 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling, _OpenAIExtras):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[_bounded(dict[str, Any], MAX_TOOLS)] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
@@ -142,7 +179,7 @@ class ChatCompletionRequest(_Sampling, _OpenAIExtras):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
-    modalities: Optional[list[str]] = None
+    modalities: Optional[_bounded(StrictStr, 16)] = None
     reasoning_effort: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -152,7 +189,7 @@ class SummarizeRequest(_Body):
     """``POST /v1/summarize``: a summary of the documents (pasted into the prompt, where
     prompt lookup copies from them)."""
 
-    documents: list[StrictStr] = Field(min_length=1, max_length=256)
+    documents: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_DOCUMENTS, fail_fast=True)]
     """The texts to summarize (each non-empty)."""
     instruction: Optional[StrictStr] = Field(default=None, max_length=4000)
     """What to do with them (default: summarize in a few sentences)."""
@@ -162,7 +199,7 @@ class SummarizeRequest(_Body):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop: Optional[Union[StrictStr, _bounded(StrictStr, MAX_STOP)]] = None
     stream: Optional[bool] = False
     datastore: Optional[StrictStr] = None
     """Name of a datastore the server was started with (never a path)."""
@@ -181,6 +218,29 @@ class SummarizeRequest(_Body):
     @classmethod
     def _valid_stop(cls, v):
         return _check_stop(v)
+
+
+def first_unknown_field(model: type[BaseModel], data: Mapping[str, Any]) -> Optional[tuple]:
+    """The location of the first field no model of the body knows (top level, ``messages[i]``,
+    ``stream_options``), or None. Checked before pydantic, which would report every unknown
+    key: a body of 100k of them would cost 100k errors."""
+    fields = model.model_fields
+    for key in data:
+        if key not in fields:
+            return (key,)
+    opts = data.get("stream_options")
+    if isinstance(opts, Mapping):
+        for key in opts:
+            if key not in StreamOptions.model_fields:
+                return ("stream_options", key)
+    messages = data.get("messages")
+    if "messages" in fields and isinstance(messages, list):
+        for i, m in enumerate(messages[:MAX_MESSAGES]):
+            if isinstance(m, Mapping):
+                for key in m:
+                    if key not in ChatMessage.model_fields:
+                        return ("messages", i, key)
+    return None
 
 
 def unsupported(req: BaseModel) -> Optional[tuple[str, str]]:

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 from ragspec.errors import ConfigError
 
-__all__ = ["ServerSettings", "parse_datastore", "ENV_VARS"]
+__all__ = ["ServerSettings", "RequestLimits", "parse_datastore", "ENV_VARS"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -30,7 +30,33 @@ ENV_VARS = {
     "RAGSPEC_API_KEY": "api_key",
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
+    "RAGSPEC_MAX_BODY_BYTES": "max_body_bytes",
+    "RAGSPEC_MAX_PROMPT_CHARS": "max_prompt_chars",
+    "RAGSPEC_MAX_DOCUMENT_CHARS": "max_document_chars",
+    "RAGSPEC_DOCS": "docs",
 }
+_INT_VARS = ("port", "max_queue", "max_active", "max_body_bytes", "max_prompt_chars", "max_document_chars")
+_MIB = 1 << 20
+_CHARS_PER_TOKEN = 32
+"""Prompt characters allowed per token of context: real text has 3-5 per token, so a text
+longer than this cannot fit the context and is refused without being tokenized."""
+_DOCUMENT_CHARS_PER_TOKEN = 16
+_NO_CONTEXT_TOKENS = 32768  # the limits of a model that declares no context length
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost, fixed at start-up from the settings and the model's
+    context length (see :meth:`ServerSettings.limits`). Sizes in bytes and characters."""
+
+    body_bytes: int
+    """Largest request body; more gets 413 before being read."""
+    prompt_chars: int
+    """Most characters of prompt text; more gets 400 before being tokenized."""
+    document_chars: int
+    """Most characters of a request's ``documents`` together; more gets 400."""
+    json_values: int
+    """Most JSON values (numbers, strings, ...) in a body; more gets 400 before parsing."""
 
 
 def parse_datastore(spec: str) -> tuple[str, str]:
@@ -93,6 +119,26 @@ class ServerSettings:
     """Measure the forward latency table at start-up (a few seconds)."""
     served_model_name: Optional[str] = None
     """Name in ``/v1/models`` and responses (None: the engine's model name)."""
+    max_body_bytes: Optional[int] = None
+    """Largest request body in bytes; a larger one gets 413 before it is read (by its
+    ``Content-Length``, or as soon as that much arrived). None: sized to the context length,
+    4 bytes (UTF-8's longest character) per allowed prompt or document character, at least
+    1 MiB: 1.5 MiB for an 8192-token context."""
+    max_prompt_chars: Optional[int] = None
+    """Most characters of a prompt's text: a completion prompt, a chat's message contents
+    together, a summary's documents and instruction. More cannot fit the context (real text
+    has 3-5 characters per token) and gets 400 without being tokenized. None: 32 per token
+    of context (262,144 for 8192 tokens)."""
+    max_document_chars: Optional[int] = None
+    """Most characters of a completion's or chat's ``documents`` (texts the drafter may copy
+    from) together; they are tokenized and indexed for every request. None: 16 per token of
+    context (131,072 for 8192 tokens)."""
+    docs: bool = True
+    """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (behind the API key when one is
+    set); False: not at all."""
+    prepare_threads: int = 2
+    """Threads that parse, validate and tokenize requests, off the event loop and the
+    worker (a request's cost there is bounded by the limits above)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -105,6 +151,12 @@ class ServerSettings:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key is empty")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_document_chars"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.prepare_threads < 1:
+            raise ConfigError(f"prepare_threads must be >= 1, got {self.prepare_threads}")
         names = [n for n, _ in self.datastores]
         if len(set(names)) != len(names):
             raise ConfigError(f"datastore names must be unique, got {names}")
@@ -113,6 +165,17 @@ class ServerSettings:
 
     def replace(self, **changes) -> "ServerSettings":
         return dataclasses.replace(self, **changes)
+
+    def limits(self, context_length: Optional[int]) -> RequestLimits:
+        """The request limits for a model of ``context_length`` tokens (None: unknown, taken
+        as 32768): the settings where given, else sized to the context (see the fields)."""
+        tokens = context_length or _NO_CONTEXT_TOKENS
+        prompt = self.max_prompt_chars or _CHARS_PER_TOKEN * tokens
+        documents = self.max_document_chars or _DOCUMENT_CHARS_PER_TOKEN * tokens
+        body = self.max_body_bytes or max(_MIB, 4 * (prompt + documents))
+        # a prompt of token ids needs one value per token; nothing else needs many
+        values = max(1 << 16, 2 * tokens)
+        return RequestLimits(body_bytes=body, prompt_chars=prompt, document_chars=documents, json_values=values)
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "ServerSettings":
@@ -124,11 +187,15 @@ class ServerSettings:
             raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            if name in ("port", "max_queue", "max_active"):
+            if name in _INT_VARS:
                 try:
                     values[name] = int(raw)
                 except ValueError:
                     raise ConfigError(f"{var} must be an integer, got {raw!r}") from None
+            elif name == "docs":
+                if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ConfigError(f"{var} must be true or false, got {raw!r}")
+                values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif name == "datastores":
                 values[name] = tuple(parse_datastore(s.strip()) for s in raw.split(",") if s.strip())
             else:

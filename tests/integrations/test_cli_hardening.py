@@ -1,0 +1,73 @@
+"""The CLI's one-line-error promise under the cases of issue 17: a damaged datastore no
+longer breaks ``ragspec generate --datastore`` (its bad drafts are dropped: the output is
+the one without it), and no failure prints a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from _integ_helpers import CHAT_TEMPLATE, make_char_tokenizer, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    tok = make_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _generate(capsys, *args) -> tuple[int, str, str]:
+    from ragspec.cli import main
+
+    capsys.readouterr()
+    rc = main(["generate", "the cat sat on the mat", "--max-new-tokens", "24", "--json", "--eagle", "none", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_generate_with_a_damaged_datastore_prints_no_traceback(tmp_path, tiny_folder, capsys, monkeypatch):
+    """Regression (issue 17 case 2): ``ragspec generate --datastore`` over a datastore whose
+    tokens.bin held ids outside the vocabulary printed a 55-line traceback (IndexError in
+    embed_tokens). Now it generates, token-identical to the run without the datastore."""
+    from ragspec.datastore import build_datastore
+
+    monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
+    rc, out, err = _generate(capsys, "--model", str(tiny_folder))
+    assert rc == 0, err
+    want = json.loads(out)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    # the chat-templated prompt, then the answer: the datastore drafts the answer at every step
+    (corpus / "a.txt").write_text(("user: the cat sat on the mat\nassistant:" + want["text"] + "\n") * 4)
+    tok = make_char_tokenizer()
+    build_datastore([corpus], tmp_path / "ds", tok, progress=False)
+    path = tmp_path / "ds" / "shard-00000" / "tokens.bin"
+    ids = np.fromfile(path, dtype="<i4")
+    ids[(ids >= 0) & (np.arange(len(ids)) % 8 == 7)] = 10_000  # far outside the vocabulary
+    ids.tofile(path)
+    rc, out, err = _generate(capsys, "--model", str(tiny_folder), "--datastore", str(tmp_path / "ds"))
+    assert rc == 0 and "Traceback" not in err, err
+    got = json.loads(out)
+    assert got["token_ids"] == want["token_ids"]
+    assert got["stats"]["num_invalid_draft_tokens"] > 0
+
+
+def test_cli_unexpected_failure_is_one_line(monkeypatch, capsys):
+    """Any failure that is not a typed error is one line too (the traceback only with -v)."""
+    from ragspec import cli
+
+    def boom(args):
+        raise IndexError("index out of range in self\nand a second line")
+
+    monkeypatch.setattr(cli, "cmd_generate", boom)
+    capsys.readouterr()
+    assert cli.main(["generate", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("ragspec: internal error: IndexError: index out of range in self and a second line")
