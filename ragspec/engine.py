@@ -398,14 +398,51 @@ class Engine:
         Raises (at the call, before any forward):
             PromptTooLongError, ConfigError: as :meth:`start`.
         """
+        req = self.request(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            documents=documents,
+            speculative=speculative,
+            chat=chat,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            return_steps=return_steps,
+            document_ids=document_ids,
+        )
+        return self.iterate(req, should_cancel)
+
+    def request(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        stop: Optional[Union[str, Sequence[str]]] = None,
+        documents: Optional[Sequence[str]] = None,
+        speculative: bool = True,
+        chat: bool = True,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        return_steps: bool = False,
+        document_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> Request:
+        """:meth:`start` with :meth:`generate`'s keyword arguments (the typed configs built
+        from them); no forward runs.
+
+        Raises:
+            PromptTooLongError, ConfigError: as :meth:`start`.
+        """
         if isinstance(stop, str):
             stop = [stop]
         decode = DecodeConfig(
             max_new_tokens=max_new_tokens, stop=tuple(stop or ()), speculative=speculative, return_steps=return_steps
         )
         sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
-        req = self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
-        return self.iterate(req, should_cancel)
+        return self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
 
     def iterate(self, req: Request, should_cancel: Optional[Callable[[], bool]] = None) -> Iterator[StreamChunk]:
         """Step ``req`` alone until it finishes, yielding its non-empty chunks and the last.

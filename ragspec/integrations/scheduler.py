@@ -3,14 +3,16 @@
 Glossary:
     ticket: a place in the system, reserved (:meth:`Scheduler.reserve`) before a request's
         body is read, so that requests being read and prepared count against the bound too.
-    job: one request's generation: its engine stream, its asyncio queue, its cancel flag.
+    job: one request's generation: its engine and :class:`~ragspec.engine.Request`, its
+        asyncio queue, its cancel flag.
     incoming: submitted jobs not yet seen by the worker.
-    waiting: jobs whose stream is prepared (prompt encoded and checked) but not started.
-    active: jobs being generated; each round gives every one of them one ``next()`` (one
-        engine step: prefill first, then draft -> verify -> commit).
+    waiting: jobs whose request is made (prompt checked) but not started.
+    active: jobs being generated; each round is one ``engine.step`` over all of them (per
+        target model: engines for other datastores share it), that is one verification
+        forward for the whole batch (prefills run in the same step, one by one).
 
 The model is shared, per-request state (KV cache, draft session, generator) lives in each
-job's stream, so a job's output is what the same request gives alone. Chunks go to the
+job's request, so a job's output is what the same request gives alone. Chunks go to the
 event loop with ``loop.call_soon_threadsafe``. Admission is bounded: at most
 ``max_active + max_queue`` tickets and jobs are in the system; one more raises
 :class:`CapacityError` (the server answers 429). A cancelled job (client gone) is dropped
@@ -31,7 +33,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from ragspec.errors import CapacityError
-from ragspec.types import StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,14 @@ class Job:
     engine fails).
     """
 
-    make_stream: Callable[[], Any]
+    make_request: Callable[[], tuple[Any, Any]]
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     id: int = 0
     submitted_s: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    iterator: Any = None
+    engine: Any = None
+    request: Any = None
 
     def cancel(self) -> None:
         """Ask the worker to drop this job (within one step)."""
@@ -152,17 +154,17 @@ class Scheduler:
             self._num_jobs -= 1
             self._cv.notify()
 
-    def submit(self, make_stream: Callable[[], Any], ticket: Optional[Ticket] = None) -> Job:
-        """Queue a generation; call from the event loop. ``make_stream()`` runs in the worker
-        and returns the request's ``engine.stream(...)`` (an exception there is delivered to
-        the reader as the request's error). ``ticket``: the place reserved for it (spent
-        here); None takes a new one.
+    def submit(self, make_request: Callable[[], tuple[Any, Any]], ticket: Optional[Ticket] = None) -> Job:
+        """Queue a generation; call from the event loop. ``make_request()`` runs in the worker
+        and returns ``(engine, engine.request(...))`` (no forward; an exception there is
+        delivered to the reader as the request's error). ``ticket``: the place reserved for
+        it (spent here); None takes a new one.
 
         Raises:
             CapacityError: no ticket and ``max_active + max_queue`` jobs are in the system.
         """
         loop = asyncio.get_running_loop()
-        job = Job(make_stream=make_stream, loop=loop, queue=asyncio.Queue())
+        job = Job(make_request=make_request, loop=loop, queue=asyncio.Queue())
         with self._cv:
             if ticket is not None and not ticket.spent:
                 ticket.spent = True
@@ -200,9 +202,9 @@ class Scheduler:
             job.cancel()
 
     def _prepare(self, job: Job) -> bool:
-        """Encode and check the prompt (``engine.stream`` does it before any forward)."""
+        """Make the request (its prompt checked against the context length)."""
         try:
-            job.iterator = job.make_stream()
+            job.engine, job.request = job.make_request()
         except Exception as e:  # the request is invalid: its reader turns it into a 4xx
             self._deliver(job, ERROR, e)
             return False
@@ -218,12 +220,7 @@ class Scheduler:
             logger.exception("scheduler callback failed")
 
     def _release(self, job: Job) -> None:
-        if job.iterator is not None:
-            try:
-                job.iterator.close()
-            except Exception:  # closing must never stop the worker
-                logger.exception("closing the stream of request %d failed", job.id)
-            job.iterator = None
+        job.engine = job.request = None  # its KV state is freed with it
         with self._cv:
             self._num_jobs -= 1
 
@@ -233,6 +230,30 @@ class Scheduler:
             jobs.remove(job)
             self._release(job)
             self._notify(self.on_cancel, job)
+
+    def _step(self, active: list[Job]) -> None:
+        """One round: one ``engine.step`` per target model over its active jobs; chunks
+        delivered, finished jobs released."""
+        groups: dict[int, list[Job]] = {}
+        for job in active:
+            groups.setdefault(id(job.engine.target), []).append(job)
+        for jobs in groups.values():
+            try:
+                chunks = jobs[0].engine.step([j.request for j in jobs])
+            except Exception as e:
+                logger.exception("step of requests %s failed", [j.id for j in jobs])
+                for job in jobs:
+                    self._deliver(job, ERROR, e)
+                    active.remove(job)
+                    self._release(job)
+                continue
+            for job, chunk in zip(jobs, chunks):
+                if chunk.text or chunk.token_ids or chunk.finish_reason:
+                    self._deliver(job, CHUNK, chunk)
+                if chunk.finish_reason is not None:
+                    active.remove(job)
+                    self._release(job)
+                    self._notify(self.on_finish, job, chunk)
 
     def _run(self) -> None:
         waiting: collections.deque[Job] = collections.deque()
@@ -259,30 +280,10 @@ class Scheduler:
                 while waiting and len(active) < self.max_active:
                     active.append(waiting.popleft())
                 self._num_active = len(active)
-                for job in list(active):
-                    # a job whose client left is dropped before the next step of any job,
-                    # not only before its own: cancellation within one step
-                    self._sweep(active)
-                    self._num_active = len(active)
-                    if job not in active:
-                        continue
-                    try:
-                        chunk: Optional[StreamChunk] = next(job.iterator, None)
-                    except Exception as e:
-                        logger.exception("request %d failed", job.id)
-                        self._deliver(job, ERROR, e)
-                        active.remove(job)
-                        self._release(job)
-                        continue
-                    if chunk is None:  # ended without a final chunk (should not happen)
-                        active.remove(job)
-                        self._release(job)
-                        continue
-                    self._deliver(job, CHUNK, chunk)
-                    if chunk.finish_reason is not None:
-                        active.remove(job)
-                        self._release(job)
-                        self._notify(self.on_finish, job, chunk)
+                # a job whose client left is dropped before the step: cancellation within one step
+                self._sweep(active)
+                self._num_active = len(active)
+                self._step(active)
                 self._num_active = len(active)
             # stopping: close what is left
             leftovers = active + list(waiting)

@@ -654,10 +654,10 @@ class _Gen:
         prepared: _Prepared = await self._off_loop(prepare, self._cancel)
         kw = {k: v for k, v in kwargs.items() if k != "documents"}
 
-        def make_stream():
-            return engine.stream(prepared.prompt_ids, chat=False, document_ids=prepared.document_ids, **kw)
+        def make_request():
+            return engine, engine.request(prepared.prompt_ids, chat=False, document_ids=prepared.document_ids, **kw)
 
-        self.job = self._scheduler.submit(make_stream, ticket=self._ticket)
+        self.job = self._scheduler.submit(make_request, ticket=self._ticket)
         kind, value = await self._next()
         if kind == ERROR:
             self._done = True

@@ -353,7 +353,7 @@ def test_api_key_required_on_v1_and_health_open(tiny_engine):
 
 
 class GatedEngine:
-    """The tiny engine, but every generation waits for ``gate`` before its first step."""
+    """The tiny engine, but every step waits for ``gate`` first."""
 
     def __init__(self, engine, gate: threading.Event):
         self._engine = engine
@@ -362,14 +362,9 @@ class GatedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, *args, **kwargs):
-        inner = self._engine.stream(*args, **kwargs)
-
-        def gen():
-            self._gate.wait(30)
-            yield from inner
-
-        return gen()
+    def step(self, requests):
+        self._gate.wait(30)
+        return self._engine.step(requests)
 
 
 def test_full_queue_gets_429_with_retry_after(tiny_engine):

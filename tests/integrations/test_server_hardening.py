@@ -275,19 +275,10 @@ class SteppedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, *args, **kwargs):
-        inner = self._engine.stream(*args, **kwargs)
-
-        def gen():
-            while True:
-                self.starts.append(time.perf_counter())
-                time.sleep(self.step_s)
-                chunk = next(inner, None)
-                if chunk is None:
-                    return
-                yield chunk
-
-        return gen()
+    def step(self, requests):
+        self.starts.append(time.perf_counter())
+        time.sleep(self.step_s)
+        return self._engine.step(requests)
 
 
 def _open_stream(port: int, i: int) -> socket.socket:
