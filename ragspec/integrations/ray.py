@@ -121,6 +121,8 @@ class RayOptions:
     """A health check slower than this fails."""
     start_retries: int = 3
     """Replica starts that may fail before the deployment is marked failed."""
+    metrics_interval_s: float = 5.0
+    """How often each replica copies its ``ragspec_*`` metrics into Ray's (0: never)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -133,6 +135,8 @@ class RayOptions:
             raise ConfigError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
+        if not (self.metrics_interval_s >= 0 and math.isfinite(self.metrics_interval_s)):
+            raise ConfigError(f"metrics_interval_s must be >= 0, got {self.metrics_interval_s}")
         if self.start_retries < 1:
             raise ConfigError(f"start_retries must be >= 1, got {self.start_retries}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", self.name):
@@ -196,6 +200,55 @@ class _ReplicaHeader:
         await self.app(scope, receive, tagged)
 
 
+class _RayMetricsMirror:
+    """Copies a replica's Prometheus registry (:class:`.metrics.ServerMetrics`) into Ray's
+    metrics every ``interval_s``, as gauges of the same names and labels, to which Ray
+    Serve adds ``deployment``, ``replica`` and ``application``: every replica's series then
+    reach Prometheus through each node's Ray metrics port, beside Ray Serve's own (Ray
+    exports them with a ``ray_`` prefix). Counters and histogram buckets become gauges of
+    their current values, so ``rate()`` and ``histogram_quantile()`` work as before."""
+
+    def __init__(self, registry, interval_s: float) -> None:
+        import threading
+
+        self.registry = registry
+        self.interval_s = interval_s
+        self.stopped = threading.Event()
+        self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._thread = threading.Thread(target=self._run, name="ragspec-ray-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def copy_once(self) -> int:
+        """Copy every sample now; the number copied."""
+        from ray.serve.metrics import Gauge
+
+        n = 0
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):  # prometheus_client's creation times
+                    continue
+                keys = tuple(sorted(sample.labels))
+                gauge = self._gauges.get((sample.name, keys))
+                if gauge is None:
+                    gauge = Gauge(sample.name, description=family.documentation, tag_keys=keys)
+                    self._gauges[(sample.name, keys)] = gauge
+                gauge.set(float(sample.value), tags=dict(sample.labels) or None)
+                n += 1
+        return n
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.copy_once()
+            except (ValueError, TypeError, RuntimeError):  # never let metrics stop a replica
+                logger.exception("copying the metrics to Ray failed")
+
+
 class RagspecReplica:
     """One Ray Serve replica: the engine (and each datastore's variant) loaded in this
     process, served by :func:`.server.create_app`.
@@ -206,15 +259,18 @@ class RagspecReplica:
     Args:
         settings: the service settings (paths absolute).
         threads: torch intra-op threads of this replica.
+        metrics_interval_s: how often its metrics are copied into Ray's (0: never).
     """
 
-    async def __init__(self, settings: ServerSettings, threads: int) -> None:
+    async def __init__(self, settings: ServerSettings, threads: int, metrics_interval_s: float = 5.0) -> None:
         import torch
 
         from .server import _datastore_engines, _load_engine
 
         torch.set_num_threads(threads)
         self.settings = settings
+        self.metrics_interval_s = metrics_interval_s
+        self.mirror: Optional[_RayMetricsMirror] = None
         self.replica_id = _replica_id()
         self.error: Optional[str] = None
         self.engine = None
@@ -239,7 +295,14 @@ class RagspecReplica:
             return FastAPI()  # never served: the first health check fails
         app = create_app(engine=self.engine, settings=self.settings, datastore_engines=self.variants)
         app.add_middleware(_ReplicaHeader, replica=self.replica_id)
+        if self.metrics_interval_s > 0:
+            self.mirror = _RayMetricsMirror(app.state.metrics.registry, self.metrics_interval_s)
+            self.mirror.start()
         return app
+
+    def __del__(self) -> None:
+        if getattr(self, "mirror", None) is not None:
+            self.mirror.stop()
 
     def check_health(self) -> None:
         """Called by Ray Serve when the replica starts and every ``health_check_period_s``.
@@ -304,7 +367,7 @@ def build_app(settings: Optional[ServerSettings] = None, options: Optional[RayOp
         deployment_options["num_replicas"] = options.replicas
     wrapped = serve.ingress()(RagspecReplica)
     deployment = serve.deployment(wrapped).options(**deployment_options)
-    return deployment.bind(settings, options.threads)
+    return deployment.bind(settings, options.threads, options.metrics_interval_s)
 
 
 # ---------------------------------------------------------------------- the proxy side
@@ -376,7 +439,9 @@ def connect(
     num_gpus: Optional[float] = None,
     object_store_memory: Optional[int] = None,
     temp_dir: Optional[str] = None,
+    metrics_export_port: Optional[int] = None,
     log_to_driver: bool = True,
+    _system_config: Optional[dict] = None,
 ) -> bool:
     """Join a Ray cluster, or start a local one for this process.
 
@@ -420,6 +485,8 @@ def connect(
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _temp_dir=temp_dir,
+        _metrics_export_port=metrics_export_port,
+        _system_config=_system_config,
         log_to_driver=log_to_driver,
     )
     return True

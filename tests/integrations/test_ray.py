@@ -4,9 +4,9 @@ in tmp_path, the OpenAI-compatible endpoint of Ray Serve's proxy on a free loopb
 
 One cluster serves the whole module (starting Ray and two replicas costs tens of seconds on
 two cores); the tests run in file order: the command line first (its own applications,
-removed after each), then the two-replica deployment, the replica kill, and last the
-shutdown, which must leave no Ray process behind. Every request loop is bounded in count
-and time."""
+removed after each), then the two-replica deployment, the replica kill, then the shutdown,
+which must leave no Ray process behind, and last the checks of the deployment files, which
+need no cluster. Every request loop is bounded in count and time."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import tempfile
 import threading
@@ -23,18 +25,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-# not imported here: connect() sets Ray's environment before Ray is first imported
+import yaml
+
+from _integ_helpers import CHAT_TEMPLATE, LiveServer, free_port, make_char_tokenizer, make_tiny_llama
+from ragspec.errors import ConfigError
+from ragspec.integrations.ray import PROXY_CALLBACK, REPLICA_HEADER, RayOptions, parse_autoscale
+from ragspec.integrations.settings import ServerSettings
+
+# Ray is not imported at the top: connect() sets Ray's environment before its first import
 _RAY = importlib.util.find_spec("ray")  # (find_spec("ray.serve") would import ray)
-if _RAY is None or not (Path(_RAY.origin).parent / "serve").is_dir():
-    pytest.skip("the Ray tests need the ray extra: pip install 'ragspec[ray]'", allow_module_level=True)
+HAVE_RAY = _RAY is not None and (Path(_RAY.origin).parent / "serve").is_dir()
 
-from _integ_helpers import CHAT_TEMPLATE, LiveServer, free_port, make_char_tokenizer, make_tiny_llama  # noqa: E402
-from ragspec.errors import ConfigError  # noqa: E402
-from ragspec.integrations.ray import REPLICA_HEADER, RayOptions, parse_autoscale  # noqa: E402
-from ragspec.integrations.settings import ServerSettings  # noqa: E402
-
-pytestmark = pytest.mark.slow
-
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = httpx.Timeout(90.0)
 MAIN_APP = "ragspec"
 CORPUS = "the cat sat on the mat. the dog sat on the log. a bird sang in the tree. " * 12
@@ -127,8 +129,16 @@ class Cluster:
         # short: Ray's unix sockets live under it (108-byte path limit)
         self.temp_dir = tempfile.mkdtemp(prefix="rsray", dir="/tmp")
         self.port = free_port()
+        self.metrics_port = free_port()
         self.seen: set[int] = set()
-        started = connect(num_cpus=2, object_store_memory=96 * 2**20, temp_dir=self.temp_dir, log_to_driver=False)
+        started = connect(
+            num_cpus=2,
+            object_store_memory=96 * 2**20,
+            temp_dir=self.temp_dir,
+            metrics_export_port=self.metrics_port,
+            log_to_driver=False,
+            _system_config={"metrics_report_interval_ms": 1000},  # (default 10 s)
+        )
         assert started, "a Ray was already running in the test process"
         self.record()
         self.closed = False
@@ -165,6 +175,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster():
+    if not HAVE_RAY:
+        pytest.skip("needs the ray extra: pip install 'ragspec[ray]' (make test installs it)")
     c = Cluster()
     yield c
     if not c.closed:
@@ -230,7 +242,9 @@ def deployed(cluster, model_dir):
     from ragspec.integrations.ray import deploy
 
     settings = service_settings(model_dir, cluster.port)
-    options = RayOptions(replicas=2, cpus_per_replica=0.5, threads_per_replica=1, health_check_period_s=1.0, name=MAIN_APP)
+    options = RayOptions(
+        replicas=2, cpus_per_replica=0.5, threads_per_replica=1, health_check_period_s=1.0, metrics_interval_s=0.5, name=MAIN_APP
+    )
     url = deploy(settings, options)
     assert url == f"http://127.0.0.1:{cluster.port}"
     cluster.record()
@@ -310,6 +324,7 @@ def test_ray_options_from_the_command_line():
         ray_options_from_args(parser.parse_args(["serve", "--ray", "--replicas", "2", "--autoscale", "1:3"]))
 
 
+@pytest.mark.slow
 def test_ragspec_serve_ray_command_serves(cluster, model_dir, monkeypatch):
     # the real command on this cluster (already joined, as with --address): parse, deploy one
     # replica, answer through the proxy, then remove the application on the way out
@@ -340,6 +355,7 @@ def test_ragspec_serve_ray_command_serves(cluster, model_dir, monkeypatch):
     assert "cli" not in serve.status().applications  # removed when the command ended
 
 
+@pytest.mark.slow
 def test_replica_with_a_missing_datastore_fails_its_health_check(cluster, model_dir, tmp_path, capsys):
     # the replica cannot open the datastore on its node: its health check fails with the
     # one-line cause, Ray Serve gives up after --start-retries, the command says it in one line
@@ -363,6 +379,7 @@ def test_replica_with_a_missing_datastore_fails_its_health_check(cluster, model_
 
 
 # ---------------------------------------------------------------------- two replicas
+@pytest.mark.slow
 def test_outputs_equal_one_engine(deployed, reference):
     chat = [{"role": "user", "content": "tell me about the cat"}]
     cases = [
@@ -396,6 +413,7 @@ def test_outputs_equal_one_engine(deployed, reference):
         assert got[-1]["usage"] == want[-1]["usage"]
 
 
+@pytest.mark.slow
 def test_unknown_datastore_is_still_a_400(deployed):
     r = httpx.post(deployed + "/v1/completions", json={"prompt": "x", "datastore": "nope"}, timeout=TIMEOUT)
     assert r.status_code == 400
@@ -406,6 +424,7 @@ def test_unknown_datastore_is_still_a_400(deployed):
     assert httpx.get(deployed + "/v1/models", timeout=TIMEOUT).json()["data"][0]["datastores"] == ["notes"]
 
 
+@pytest.mark.slow
 def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
     prompts = [f"the {w} sat on the" for w in ("cat", "dog", "bird", "mat", "log", "tree")] * 3  # 18 requests
     want = {}
@@ -434,6 +453,20 @@ def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
             if line.startswith("ragspec_generated_tokens_total "):
                 tokens[r.headers[REPLICA_HEADER]] = float(line.split()[1])
     assert set(tokens) == replicas and all(v >= 32 for v in tokens.values()), tokens
+    assert sum(tokens.values()) >= 32 * len(prompts)
+    # and every replica's series reach Ray's metrics port, labelled with the replica, with
+    # the same values (copied every 0.5 s, exported every 1 s)
+    mirrored: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while mirrored != tokens and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=TIMEOUT).text
+        for line in text.splitlines():
+            if line.startswith("ray_ragspec_generated_tokens_total{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.rindex("}")].split(","))
+                mirrored[labels["replica"].strip('"')] = float(line.rsplit(" ", 1)[1])
+    assert mirrored == tokens
+    assert "ray_serve_num_http_requests_total" in text  # beside Ray Serve's own
     # loopback only: every connection of every Ray process stays on 127.0.0.1, and all
     # they listen on is loopback, except the one port Ray Serve 2.60 binds to all interfaces
     # in each replica (its inter-deployment gRPC server, hard-coded "[::]:0"; see README)
@@ -451,6 +484,7 @@ def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
     assert f"127.0.0.1:{cluster.port}" in listening
 
 
+@pytest.mark.slow
 def test_killing_a_replica_mid_load(deployed, reference):
     import ray
 
@@ -554,8 +588,67 @@ def test_killing_a_replica_mid_load(deployed, reference):
 
 
 # ---------------------------------------------------------------------- last: shutdown
+@pytest.mark.slow
 def test_shutdown_leaves_no_ray_process(cluster):
     alive_before = cluster.record()
     assert alive_before, "the cluster had processes"
     left = cluster.shutdown()
     assert not left, f"Ray processes left behind: {left}"
+
+
+# ---------------------------------------------------------------------- deployment files (no cluster)
+def test_ray_compose_file_follows_the_compose_spec_and_runs_the_tested_command():
+    # as test_deploy.py checks docker-compose.yml (no Docker on these machines): the schema,
+    # then what the services run, parsed by the real command lines
+    import jsonschema
+
+    from ragspec.cli import build_parser
+    from ragspec.integrations.cli import ray_options_from_args, settings_from_args
+
+    compose = yaml.safe_load((ROOT / "docker-compose.ray.yml").read_text())
+    schema = json.loads((Path(__file__).resolve().parent / "data" / "compose_spec.json").read_text())
+    checker = jsonschema.FormatChecker()
+
+    @checker.checks("duration")
+    def _duration(value) -> bool:  # compose durations: 1h30m, 15s, 500ms
+        return not isinstance(value, str) or re.fullmatch(r"(\d+(\.\d+)?(us|ms|s|m|h))+", value) is not None
+
+    errors = list(jsonschema.Draft7Validator(schema, format_checker=checker).iter_errors(compose))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+    services = compose["services"]
+    head, worker, fetch = services["ray-head"], services["ray-worker"], services["model-fetch"]
+    # one image with the ray extra, built from the Dockerfile's RAGSPEC_EXTRAS argument
+    assert fetch["build"]["args"]["RAGSPEC_EXTRAS"] == "[ray]"
+    assert 'pip install ".${RAGSPEC_EXTRAS}"' in (ROOT / "Dockerfile").read_text()
+    assert head["image"] == worker["image"] == fetch["image"]
+    for svc in (head, worker):
+        env = svc["environment"]
+        assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == PROXY_CALLBACK
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"].startswith("${RAY_AUTH_TOKEN:?")
+        assert "./datastores:/data/datastores:ro" in svc["volumes"] and any(v.endswith(":" + env["RAGSPEC_CACHE"]) for v in svc["volumes"])
+
+    def shell(svc) -> list[list[str]]:
+        """The commands of a ``bash -c`` service, compose's $$ and the defaults expanded."""
+        assert svc["command"][:2] == ["bash", "-c"]
+        env = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in svc["environment"].items()}
+        line = re.sub(r'"\$\$(\w+)"', lambda m: env[m.group(1)], svc["command"][2])
+        return [shlex.split(part.replace("exec ", "", 1)) for part in line.split("&&")]
+
+    ray_start, serve = shell(head)
+    (worker_start,) = shell(worker)
+    if HAVE_RAY:  # Ray's own parser accepts both ray start command lines
+        from ray.scripts.scripts import start
+
+        for cmd in (ray_start, worker_start):
+            assert cmd[:2] == ["ray", "start"]
+            start.make_context("start", cmd[2:])
+    assert "--head" in ray_start and "--port=6379" in ray_start and "--num-cpus=0" in ray_start
+    assert "--address=ray-head:6379" in worker_start
+    # the head's serve command parses with the real CLI into the deployment it should be
+    assert serve[:2] == ["ragspec", "serve"]
+    args = build_parser().parse_args(serve[1:])
+    settings, options = settings_from_args(args), ray_options_from_args(args)
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    assert (options.address, options.replicas, options.cpus_per_replica, options.threads) == ("auto", 2, 1.0, 1)
+    assert head["ports"] == [f"127.0.0.1:{settings.port}:{settings.port}"]
+    assert f":{settings.port}/health" in " ".join(head["healthcheck"]["test"])
