@@ -282,6 +282,7 @@ class RagspecReplica:
             # not raised here: the health check reports it (one line) and Ray Serve never
             # routes to this replica
             self.error = _one_line(e)
+            self.engine, self.variants = None, {}  # nothing of it is served: free the model
             logger.error("replica %s cannot serve: %s", self.replica_id, self.error)
         else:
             logger.info("replica %s ready (%d threads, datastores %s)", self.replica_id, threads, sorted(self.variants))
@@ -315,11 +316,13 @@ class RagspecReplica:
 
 
 def _replica_id() -> str:
-    try:
-        from ray import serve
+    """Ray Serve's id of this replica ("local" outside a replica)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
 
+    try:
         return serve.get_replica_context().replica_tag
-    except (ImportError, RuntimeError, AttributeError):
+    except RayServeException:
         return "local"
 
 

@@ -378,6 +378,33 @@ def test_replica_with_a_missing_datastore_fails_its_health_check(cluster, model_
     assert "bad" not in serve.status().applications
 
 
+@pytest.mark.slow
+def test_replica_with_a_mismatched_datastore_reports_it_in_its_health_check(cluster, model_dir, tmp_path):
+    # a datastore built with another tokenizer: the replica (made here as Ray Serve makes it,
+    # outside a cluster's scheduling) loads nothing to serve, and its health check raises the
+    # one-line mismatch, so it is never routed to; a good one passes
+    import asyncio
+
+    from ragspec.datastore import build_datastore
+    from ragspec.integrations.ray import RagspecReplica, ReplicaStartError
+
+    other = make_char_tokenizer()
+    other.add_tokens(["<doc>"])  # one more token: another vocabulary fingerprint
+    build_datastore([str(model_dir / "corpus")], tmp_path / "other", other, progress=False)
+    replicas = {}
+    for name, ds in (("bad", tmp_path / "other"), ("good", model_dir / "ds")):
+        replica = RagspecReplica.__new__(RagspecReplica)
+        asyncio.run(replica.__init__(service_settings(model_dir, 1, datastores=(("notes", str(ds)),)), 1, 0.0))
+        replicas[name] = replica
+    with pytest.raises(ReplicaStartError) as e:
+        replicas["bad"].check_health()
+    message = str(e.value)
+    assert "\n" not in message and "tokenizer" in message.lower() and str(tmp_path / "other") in message, message
+    assert replicas["bad"].engine is None and replicas["bad"].variants == {}
+    replicas["good"].check_health()
+    assert sorted(replicas["good"].variants) == ["notes"] and replicas["good"].replica_id == "local"
+
+
 # ---------------------------------------------------------------------- two replicas
 @pytest.mark.slow
 def test_outputs_equal_one_engine(deployed, reference):
