@@ -546,7 +546,6 @@ def test_killing_a_replica_mid_load(deployed, reference):
     def plain(_: int) -> httpx.Response:
         return httpx.post(deployed + "/v1/completions", json={"prompt": prompt, **body}, timeout=TIMEOUT)
 
-    t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         stream_futures = [pool.submit(stream, i) for i in range(4)]
         plain_futures = [pool.submit(plain, i) for i in range(4)]
@@ -564,7 +563,7 @@ def test_killing_a_replica_mid_load(deployed, reference):
         killed_s = time.monotonic()
         # requests sent after the kill succeed (on the other replica, or the restarted one)
         after = [plain(0) for _ in range(3)]
-        done, pending = concurrent.futures.wait(stream_futures + plain_futures, timeout=120)
+        _, pending = concurrent.futures.wait(stream_futures + plain_futures, timeout=120)
     assert not pending, "a request hung after its replica was killed"
     stream_results = [f.result() for f in stream_futures]
     plain_results = [f.result() for f in plain_futures]
