@@ -13,6 +13,8 @@ FROM python:3.11-slim
 # the build, as the Makefile does on the development machines
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_PIP_ARGS=""
+# optional extras of ragspec, e.g. "[ray]" for Ray Serve (docker-compose.ray.yml)
+ARG RAGSPEC_EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -30,7 +32,7 @@ RUN apt-get update \
 RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY ragspec ./ragspec
-RUN pip install . \
+RUN pip install ".${RAGSPEC_EXTRAS}" \
     && useradd --create-home --uid 10001 ragspec \
     && mkdir -p /data/cache /data/datastores \
     && chown -R ragspec /data

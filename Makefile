@@ -1,7 +1,8 @@
 # ragspec: two commands on a fresh machine.
 #   make run   - create .venv, install torch 2.13.0 (CPU) and ragspec, fetch the default model,
 #                summarize one Spec-Bench RAG prompt with stats and the plain-decoding comparison
-#   make test  - the same setup, then the whole test suite (CI runs exactly this)
+#   make test  - the same setup (with the ray extra, for the Ray Serve tests), then the whole
+#                test suite (CI runs exactly this)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: 2.13.0 is a CPU build on this machine's disk; an unpinned torch pulls CUDA
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	$(BIN)/python -m pip install -q -e '.[test,plot,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -16,7 +16,19 @@ from .settings import ServerSettings, parse_datastore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_serve_command", "cmd_serve", "settings_from_args"]
+__all__ = ["add_serve_command", "cmd_serve", "settings_from_args", "ray_options_from_args"]
+
+# ``serve`` options that only mean something with --ray
+_RAY_FLAGS = {
+    "replicas": "--replicas",
+    "autoscale": "--autoscale",
+    "cpus_per_replica": "--cpus-per-replica",
+    "gpus_per_replica": "--gpus-per-replica",
+    "threads_per_replica": "--threads-per-replica",
+    "address": "--address",
+    "app_name": "--app-name",
+    "start_retries": "--start-retries",
+}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -48,7 +60,45 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     )
 
 
+def ray_options_from_args(args: argparse.Namespace):
+    """The :class:`.ray.RayOptions` of ``serve --ray`` (cheap: Ray is not imported).
+
+    Raises:
+        ConfigError: a Ray option without ``--ray``, both ``--replicas`` and
+            ``--autoscale``, or a value out of range.
+    """
+    from ragspec.errors import ConfigError
+
+    from .ray import RayOptions, parse_autoscale
+
+    given = [flag for dest, flag in _RAY_FLAGS.items() if getattr(args, dest, None) is not None]
+    if not args.ray:
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --ray")
+        return None
+    if args.replicas is not None and args.autoscale is not None:
+        raise ConfigError("give --replicas or --autoscale, not both")
+    values = dict(
+        replicas=args.replicas,
+        autoscale=parse_autoscale(args.autoscale) if args.autoscale is not None else None,
+        cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica,
+        threads_per_replica=args.threads_per_replica,
+        address=args.address,
+        name=args.app_name,
+        start_retries=args.start_retries,
+    )
+    return RayOptions(**{k: v for k, v in values.items() if v is not None})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    ray_options = ray_options_from_args(args)
+    if ray_options is not None:
+        # the replicas load the model and datastores themselves (on their nodes); a bad
+        # one fails its health check and this ends with its one-line error
+        from .ray import run
+
+        return run(settings_from_args(args), ray_options)
     import uvicorn
 
     from .server import create_app
@@ -108,6 +158,16 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="most characters of a request's documents together (default: 16 per token of context)",
     )
     p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)")
+    r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
+    r.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)")
+    r.add_argument("--replicas", type=int, default=None, help="fixed number of replicas (default 1)")
+    r.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="scale between MIN and MAX replicas, aiming at --max-active requests each")
+    r.add_argument("--cpus-per-replica", type=float, default=None, help="CPUs reserved per replica, fractional allowed (default 1)")
+    r.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs reserved per replica, fractional allowed (default 0)")
+    r.add_argument("--threads-per-replica", type=int, default=None, help="torch threads per replica (default: its whole CPUs, at least 1)")
+    r.add_argument("--address", default=None, help="Ray cluster to join (ray://HEAD:10001, HEAD:6379, auto; default RAY_ADDRESS, else a local Ray)")
+    r.add_argument("--app-name", default=None, help="Ray Serve application name (default ragspec)")
+    r.add_argument("--start-retries", type=int, default=None, help="failed replica starts before giving up (default 3)")
     p.set_defaults(func=cmd_serve)
     return p
 
