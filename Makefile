@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 DATA   ?= ../shared/data/specbench-dev.jsonl
 STAMP  := $(VENV)/.ragspec-installed
 
-.PHONY: setup data run test bench clean
+.PHONY: setup data run lint test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,13 @@ run: data setup
 	$(BIN)/ragspec model fetch
 	$(BIN)/ragspec summarize --specbench $(DATA) --category rag --index 0 --compare
 
-test: setup
+# ruff (lint + format check) and mypy, pinned in the test extra
+lint: setup
+	$(BIN)/ruff check ragspec tests examples
+	$(BIN)/ruff format --check ragspec tests examples
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 bench: setup

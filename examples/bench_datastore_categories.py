@@ -33,7 +33,9 @@ from ragspec.loading import load_engine, with_datastore
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/specbench-dev.jsonl"))
+    ap.add_argument(
+        "--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/specbench-dev.jsonl")
+    )
     ap.add_argument("--categories", default="rag,summarization,mt_bench")
     ap.add_argument("--limit", type=int, default=6, help="benchmarked prompts per group")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -76,16 +78,29 @@ def main(argv=None) -> int:
                         out = eng.generate(ids, max_new_tokens=args.max_new_tokens, chat=False)
                         res[name] = (out.token_ids, out.stats.total_s, out.stats)
                 btoks, bs, _ = res["base"]
-                rec = {"group": group, "question_id": row.get("question_id"), "prompt_tokens": len(ids),
-                       "tokens": len(btoks), "base_s": bs}
+                rec = {
+                    "group": group,
+                    "question_id": row.get("question_id"),
+                    "prompt_tokens": len(ids),
+                    "tokens": len(btoks),
+                    "base_s": bs,
+                }
                 for name in ("pld", "ds"):
                     toks, s, st = res[name]
-                    rec[name] = {"s": s, "identical": list(toks) == list(btoks), "mean_accepted": st.mean_accepted_tokens,
-                                 "drafted": st.num_drafted_tokens, "accepted": st.num_accepted_tokens}
+                    rec[name] = {
+                        "s": s,
+                        "identical": list(toks) == list(btoks),
+                        "mean_accepted": st.mean_accepted_tokens,
+                        "drafted": st.num_drafted_tokens,
+                        "accepted": st.num_accepted_tokens,
+                    }
                 records.append(rec)
-                print(f"  {group:<14} q{rec['question_id']:<4} base {bs:6.2f}s  pld {rec['pld']['s']:6.2f}s "
-                      f"({rec['pld']['mean_accepted']:.2f})  +datastore {rec['ds']['s']:6.2f}s "
-                      f"({rec['ds']['mean_accepted']:.2f})", file=sys.stderr)
+                print(
+                    f"  {group:<14} q{rec['question_id']:<4} base {bs:6.2f}s  pld {rec['pld']['s']:6.2f}s "
+                    f"({rec['pld']['mean_accepted']:.2f})  +datastore {rec['ds']['s']:6.2f}s "
+                    f"({rec['ds']['mean_accepted']:.2f})",
+                    file=sys.stderr,
+                )
             ds.close()
     table = {}
     for group in groups:
@@ -96,15 +111,22 @@ def main(argv=None) -> int:
         row = {"n": len(rs), "datastore": stores[group], "base_tok_s": base_tps}
         for name in ("pld", "ds"):
             tps = sum(r["tokens"] for r in rs) / sum(r[name]["s"] for r in rs)
-            row[name] = {"tok_s": tps, "speedup": tps / base_tps,
-                         "mean_accepted": statistics.mean(r[name]["mean_accepted"] for r in rs),
-                         "identical": sum(r[name]["identical"] for r in rs)}
+            row[name] = {
+                "tok_s": tps,
+                "speedup": tps / base_tps,
+                "mean_accepted": statistics.mean(r[name]["mean_accepted"] for r in rs),
+                "identical": sum(r[name]["identical"] for r in rs),
+            }
         table[group] = row
-    print(f"{'group':<15}{'n':>3}{'ds tokens':>10}{'base tok/s':>11}{'PLD':>8}{'acc':>6}{'PLD+ds':>8}{'acc':>6}{'identical':>11}")
+    print(
+        f"{'group':<15}{'n':>3}{'ds tokens':>10}{'base tok/s':>11}{'PLD':>8}{'acc':>6}{'PLD+ds':>8}{'acc':>6}{'identical':>11}"
+    )
     for g, r in table.items():
-        print(f"{g:<15}{r['n']:>3}{r['datastore']['tokens']:>10}{r['base_tok_s']:>11.1f}{r['pld']['speedup']:>7.2f}x"
-              f"{r['pld']['mean_accepted']:>6.2f}{r['ds']['speedup']:>7.2f}x{r['ds']['mean_accepted']:>6.2f}"
-              f"{r['pld']['identical'] + r['ds']['identical']:>8}/{2 * r['n']}")
+        print(
+            f"{g:<15}{r['n']:>3}{r['datastore']['tokens']:>10}{r['base_tok_s']:>11.1f}{r['pld']['speedup']:>7.2f}x"
+            f"{r['pld']['mean_accepted']:>6.2f}{r['ds']['speedup']:>7.2f}x{r['ds']['mean_accepted']:>6.2f}"
+            f"{r['pld']['identical'] + r['ds']['identical']:>8}/{2 * r['n']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "summary": table, "records": records}, indent=1))
     return 0

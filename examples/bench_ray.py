@@ -64,16 +64,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads of the single server, most replicas")
+    ap.add_argument(
+        "--cores", type=int, default=os.cpu_count() or 1, help="threads of the single server, most replicas"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     articles = summarization_articles(args.data, args.requests)
     if not articles:
         raise SystemExit(f"no summarization prompts in {args.data}")
-    exe = str(Path(sys.executable).with_name("ragspec")) if Path(sys.executable).with_name("ragspec").exists() else "ragspec"
+    exe = (
+        str(Path(sys.executable).with_name("ragspec"))
+        if Path(sys.executable).with_name("ragspec").exists()
+        else "ragspec"
+    )
     common = ["--max-active", "8", "--max-queue", "64"] + (["--model", args.model] if args.model else [])
     configs = [
-        (f"ragspec serve, {args.cores} threads", [exe, "--threads", str(args.cores), "serve"], {"OMP_NUM_THREADS": str(args.cores)}),
+        (
+            f"ragspec serve, {args.cores} threads",
+            [exe, "--threads", str(args.cores), "serve"],
+            {"OMP_NUM_THREADS": str(args.cores)},
+        ),
         ("ragspec serve, 1 thread", [exe, "--threads", "1", "serve"], {"OMP_NUM_THREADS": "1"}),
     ]
     for n in sorted({1, args.cores}):
@@ -110,8 +120,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['mean_accepted_tokens']:.2f} | {s}/{len(r['texts'])} |"
         )
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"data": str(args.data), "json": str(args.json)}, "rows": [
-            {k: v for k, v in r.items() if k != "texts"} for r in rows], "same_text": same}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": vars(args) | {"data": str(args.data), "json": str(args.json)},
+                    "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
+                    "same_text": same,
+                },
+                indent=1,
+                default=str,
+            )
+        )
         print(f"# wrote {args.json}")
     return 0
 

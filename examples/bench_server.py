@@ -103,10 +103,17 @@ def one_request(client: httpx.Client, url: str, body: dict) -> dict:
             if "stats" in ev:
                 final = ev
     latency = time.perf_counter() - t0
-    return {"latency_s": latency, "ttft_s": ttft if ttft is not None else latency, "text": "".join(parts), "stats": final.get("stats") or {}}
+    return {
+        "latency_s": latency,
+        "ttft_s": ttft if ttft is not None else latency,
+        "text": "".join(parts),
+        "stats": final.get("stats") or {},
+    }
 
 
-def run_level(url: str, articles: list[str], concurrency: int, num_requests: int, speculative: bool, max_tokens: int) -> dict:
+def run_level(
+    url: str, articles: list[str], concurrency: int, num_requests: int, speculative: bool, max_tokens: int
+) -> dict:
     bodies = [
         {"documents": [articles[i % len(articles)]], "max_tokens": max_tokens, "speculative": speculative}
         for i in range(num_requests)

@@ -184,7 +184,9 @@ class TransformersLLM(LLM):
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if getattr(self._tok, "chat_template", None):
-            text = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            text = self._tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
             return list(self._tok(text, add_special_tokens=False)["input_ids"])
         return list(self._tok(prompt)["input_ids"])
 
@@ -218,15 +220,17 @@ def build_chain(retriever: Runnable, llm: Runnable, prompt: PromptTemplate = PRO
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)")
+    ap.add_argument(
+        "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
+    )
     ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3, help="passages retrieved")
     ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
     args = ap.parse_args(argv)
 
-    from ragspec.loading import load_engine
     from ragspec.integrations.langchain import RagspecLLM
+    from ragspec.loading import load_engine
 
     tmp = None
     folder, question = args.docs, args.question
@@ -253,7 +257,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     lines = {
         # the original LLM line ...
-        "transformers": TransformersLLM(engine.model, engine.tokenizer, engine.eos_token_ids, max_new_tokens=args.max_new_tokens),
+        "transformers": TransformersLLM(
+            engine.model, engine.tokenizer, engine.eos_token_ids, max_new_tokens=args.max_new_tokens
+        ),
         # ... and the swapped one: nothing else in the chain changes
         "ragspec": RagspecLLM(engine=engine, max_new_tokens=args.max_new_tokens),
     }

@@ -27,7 +27,9 @@ __all__ = ["load_prompts", "run_bench", "make_record", "MT_BENCH_CATEGORIES", "B
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
-def load_prompts(path: str | Path, categories: Optional[Sequence[str]] = None, limit: Optional[int] = None) -> list[dict]:
+def load_prompts(
+    path: str | Path, categories: Optional[Sequence[str]] = None, limit: Optional[int] = None
+) -> list[dict]:
     """Rows of a Spec-Bench JSONL file (``question_id``, ``category``, ``turns``).
 
     ``categories`` may name "mt_bench" for the eight MT-bench categories. ``limit`` is per
@@ -178,7 +180,9 @@ def run_bench(
     for i, row in enumerate(rows):
         ids = engine.encode_prompt(row["turns"][0], chat=True)
         docs = documents_for(row) if documents_for else None
-        gen_kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if sampling else dict(do_sample=False)
+        gen_kw = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if sampling else dict(do_sample=False)
+        )
 
         def run_baseline():
             t0 = time.perf_counter()

@@ -24,13 +24,27 @@ SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
 
 
 def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
-    p.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"), help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct)")
-    p.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)")
-    p.add_argument("--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("RAGSPEC_MODEL"),
+        help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct)",
+    )
+    p.add_argument(
+        "--device",
+        default=os.environ.get("RAGSPEC_DEVICE"),
+        help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)",
+    )
+    p.add_argument(
+        "--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)"
+    )
     p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     if datastore:
-        p.add_argument("--datastore", default=os.environ.get("RAGSPEC_DATASTORE"), help="datastore directory (ragspec datastore build)")
+        p.add_argument(
+            "--datastore",
+            default=os.environ.get("RAGSPEC_DATASTORE"),
+            help="datastore directory (ragspec datastore build)",
+        )
         p.add_argument(
             "--eagle",
             default=os.environ.get("RAGSPEC_EAGLE") or "auto",  # empty = unset, as for the server
@@ -228,8 +242,10 @@ def cmd_summarize(args) -> int:
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise ConfigError("the documents are empty")
-    prompt = "\n\n".join(f"Document {i + 1}:\n{d.strip()}" for i, d in enumerate(docs)) + "\n\n" + (
-        args.instruction or SUMMARY_INSTRUCTION
+    prompt = (
+        "\n\n".join(f"Document {i + 1}:\n{d.strip()}" for i, d in enumerate(docs))
+        + "\n\n"
+        + (args.instruction or SUMMARY_INSTRUCTION)
     )
     engine = _engine(args)
     # the documents are in the prompt: prompt lookup copies from them already
@@ -250,7 +266,11 @@ def cmd_bench(args) -> int:
         f"torch threads {__import__('torch').get_num_threads()}",
         file=sys.stderr,
     )
-    print("# latency model (ms per forward of q tokens): " + ", ".join(f"{q}:{v * 1e3:.1f}" for q, v in engine.latency.table.items()), file=sys.stderr)
+    print(
+        "# latency model (ms per forward of q tokens): "
+        + ", ".join(f"{q}:{v * 1e3:.1f}" for q, v in engine.latency.table.items()),
+        file=sys.stderr,
+    )
 
     def progress(i, r):
         print(
@@ -338,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--no-speculation", action="store_true", help="plain decoding")
         p.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
-        p.add_argument("--compare", action="store_true", help="also run plain model.generate greedy: speedup and identity")
+        p.add_argument(
+            "--compare", action="store_true", help="also run plain model.generate greedy: speedup and identity"
+        )
 
     g = sub.add_parser("generate", help="generate from a prompt")
     g.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")

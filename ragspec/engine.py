@@ -49,7 +49,17 @@ Prompt = Union[str, Sequence[int]]
 # Default latency table (seconds per forward of q new tokens) measured on the reference
 # 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md). Used
 # only until the engine measures its own (ragspec.loading does).
-_DEFAULT_LATENCY = {1: 0.0419, 2: 0.0677, 3: 0.0827, 4: 0.0631, 6: 0.0638, 8: 0.0643, 12: 0.0712, 16: 0.0796, 32: 0.1065}
+_DEFAULT_LATENCY = {
+    1: 0.0419,
+    2: 0.0677,
+    3: 0.0827,
+    4: 0.0631,
+    6: 0.0638,
+    8: 0.0643,
+    12: 0.0712,
+    16: 0.0796,
+    32: 0.1065,
+}
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,9 @@ class Engine:
 
     # ------------------------------------------------------------------ factories
     @classmethod
-    def from_pretrained(cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs: Any) -> "Engine":
+    def from_pretrained(
+        cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs: Any
+    ) -> "Engine":
         """Load a model and build its engine: :func:`ragspec.loading.load_engine` (see
         there for the arguments and errors)."""
         from .loading import load_engine
@@ -494,6 +506,7 @@ class Engine:
         out = self.target.prefill(req.state, req.prompt_ids, return_hidden=req.want_hidden)
         if req.want_hidden:
             req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+        assert out.logits is not None, "a prefill returns the last position's logits"
         res = req.verifier(DraftTree.empty(), out.logits, req.generator)
         stats = req.stats
         stats.num_forward_passes += 1
@@ -652,4 +665,3 @@ class Engine:
                     predicted_accepted=predicted,
                 )
             )
-

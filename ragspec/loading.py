@@ -172,7 +172,9 @@ def load_engine(
         latency=latency,
         eos_token_ids=models.eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
-        parts=DrafterParts(pld=pld, datastore=stores[0] if stores else None, eagle=eagle_drafter, eagle_path=eagle_path),
+        parts=DrafterParts(
+            pld=pld, datastore=stores[0] if stores else None, eagle=eagle_drafter, eagle_path=eagle_path
+        ),
     )
 
 

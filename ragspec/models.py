@@ -487,12 +487,8 @@ def resolve_model(model: Union[str, os.PathLike, None], cache: Optional[Path] = 
         folder = model_dir(name, cache)
         record = _fetched_record(known, folder)
         if record is None:
-            raise ModelNotFoundError(
-                f"model {name!r} is not fetched into {folder}; run: ragspec model fetch {name}"
-            )
-        return ModelSpec(
-            name=name, kind="gguf", path=folder / known.gguf_filename, sha256=record["gguf_sha256"]
-        )
+            raise ModelNotFoundError(f"model {name!r} is not fetched into {folder}; run: ragspec model fetch {name}")
+        return ModelSpec(name=name, kind="gguf", path=folder / known.gguf_filename, sha256=record["gguf_sha256"])
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelNotFoundError(
@@ -538,9 +534,7 @@ _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 
 
-def resolve_dtype(
-    dtype: Union[str, torch.dtype, None], device: Union[str, torch.device, None]
-) -> torch.dtype:
+def resolve_dtype(dtype: Union[str, torch.dtype, None], device: Union[str, torch.device, None]) -> torch.dtype:
     """The weight dtype: None -> bfloat16 on CUDA, float32 elsewhere.
 
     Args:
@@ -849,9 +843,7 @@ def load_model(
         raise ConfigError(f"unknown model kind {spec.kind!r} (expected 'gguf' or 'hf')")
     model.eval()
     model.to(dev)
-    logger.info(
-        "loaded %s (%s, %s on %s) in %.2f s", spec.name, spec.kind, torch_dtype, dev, time.perf_counter() - t0
-    )
+    logger.info("loaded %s (%s, %s on %s) in %.2f s", spec.name, spec.kind, torch_dtype, dev, time.perf_counter() - t0)
     return model, tokenizer
 
 
@@ -928,9 +920,7 @@ def model_info(
         "sha256": spec.sha256,
         "architecture": architectures[0],
         "num_parameters": int(model.num_parameters()),
-        "vocab_size": int(
-            getattr(text_config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
-        ),
+        "vocab_size": int(getattr(text_config, "vocab_size", None) or model.get_input_embeddings().num_embeddings),
         "tokenizer_vocab_size": len(tokenizer) if tokenizer is not None else None,
         "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
         "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,

@@ -20,10 +20,9 @@ expected committed tokens per second: ``(1 + E[accepted]) / latency(1 + n)``.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
@@ -170,7 +169,9 @@ class LatencyModel:
         early_table = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs}) if early else {}
         logger.info("latency model (ms): %s", {q: round(v * 1e3, 1) for q, v in table.items()})
         if early_table:
-            logger.info("latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()})
+            logger.info(
+                "latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()}
+            )
         return cls(table, early=early_table or None)
 
 
@@ -284,7 +285,7 @@ class AcceptedPerStep:
     = 1.7.
     """
 
-    def __init__(self, priors: dict, prior_weight: float = 3.0) -> None:
+    def __init__(self, priors: Mapping[Hashable, float], prior_weight: float = 3.0) -> None:
         self._stats = {arm: _Beta(prior * prior_weight, prior_weight) for arm, prior in priors.items()}
 
     def mean(self, arm) -> float:

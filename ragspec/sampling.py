@@ -289,4 +289,6 @@ class SamplingVerifier:
         target_logits: float [N + 1, V]; row 0 after the root, row i + 1 after node i.
         generator: the request's random generator (required).
         """
+        if generator is None:
+            raise ConfigError("sampling verification needs the request's torch.Generator")
         return verify_sampling(tree, target_logits, self.params, generator)

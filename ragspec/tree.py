@@ -127,7 +127,7 @@ def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
         if tree.num_nodes == 0:
             continue
         match_len = max(match_len, tree.match_len)
-        mapping: dict[int, int] = {}
+        mapping: dict[int, Optional[int]] = {}
         scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
         for i, (t, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
             new_parent = mapping[p] if p != -1 else -1

@@ -135,7 +135,9 @@ def skinny_linear(
         y = gguf(x2, bias) if gguf is not None else skinny(x2, weight, bias)
     else:
         parts = [
-            gguf(x2[r : r + SKINNY_MAX_ROWS], bias) if gguf is not None else skinny(x2[r : r + SKINNY_MAX_ROWS], weight, bias)
+            gguf(x2[r : r + SKINNY_MAX_ROWS], bias)
+            if gguf is not None
+            else skinny(x2[r : r + SKINNY_MAX_ROWS], weight, bias)
             for r in range(0, rows, SKINNY_MAX_ROWS)
         ]
         y = torch.cat(parts, dim=0)  # [rows, out]
@@ -277,7 +279,15 @@ def _batched_attention(batch: AttentionBatch, module, query, dropout, scaling, i
         if position_ids is not None:
             seg_kwargs["position_ids"] = position_ids[:, start:stop]
         out, _ = _gqa_sdpa_attention(
-            module, query[:, :, start:stop], key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **seg_kwargs
+            module,
+            query[:, :, start:stop],
+            key,
+            value,
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **seg_kwargs,
         )
         outs.append(out)  # [1, stop - start, Hq, d]
     return torch.cat(outs, dim=1)  # [1, R, Hq, d]

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
+from ..errors import ConfigError
 from ..tree import tree_attention_mask, tree_position_ids
 from ..types import DraftTree
 from .base import Capability, DecoderLayout, Embeddings, FastLinear, ForwardOutput, VerifyItem
-from ..errors import ConfigError
 from .fastpaths import (
     ATTENTION_BATCH_KW,
     ATTENTION_KERNEL_KW,
@@ -141,7 +141,13 @@ class _BatchCache:
         layer_types: the decoder's layer types (``config.layer_types``), or empty.
     """
 
-    def __init__(self, states: Sequence[KVState], bounds: Sequence[tuple[int, int]], masks: Sequence[Any], layer_types: Sequence[str]) -> None:
+    def __init__(
+        self,
+        states: Sequence[KVState],
+        bounds: Sequence[tuple[int, int]],
+        masks: Sequence[Any],
+        layer_types: Sequence[str],
+    ) -> None:
         self._states = list(states)
         self._bounds = list(bounds)
         self._masks = list(masks)
@@ -445,16 +451,16 @@ class HFTarget:
         from .quant import load_gguf_weights
 
         weights = {
-            name: module.weight
-            for name, module in self._decoder.named_modules()
-            if type(module) is torch.nn.Linear
+            name: module.weight for name, module in self._decoder.named_modules() if type(module) is torch.nn.Linear
         }
         weights["lm_head"] = self._lm_head.weight
         cache = converted_model_dir(Path(path)).parent / "gguf_blocks.safetensors"
         try:
             matched = load_gguf_weights(path, weights, cache)
         except Exception as e:  # gguf-py raises many types on a file it cannot parse
-            logger.warning("cannot read GGUF blocks from %s (%s: %s); float32 weights are used", path, type(e).__name__, e)
+            logger.warning(
+                "cannot read GGUF blocks from %s (%s: %s); float32 weights are used", path, type(e).__name__, e
+            )
             return 0
         self._gguf = {weights[name].data_ptr(): bind_gguf_linear(kernel, q) for name, q in matched.items()}
         logger.debug("%d of %d linear weights served from GGUF blocks of %s", len(matched), len(weights), path)
@@ -508,7 +514,12 @@ class HFTarget:
         text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         heads = int(getattr(text_cfg, "num_attention_heads", 0) or 0)
         kv_heads = int(getattr(text_cfg, "num_key_value_heads", 0) or heads)
-        if self._attn_impl != "sdpa" or not heads or kv_heads == heads or not hasattr(self.model, "set_attn_implementation"):
+        if (
+            self._attn_impl != "sdpa"
+            or not heads
+            or kv_heads == heads
+            or not hasattr(self.model, "set_attn_implementation")
+        ):
             return False
         self.model.set_attn_implementation(register_gqa_attention())
         self._attn_impl = getattr(self.config, "_attn_implementation", GQA_SDPA)

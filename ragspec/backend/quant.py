@@ -156,9 +156,7 @@ def _row_hashes(weight: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def match_gguf_weights(
-    candidates: list[GGUFWeight], weights: Mapping[str, torch.Tensor]
-) -> dict[str, GGUFWeight]:
+def match_gguf_weights(candidates: list[GGUFWeight], weights: Mapping[str, torch.Tensor]) -> dict[str, GGUFWeight]:
     """Pair loaded float32 weights with GGUF tensors holding exactly their values.
 
     Args:
@@ -224,12 +222,7 @@ def _load_cached(cache: Path, weights: Mapping[str, torch.Tensor]) -> Optional[d
         return None
     for name, q in out.items():
         w = weights.get(name)
-        if (
-            w is None
-            or not q.well_formed()
-            or tuple(w.shape) != q.shape
-            or not torch.equal(q.dequantize(), w.detach())
-        ):
+        if w is None or not q.well_formed() or tuple(w.shape) != q.shape or not torch.equal(q.dequantize(), w.detach()):
             return None
     return out
 

@@ -107,8 +107,30 @@ class _HTMLText(html.parser.HTMLParser):
 
     _SKIP = frozenset({"script", "style", "head", "noscript", "template"})
     _BLOCK = frozenset(
-        {"p", "div", "br", "li", "ul", "ol", "tr", "table", "pre", "section", "article", "blockquote",
-         "h1", "h2", "h3", "h4", "h5", "h6", "hr", "dt", "dd", "title"}
+        {
+            "p",
+            "div",
+            "br",
+            "li",
+            "ul",
+            "ol",
+            "tr",
+            "table",
+            "pre",
+            "section",
+            "article",
+            "blockquote",
+            "h1",
+            "h2",
+            "h3",
+            "h4",
+            "h5",
+            "h6",
+            "hr",
+            "dt",
+            "dd",
+            "title",
+        }
     )
 
     def __init__(self) -> None:
@@ -173,11 +195,16 @@ def _jsonl_texts(data: str, field: str, where: str, strict: bool = False) -> tup
         return ", ".join(map(str, nums[:5])) + (", ..." if len(nums) > 5 else "")
 
     if malformed:
-        logger.warning("%s: %d line(s) of invalid JSON skipped (line %s; --strict fails instead)",
-                       where, len(malformed), lines(malformed))
+        logger.warning(
+            "%s: %d line(s) of invalid JSON skipped (line %s; --strict fails instead)",
+            where,
+            len(malformed),
+            lines(malformed),
+        )
     if missing:
-        logger.warning("%s: %d line(s) without a string field %r skipped (line %s)", where, len(missing), field,
-                       lines(missing))
+        logger.warning(
+            "%s: %d line(s) without a string field %r skipped (line %s)", where, len(missing), field, lines(missing)
+        )
     return texts, len(malformed) + len(missing)
 
 
@@ -187,7 +214,9 @@ def _parse(raw: bytes, where: str, kind: str, field: str, strict: bool) -> _Sour
     text, binary = _decode(raw, where)
     if binary:
         if strict:
-            raise DatastoreInputError(f"{where}: binary content ({binary}); remove it, or build without --strict to skip it")
+            raise DatastoreInputError(
+                f"{where}: binary content ({binary}); remove it, or build without --strict to skip it"
+            )
         logger.warning("skipping %s: binary content (%s)", where, binary)
         return _Source(where, digest, len(raw), [], binary=binary)
     skipped = 0
@@ -279,7 +308,11 @@ class _Tokenized:
 
 
 def _tokenize_inputs(
-    inputs: Sequence[str | os.PathLike], tokenizer: Any, field: str, progress: bool, stdin: Optional[TextIO],
+    inputs: Sequence[str | os.PathLike],
+    tokenizer: Any,
+    field: str,
+    progress: bool,
+    stdin: Optional[TextIO],
     strict: bool = False,
 ) -> _Tokenized:
     """Read and tokenize all inputs: documents as int32 arrays, per-source records, the
@@ -317,8 +350,9 @@ def _tokenize_inputs(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, dynamic_ncols=True
+        )
     try:
         for src in _iter_sources(listing, field, stdin, strict):
             si = len(sources)
@@ -354,8 +388,9 @@ def _tokenize_inputs(
             f"whitespace (directories are searched for {', '.join(TEXT_SUFFIXES + HTML_SUFFIXES + JSONL_SUFFIXES)})"
         )
     if skipped_files or skipped_lines:
-        logger.warning("skipped %d binary file(s) and %d JSONL line(s) (see the warnings above)", skipped_files,
-                       skipped_lines)
+        logger.warning(
+            "skipped %d binary file(s) and %d JSONL line(s) (see the warnings above)", skipped_files, skipped_lines
+        )
     return _Tokenized(docs, sources, lo, hi, skipped_files, skipped_lines)
 
 
@@ -513,4 +548,3 @@ def add_to_datastore(
         write_manifest(d, replace(manifest, shards=manifest.shards + (shard,), updated=_now()))
     with Datastore.open(d) as ds:
         return ds.info()
-

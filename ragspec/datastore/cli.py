@@ -89,8 +89,13 @@ def _print_info(info: Any, as_json: bool) -> None:
         ("skipped inputs", f"{info.skipped_files} binary file(s), {info.skipped_lines} malformed JSONL line(s)"),
     ]
     if info.leftovers:
-        rows.append(("leftovers", f"{len(info.leftovers)} from interrupted builds/adds (removed by the next build of "
-                                  f"this directory or add to it): " + ", ".join(info.leftovers)))
+        rows.append(
+            (
+                "leftovers",
+                f"{len(info.leftovers)} from interrupted builds/adds (removed by the next build of "
+                f"this directory or add to it): " + ", ".join(info.leftovers),
+            )
+        )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -103,21 +108,31 @@ def cmd_build(args: argparse.Namespace) -> int:
     tokenizer, name = _load_tokenizer(args.model)
     t0 = time.perf_counter()
     info = build_datastore(
-        args.inputs, args.output, tokenizer, field=args.field, tokenizer_name=name,
-        progress=not args.no_progress, overwrite=args.overwrite, strict=args.strict,
+        args.inputs,
+        args.output,
+        tokenizer,
+        field=args.field,
+        tokenizer_name=name,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
+        strict=args.strict,
     )
     dt = time.perf_counter() - t0
-    print(f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
-          f"({info.num_tokens / max(dt, 1e-9):,.0f} tokens/s), {_fmt_bytes(info.bytes_on_disk)} "
-          f"({info.bytes_per_token:.2f} bytes/token){_skips(info)}")
+    print(
+        f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
+        f"({info.num_tokens / max(dt, 1e-9):,.0f} tokens/s), {_fmt_bytes(info.bytes_on_disk)} "
+        f"({info.bytes_per_token:.2f} bytes/token){_skips(info)}"
+    )
     return 0
 
 
 def _skips(info: Any) -> str:
     if not (info.skipped_files or info.skipped_lines):
         return ""
-    return (f"; skipped {info.skipped_files} binary file(s) and {info.skipped_lines} malformed JSONL line(s) "
-            "(--strict fails instead)")
+    return (
+        f"; skipped {info.skipped_files} binary file(s) and {info.skipped_lines} malformed JSONL line(s) "
+        "(--strict fails instead)"
+    )
 
 
 @_guard
@@ -125,10 +140,13 @@ def cmd_add(args: argparse.Namespace) -> int:
     from .builder import add_to_datastore
 
     tokenizer = _tokenizer_for(args.directory, args.model)
-    info = add_to_datastore(args.directory, args.inputs, tokenizer, field=args.field, progress=not args.no_progress,
-                            strict=args.strict)
-    print(f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
-          f"{info.num_tokens:,} tokens{_skips(info).replace('; skipped', '; skipped in all')}")
+    info = add_to_datastore(
+        args.directory, args.inputs, tokenizer, field=args.field, progress=not args.no_progress, strict=args.strict
+    )
+    print(
+        f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
+        f"{info.num_tokens:,} tokens{_skips(info).replace('; skipped', '; skipped in all')}"
+    )
     return 0
 
 
@@ -152,15 +170,21 @@ def cmd_query(args: argparse.Namespace) -> int:
         conts = ds.continuations(ids, max_len=args.max_len, max_candidates=args.max_candidates)
         lookup_s = time.perf_counter() - t0
     if args.json:
-        print(json.dumps({
-            "context_tokens": len(ids),
-            "match_len": conts[0].match_len if conts else 0,
-            "lookup_s": lookup_s,
-            "continuations": [
-                {"tokens": list(c.tokens), "text": tokenizer.decode(list(c.tokens)), "count": c.count}
-                for c in conts
-            ],
-        }, indent=2, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "context_tokens": len(ids),
+                    "match_len": conts[0].match_len if conts else 0,
+                    "lookup_s": lookup_s,
+                    "continuations": [
+                        {"tokens": list(c.tokens), "text": tokenizer.decode(list(c.tokens)), "count": c.count}
+                        for c in conts
+                    ],
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
         return 0
     if not conts:
         print(f"no match (context of {len(ids)} tokens; shortest suffix searched: {ds.min_match} tokens)")
@@ -171,8 +195,15 @@ def cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_lookup(ds: Any, contexts: Sequence[Sequence[int]], *, max_len: int = 10, max_candidates: int = 64,
-                 max_nodes: int = 32, warmup: int = 50) -> dict[str, Any]:
+def bench_lookup(
+    ds: Any,
+    contexts: Sequence[Sequence[int]],
+    *,
+    max_len: int = 10,
+    max_candidates: int = 64,
+    max_nodes: int = 32,
+    warmup: int = 50,
+) -> dict[str, Any]:
     """Latency of one drafting step per context: the lookup alone, and lookup + draft tree.
 
     Returns:
@@ -192,8 +223,13 @@ def bench_lookup(ds: Any, contexts: Sequence[Sequence[int]], *, max_len: int = 1
         t1 = time.perf_counter()
         lookup_cpu.append(time.thread_time() - c0)
         if conts:
-            tree_from_candidates([c.tokens for c in conts], counts=[c.count for c in conts], max_nodes=max_nodes,
-                                 source="datastore", match_len=conts[0].match_len)
+            tree_from_candidates(
+                [c.tokens for c in conts],
+                counts=[c.count for c in conts],
+                max_nodes=max_nodes,
+                source="datastore",
+                match_len=conts[0].match_len,
+            )
         t2 = time.perf_counter()
         lookup.append(t1 - t0)
         propose.append(t2 - t0)
@@ -263,18 +299,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not contexts:
             raise ValueError("no contexts to benchmark (inputs too short?)")
         res = bench_lookup(ds, contexts, max_len=args.max_len, max_candidates=args.max_candidates)
-        res.update({"contexts": kind, "num_tokens": ds.num_tokens, "num_shards": ds.num_shards, "warm_s": warm_s,
-                    "max_samples": ds.max_samples})
+        res.update(
+            {
+                "contexts": kind,
+                "num_tokens": ds.num_tokens,
+                "num_shards": ds.num_shards,
+                "warm_s": warm_s,
+                "max_samples": ds.max_samples,
+            }
+        )
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     state = "cold (pages faulted in on first use)" if warm_s is None else f"warmed in {warm_s:.2f} s"
-    print(f"{res['num_contexts']} contexts from {kind}; datastore of {res['num_tokens']:,} tokens in "
-          f"{res['num_shards']} shard(s), {state}")
-    print(f"lookup   p50 {res['lookup_p50_s'] * 1e6:8.1f} us   p99 {res['lookup_p99_s'] * 1e6:8.1f} us   "
-          f"mean {res['lookup_mean_s'] * 1e6:8.1f} us")
-    print(f"  (cpu)  p50 {res['lookup_cpu_p50_s'] * 1e6:8.1f} us   p99 {res['lookup_cpu_p99_s'] * 1e6:8.1f} us   "
-          "(this thread's CPU time: without the time other processes took the core)")
+    print(
+        f"{res['num_contexts']} contexts from {kind}; datastore of {res['num_tokens']:,} tokens in "
+        f"{res['num_shards']} shard(s), {state}"
+    )
+    print(
+        f"lookup   p50 {res['lookup_p50_s'] * 1e6:8.1f} us   p99 {res['lookup_p99_s'] * 1e6:8.1f} us   "
+        f"mean {res['lookup_mean_s'] * 1e6:8.1f} us"
+    )
+    print(
+        f"  (cpu)  p50 {res['lookup_cpu_p50_s'] * 1e6:8.1f} us   p99 {res['lookup_cpu_p99_s'] * 1e6:8.1f} us   "
+        "(this thread's CPU time: without the time other processes took the core)"
+    )
     print(f"+ tree   p50 {res['propose_p50_s'] * 1e6:8.1f} us   p99 {res['propose_p99_s'] * 1e6:8.1f} us")
     print(f"hit rate {res['hit_rate']:.3f}, mean match length {res['mean_match_len']:.2f} tokens")
     return 0
@@ -283,19 +332,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``datastore`` command group (build, add, info, query, bench) to ``subparsers``."""
     model_default = os.environ.get("RAGSPEC_MODEL")
-    p = subparsers.add_parser("datastore", help="build and inspect retrieval datastores",
-                              description="Build, extend, describe, query and benchmark datastores.")
+    p = subparsers.add_parser(
+        "datastore",
+        help="build and inspect retrieval datastores",
+        description="Build, extend, describe, query and benchmark datastores.",
+    )
     sub = p.add_subparsers(dest="datastore_command", required=True)
 
     b = sub.add_parser("build", help="build a datastore from text files, directories or JSONL")
-    b.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="directory (recursive: .txt .md .rst .py .html .jsonl), file, or - for JSONL on stdin")
+    b.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="directory (recursive: .txt .md .rst .py .html .jsonl), file, or - for JSONL on stdin",
+    )
     b.add_argument("-o", "--output", required=True, metavar="DIR", help="datastore directory to create")
     b.add_argument("--model", default=model_default, help="model whose tokenizer is used (default: the default model)")
     b.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     b.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    b.add_argument("--strict", action="store_true",
-                   help="fail on a binary input file or a malformed JSONL line (default: skip it with a warning)")
+    b.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a binary input file or a malformed JSONL line (default: skip it with a warning)",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_build)
 
@@ -311,8 +370,9 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="format, tokenizer, counts and size of a datastore")
     i.add_argument("directory", metavar="DIR")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--verify", action="store_true",
-                   help="also check every file's sha256 and every token id against the vocabulary")
+    i.add_argument(
+        "--verify", action="store_true", help="also check every file's sha256 and every token id against the vocabulary"
+    )
     i.set_defaults(func=cmd_info)
 
     q = sub.add_parser("query", help="show the continuations a context gets")
@@ -326,8 +386,11 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="lookup latency (p50/p99) over real contexts")
     be.add_argument("directory", metavar="DIR")
-    be.add_argument("--input", nargs="*", help="held-out text (files/directories) to take contexts from; "
-                    "default: random positions of the corpus itself")
+    be.add_argument(
+        "--input",
+        nargs="*",
+        help="held-out text (files/directories) to take contexts from; default: random positions of the corpus itself",
+    )
     be.add_argument("--model", default=model_default, help="tokenizer for --input (default: the datastore's)")
     be.add_argument("--num", type=int, default=2000, help="contexts (default 2000)")
     be.add_argument("--max-len", type=int, default=10)

@@ -71,8 +71,10 @@ class DictDocIndex:
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 8, max_positions: int = 4) -> None:
         if not (1 <= min_ngram <= max_ngram) or max_positions < 1:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
-                             f"{min_ngram}, {max_ngram}, {max_positions}")
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
+                f"{min_ngram}, {max_ngram}, {max_positions}"
+            )
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.max_positions = max_positions
@@ -129,8 +131,10 @@ class AhoCorasickDocIndex:
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 8, max_positions: int = 4) -> None:
         if not (1 <= min_ngram <= max_ngram) or max_positions < 1:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
-                             f"{min_ngram}, {max_ngram}, {max_positions}")
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
+                f"{min_ngram}, {max_ngram}, {max_positions}"
+            )
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.max_positions = max_positions
@@ -254,8 +258,10 @@ class DocumentDrafter:
         if backend not in BACKENDS:
             raise ValueError(f"unknown documents backend {backend!r} (choose from {sorted(BACKENDS)})")
         if not (1 <= min_ngram <= max_ngram) or max_positions < 1:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
-                             f"{min_ngram}, {max_ngram}, {max_positions}")
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram and max_positions >= 1, got "
+                f"{min_ngram}, {max_ngram}, {max_positions}"
+            )
         self.backend = backend
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram

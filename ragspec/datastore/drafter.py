@@ -36,8 +36,13 @@ def cut_after_eos(tokens: Sequence[int], eos_token_ids: frozenset[int]) -> tuple
 
 
 class _DatastoreSession:
-    def __init__(self, drafter: "DatastoreDrafter", prompt_ids: Sequence[int], eos: frozenset[int],
-                 prefer: Optional[PositionFilter]) -> None:
+    def __init__(
+        self,
+        drafter: "DatastoreDrafter",
+        prompt_ids: Sequence[int],
+        eos: frozenset[int],
+        prefer: Optional[PositionFilter],
+    ) -> None:
         self._drafter = drafter
         keep = drafter.max_match
         self._context = [int(t) for t in list(prompt_ids)[-keep:]]  # only the tail is ever searched

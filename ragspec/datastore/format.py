@@ -454,8 +454,7 @@ def check_files(directory: Path, shard: ShardEntry, *, verify_checksums: bool) -
         path = sdir / name
         if name in expected_sizes and entry.bytes != expected_sizes[name]:
             raise DatastoreFormatError(
-                f"{str(path)!r}: manifest says {entry.bytes} bytes "
-                f"but the shard's counts imply {expected_sizes[name]}"
+                f"{str(path)!r}: manifest says {entry.bytes} bytes but the shard's counts imply {expected_sizes[name]}"
             )
         try:
             size = path.stat().st_size

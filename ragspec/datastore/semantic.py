@@ -207,8 +207,9 @@ class SemanticSelector:
         self.top_k = top_k
 
     @classmethod
-    def build(cls, datastore: Any, embedding: Any, *, chunk_tokens: int = 512, top_k: int = 16,
-              batch_chunks: int = 4096) -> "SemanticSelector":
+    def build(
+        cls, datastore: Any, embedding: Any, *, chunk_tokens: int = 512, top_k: int = 16, batch_chunks: int = 4096
+    ) -> "SemanticSelector":
         """Split every document into chunks of ``chunk_tokens`` tokens and embed them.
 
         Raises:
@@ -244,8 +245,15 @@ class SemanticSelector:
             shards.append(np.full(len(c_start), s, dtype=np.int32))
             starts.append(c_start)
             ends.append(c_end)
-        return cls(index, np.concatenate(shards), np.concatenate(starts), np.concatenate(ends), embedding,
-                   datastore.num_shards, top_k)
+        return cls(
+            index,
+            np.concatenate(shards),
+            np.concatenate(starts),
+            np.concatenate(ends),
+            embedding,
+            datastore.num_shards,
+            top_k,
+        )
 
     def query_vector(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 [d]: mean input embedding of all tokens of the sequences."""
@@ -263,8 +271,10 @@ class SemanticSelector:
         an empty selection (:attr:`ChunkSelection.is_empty`) prefers nothing."""
         query = self.query_vector(sequences)
         if not np.any(query):
-            return ChunkSelection(tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)),
-                                  tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)))
+            return ChunkSelection(
+                tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)),
+                tuple(np.zeros(0, np.int64) for _ in range(self.num_shards)),
+            )
         scores, ids = self.index.search(query, self.top_k)
         chosen = ids[0][(ids[0] >= 0) & (scores[0] > 0.0)]
         starts, ends = [], []
@@ -279,8 +289,13 @@ class SemanticSelector:
         """Write ``chunks.npz`` and ``index.faiss`` into ``directory`` (created)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        np.savez(d / "chunks.npz", shard=self.chunk_shard, start=self.chunk_start, end=self.chunk_end,
-                 num_shards=np.int64(self.num_shards))
+        np.savez(
+            d / "chunks.npz",
+            shard=self.chunk_shard,
+            start=self.chunk_start,
+            end=self.chunk_end,
+            num_shards=np.int64(self.num_shards),
+        )
         self.index.save(d / "index.faiss")
 
     @classmethod

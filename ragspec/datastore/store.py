@@ -172,8 +172,9 @@ class _Shard:
     def map(cls, directory: Path, entry: ShardEntry) -> "_Shard":
         """Map a shard's files and check their lengths and document offsets."""
         sdir = directory / entry.name
-        shard = cls(entry, _map(sdir / TOKENS_FILE), _map(sdir / SA_FILE),
-                    np.fromfile(sdir / DOCS_FILE, dtype=DOCS_DTYPE))
+        shard = cls(
+            entry, _map(sdir / TOKENS_FILE), _map(sdir / SA_FILE), np.fromfile(sdir / DOCS_FILE, dtype=DOCS_DTYPE)
+        )
         n, docs = shard.length, shard.docs
         if shard.tokens.shape[0] != n or shard.sa.shape[0] != n or docs.shape[0] != entry.num_documents + 1:
             raise DatastoreFormatError(f"{str(sdir)!r}: array lengths do not match the manifest")
@@ -497,7 +498,10 @@ class Datastore:
                     counts[vals] = counts.get(vals, 0.0) + 1.0
 
     def _count_many(
-        self, picks: list[tuple[int, np.ndarray, float]], max_len: int, max_candidates: int,
+        self,
+        picks: list[tuple[int, np.ndarray, float]],
+        max_len: int,
+        max_candidates: int,
         counts: dict[tuple[int, ...], float],
     ) -> None:
         """Count the continuations of sampled occurrences, vectorised; only the

@@ -159,7 +159,14 @@ class NgramIndex:
 
 
 class _PromptLookupSession:
-    def __init__(self, cfg: PLDConfig, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]], eos: frozenset[int], source: str):
+    def __init__(
+        self,
+        cfg: PLDConfig,
+        prompt_ids: Sequence[int],
+        documents: Sequence[Sequence[int]],
+        eos: frozenset[int],
+        source: str,
+    ):
         self._index = NgramIndex(cfg.min_ngram, cfg.max_ngram, cfg.max_candidates)
         for doc in documents:
             self._index.add_document(doc)
@@ -200,4 +207,6 @@ class PromptLookupDrafter:
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
     ) -> DraftSession:
-        return _PromptLookupSession(self.config, prompt_ids, documents, frozenset(int(e) for e in eos_token_ids), self.name)
+        return _PromptLookupSession(
+            self.config, prompt_ids, documents, frozenset(int(e) for e in eos_token_ids), self.name
+        )

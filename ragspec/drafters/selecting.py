@@ -143,7 +143,7 @@ class _SelectingSession:
         self._min_match = owner.min_match
         self._calibrate = owner.calibrate
         self._head_retry = owner.head_retry
-        priors = {
+        priors: dict[object, float] = {
             b: owner.prior_short if m < owner.min_match else owner.prior_long for b, m in enumerate(_BUCKET_MIN_MATCH)
         }
         priors[_HEAD] = owner.prior_head

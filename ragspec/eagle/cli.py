@@ -73,8 +73,12 @@ def cmd_eagle_info(args) -> int:
         print(json.dumps(cfg, indent=1))
         return 0
     t, a, tr = cfg["target"], cfg["architecture"], cfg.get("training", {})
-    print(f"target: {t.get('name')} ({t.get('fingerprint')}), vocab {t.get('vocab_size')}, hidden {t.get('hidden_size')}")
-    print(f"head: one {a.get('layer_class')}, {a.get('num_parameters')} parameters, draft vocabulary {a.get('draft_vocab_size')}")
+    print(
+        f"target: {t.get('name')} ({t.get('fingerprint')}), vocab {t.get('vocab_size')}, hidden {t.get('hidden_size')}"
+    )
+    print(
+        f"head: one {a.get('layer_class')}, {a.get('num_parameters')} parameters, draft vocabulary {a.get('draft_vocab_size')}"
+    )
     if tr:
         res = tr.get("result", {})
         print(f"trained by: {tr.get('command')}")
@@ -203,8 +207,12 @@ def add_eagle_commands(subparsers) -> None:
     esub = e.add_subparsers(dest="eagle_command", required=True)
 
     t = esub.add_parser("train", help="train a draft head by self-distillation (teacher-forced target features)")
-    t.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"), help="registry name, GGUF or HF folder (default model if omitted)")
-    t.add_argument("--data", nargs="+", default=None, help="JSONL files: Spec-Bench rows (turns) or {\"text\": ...} rows")
+    t.add_argument(
+        "--model",
+        default=os.environ.get("RAGSPEC_MODEL"),
+        help="registry name, GGUF or HF folder (default model if omitted)",
+    )
+    t.add_argument("--data", nargs="+", default=None, help='JSONL files: Spec-Bench rows (turns) or {"text": ...} rows')
     t.add_argument("-o", "--output", required=True, help="output folder (head.safetensors + config.json)")
     t.add_argument("--work-dir", default=None, help="features cache and checkpoints (default OUTPUT/work)")
     t.add_argument("--epochs", type=int, default=8)
@@ -234,7 +242,8 @@ def add_eagle_commands(subparsers) -> None:
 
     b = esub.add_parser("bench", help="ragspec bench for several drafter sets: head alone, prompt lookup, both")
     b.add_argument(
-        "--drafters", default="pld,head,both",
+        "--drafters",
+        default="pld,head,both",
         help="comma-separated drafter sets: pld, head, both (retrieval if its match >= --min-match, else the "
         "head), longest_match (CompositeDrafter's rule)",
     )
@@ -255,8 +264,11 @@ def add_eagle_commands(subparsers) -> None:
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--max-draft-tokens", type=int, default=8)
     b.add_argument("--fixed-draft", action="store_true")
-    b.add_argument("--measure-latency", action="store_true",
-                   help="time the target at start-up (default: the engine's reference CPU table, refined online)")
+    b.add_argument(
+        "--measure-latency",
+        action="store_true",
+        help="time the target at start-up (default: the engine's reference CPU table, refined online)",
+    )
     b.add_argument("--no-hf-pld", action="store_true", help="accepted for symmetry with ragspec bench (never run here)")
     b.add_argument("--json", default=None)
     b.set_defaults(func=cmd_eagle_bench)

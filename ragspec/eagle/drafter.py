@@ -281,9 +281,9 @@ class EagleSession:
                 entry_of[n] = num_entries + j
                 rows.append(row)
             draft_mask = torch.stack(rows)[:, : num_entries + m]  # [m, E + m]
-            mask = torch.cat(
-                [torch.ones(m, self._cache_len - num_entries, dtype=torch.bool), draft_mask], dim=1
-            ).to(dev)[None, None]  # [1, 1, m, cache + E + m]
+            mask = torch.cat([torch.ones(m, self._cache_len - num_entries, dtype=torch.bool), draft_mask], dim=1).to(
+                dev
+            )[None, None]  # [1, 1, m, cache + E + m]
             ids = torch.tensor([d._vocab_list[tok[n]] for n in frontier], dtype=torch.long, device=dev)[None]  # [1, m]
             pos = torch.full((1, m), root_pos + level, dtype=torch.long, device=dev)
             out = head(ids, parent_feat[None], pos, mask, self._cache)[0]  # [m, H]

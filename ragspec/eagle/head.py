@@ -484,9 +484,7 @@ def load_eagle_head(path: str | Path, *, target, model_spec=None) -> EagleHead:
     if "draft_vocab" not in state:
         raise ModelLoadError(f"{p / WEIGHTS_FILE}: no draft_vocab tensor")
     head = EagleHead.from_target(target, draft_vocab=state["draft_vocab"])
-    missing, unexpected = head.load_state_dict(
-        {k: v for k, v in state.items()}, strict=False
-    )
+    missing, unexpected = head.load_state_dict({k: v for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ModelLoadError(f"{p / WEIGHTS_FILE}: missing tensors {missing}, unexpected {unexpected}")
@@ -496,5 +494,3 @@ def load_eagle_head(path: str | Path, *, target, model_spec=None) -> EagleHead:
         prm.requires_grad_(False)
     logger.info("loaded EAGLE head %s (%d draft tokens)", p, head.num_draft_vocab)
     return head
-
-

@@ -168,7 +168,9 @@ def _group(category: str) -> str:
     return category_group(category)
 
 
-def load_prompt_texts(paths: Sequence[str], tokenizer, holdout_per_category: int = 5) -> tuple[list[TrainSequence], dict]:
+def load_prompt_texts(
+    paths: Sequence[str], tokenizer, holdout_per_category: int = 5
+) -> tuple[list[TrainSequence], dict]:
     """Token sequences of the prompts in ``paths``.
 
     Spec-Bench rows (``turns``): the first turn as a chat user message, through the chat
@@ -418,7 +420,11 @@ def eagle_loss(
     loss = cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss
     with torch.no_grad():
         top1 = (head_logp.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return loss, {"feature_loss": float(feat_loss.detach()), "token_loss": float(tok_loss.detach()), "top1": float(top1)}
+    return loss, {
+        "feature_loss": float(feat_loss.detach()),
+        "token_loss": float(tok_loss.detach()),
+        "top1": float(top1),
+    }
 
 
 # --------------------------------------------------------------------------- training loop
@@ -511,9 +517,7 @@ def train_head(
         noise_gen.set_state(ck["noise_rng"].cpu())
         logger.info("resumed from %s at step %d", checkpoint, step)
     val_start = evaluate(head, val[0], val[1], cfg, lm_weight, lm_bias, device, val_starts) if step == 0 else {}
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.bf16_autocast else _nullcontext()
-    )
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.bf16_autocast else _nullcontext()
     t0 = time.perf_counter()
     head.train()
     bar = tqdm(total=total, initial=step, desc="train eagle head", disable=not progress, unit="step")
@@ -525,7 +529,9 @@ def train_head(
             if step >= total:
                 break
             idx = batches[bi]
-            tok, fea, val_mask = collate([seqs_ids[i] for i in idx], [feats[i] for i in idx], device, head.fc.weight.dtype)
+            tok, fea, val_mask = collate(
+                [seqs_ids[i] for i in idx], [feats[i] for i in idx], device, head.fc.weight.dtype
+            )
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, total, cfg)
             with autocast:
@@ -578,7 +584,13 @@ def _save_checkpoint(path: Path, head, opt, step: int, history: list, noise_gen:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(
-        {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history, "noise_rng": noise_gen.get_state()},
+        {
+            "head": head.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "history": history,
+            "noise_rng": noise_gen.get_state(),
+        },
         tmp,
     )
     os.replace(tmp, path)
@@ -590,7 +602,9 @@ def _data_key(info: dict, data: DataConfig, files: list) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_dataset(model, tokenizer, eos_ids, info: dict, data: DataConfig, work_dir: Path, progress: bool = True) -> dict:
+def build_dataset(
+    model, tokenizer, eos_ids, info: dict, data: DataConfig, work_dir: Path, progress: bool = True
+) -> dict:
     """Text, responses and features (cached in ``work_dir/features.pt``, keyed by the
     target fingerprint, the data settings and the files' sha256)."""
     from tqdm.auto import tqdm
@@ -608,16 +622,30 @@ def build_dataset(model, tokenizer, eos_ids, info: dict, data: DataConfig, work_
     prompts = [seqs[i].ids for i in chosen]
     bar = tqdm(total=len(prompts), desc="greedy responses", disable=not progress or not prompts, unit="prompt")
     responses = generate_responses(
-        model, prompts, max_new_tokens=data.response_tokens, eos_token_ids=eos_ids,
-        batch_size=data.generation_batch, progress=bar.update,
+        model,
+        prompts,
+        max_new_tokens=data.response_tokens,
+        eos_token_ids=eos_ids,
+        batch_size=data.generation_batch,
+        progress=bar.update,
     )
     bar.close()
     sampled: list[TrainSequence] = []
     for k in range(data.num_samples):
-        bar = tqdm(total=len(prompts), desc=f"sampled responses {k + 1}/{data.num_samples}", disable=not progress, unit="prompt")
+        bar = tqdm(
+            total=len(prompts),
+            desc=f"sampled responses {k + 1}/{data.num_samples}",
+            disable=not progress,
+            unit="prompt",
+        )
         resp_k = generate_responses(
-            model, prompts, max_new_tokens=data.response_tokens, eos_token_ids=eos_ids,
-            batch_size=data.generation_batch, progress=bar.update, temperature=data.sample_temperature,
+            model,
+            prompts,
+            max_new_tokens=data.response_tokens,
+            eos_token_ids=eos_ids,
+            batch_size=data.generation_batch,
+            progress=bar.update,
+            temperature=data.sample_temperature,
             seed=1000 * (k + 1),
         )
         bar.close()

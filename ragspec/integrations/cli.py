@@ -135,39 +135,77 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="a datastore requests may name (repeatable; the first is the default; RAGSPEC_DATASTORES)",
     )
     p.add_argument(
-        "--eagle", default=None, help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)"
+        "--eagle",
+        default=None,
+        help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)")
+    p.add_argument(
+        "--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)"
+    )
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved step by step (default 8)")
-    p.add_argument("--default-max-tokens", type=int, default=None, help="max_tokens of chat and summary requests that give none (default 256)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of chat and summary requests that give none (default 256)",
+    )
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: the model's)")
-    p.add_argument("--no-speculation", action="store_true", help="plain decoding unless a request sets speculative=true")
+    p.add_argument(
+        "--no-speculation", action="store_true", help="plain decoding unless a request sets speculative=true"
+    )
     p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
     p.add_argument(
-        "--max-body-bytes", type=int, default=None,
+        "--max-body-bytes",
+        type=int,
+        default=None,
         help="largest request body; larger gets 413 before it is read (default: sized to the context length, "
         "1.5 MiB for 8192 tokens; RAGSPEC_MAX_BODY_BYTES)",
     )
     p.add_argument(
-        "--max-prompt-chars", type=int, default=None,
+        "--max-prompt-chars",
+        type=int,
+        default=None,
         help="most characters of prompt text, refused with 400 before tokenizing (default: 32 per token of context)",
     )
     p.add_argument(
-        "--max-document-chars", type=int, default=None,
+        "--max-document-chars",
+        type=int,
+        default=None,
         help="most characters of a request's documents together (default: 16 per token of context)",
     )
-    p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)")
+    p.add_argument(
+        "--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)"
+    )
     r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
-    r.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)")
+    r.add_argument(
+        "--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)"
+    )
     r.add_argument("--replicas", type=int, default=None, help="fixed number of replicas (default 1)")
-    r.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="scale between MIN and MAX replicas, aiming at --max-active requests each")
-    r.add_argument("--cpus-per-replica", type=float, default=None, help="CPUs reserved per replica, fractional allowed (default 1)")
-    r.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs reserved per replica, fractional allowed (default 0)")
-    r.add_argument("--threads-per-replica", type=int, default=None, help="torch threads per replica (default: its whole CPUs, at least 1)")
-    r.add_argument("--address", default=None, help="Ray cluster to join (ray://HEAD:10001, HEAD:6379, auto; default RAY_ADDRESS, else a local Ray)")
+    r.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="scale between MIN and MAX replicas, aiming at --max-active requests each",
+    )
+    r.add_argument(
+        "--cpus-per-replica", type=float, default=None, help="CPUs reserved per replica, fractional allowed (default 1)"
+    )
+    r.add_argument(
+        "--gpus-per-replica", type=float, default=None, help="GPUs reserved per replica, fractional allowed (default 0)"
+    )
+    r.add_argument(
+        "--threads-per-replica",
+        type=int,
+        default=None,
+        help="torch threads per replica (default: its whole CPUs, at least 1)",
+    )
+    r.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (ray://HEAD:10001, HEAD:6379, auto; default RAY_ADDRESS, else a local Ray)",
+    )
     r.add_argument("--app-name", default=None, help="Ray Serve application name (default ragspec)")
     r.add_argument("--start-retries", type=int, default=None, help="failed replica starts before giving up (default 3)")
     p.set_defaults(func=cmd_serve)
     return p
-

@@ -29,10 +29,17 @@ import threading
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LLM
+from langchain_core.language_models import LLM, BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
+from langchain_core.outputs import (
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -40,7 +47,8 @@ from ragspec.errors import ConfigError
 from ragspec.types import GenerationStats, StreamChunk
 
 from ._stepping import close as _close
-from ._stepping import document_texts, merge_stop, step as _step
+from ._stepping import document_texts, merge_stop
+from ._stepping import step as _step
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +146,9 @@ class _RagspecParams(BaseModel):
         with self._lock:
             return self.engine.stream(prompt, **kw)
 
-    def _run(self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None) -> tuple[str, Optional[GenerationStats]]:
+    def _run(
+        self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None
+    ) -> tuple[str, Optional[GenerationStats]]:
         """Whole generation, step by step (other calls on this wrapper interleave)."""
         it = self._open(prompt, stop, kwargs, cancel)
         parts: list[str] = []
@@ -326,7 +336,14 @@ class RagspecLLM(_RagspecParams, LLM):
             yield gen
 
 
-_ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "ai": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 
 
 def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
@@ -480,6 +497,10 @@ def with_documents(llm, prompt, *, documents_key: str = "context", format=format
         values = dict(inputs)
         if format is not None:
             values[documents_key] = format(docs)
-        return RunnableLambda(lambda _: values, name="documents_formatted") | prompt | llm.bind(documents=document_texts(docs))
+        return (
+            RunnableLambda(lambda _: values, name="documents_formatted")
+            | prompt
+            | llm.bind(documents=document_texts(docs))
+        )
 
     return RunnableLambda(route, name="with_documents")

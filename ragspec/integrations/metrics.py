@@ -32,8 +32,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ragspec.types import GenerationStats
 
@@ -52,7 +51,9 @@ class ServerMetrics:
         active: returns the number of generations in progress.
     """
 
-    def __init__(self, queue_depth: Optional[Callable[[], float]] = None, active: Optional[Callable[[], float]] = None) -> None:
+    def __init__(
+        self, queue_depth: Optional[Callable[[], float]] = None, active: Optional[Callable[[], float]] = None
+    ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "ragspec_"
         self.requests = Counter(p + "requests", "Finished HTTP requests.", ["endpoint", "status"], registry=r)
@@ -63,29 +64,50 @@ class ServerMetrics:
         self.drafted_tokens = Counter(p + "drafted_tokens", "Draft tokens verified.", registry=r)
         self.accepted_tokens = Counter(p + "accepted_tokens", "Draft tokens accepted.", registry=r)
         self.invalid_draft_tokens = Counter(
-            p + "invalid_draft_tokens", "Draft nodes dropped before verification (ids outside the vocabulary).", registry=r
+            p + "invalid_draft_tokens",
+            "Draft nodes dropped before verification (ids outside the vocabulary).",
+            registry=r,
         )
         self.decode_steps = Counter(p + "decode_steps", "Target forwards after the prefill.", registry=r)
         self.drafted_per_position = Counter(
-            p + "drafted_tokens_per_position", "Steps that drafted a token at this draft depth.", ["position"], registry=r
+            p + "drafted_tokens_per_position",
+            "Steps that drafted a token at this draft depth.",
+            ["position"],
+            registry=r,
         )
         self.accepted_per_position = Counter(
-            p + "accepted_tokens_per_position", "Steps whose draft token at this depth was accepted.", ["position"], registry=r
+            p + "accepted_tokens_per_position",
+            "Steps whose draft token at this depth was accepted.",
+            ["position"],
+            registry=r,
         )
         self.mean_accepted = Gauge(
-            p + "mean_accepted_tokens", "Committed tokens per decode step over all requests (bonus included).", registry=r
+            p + "mean_accepted_tokens",
+            "Committed tokens per decode step over all requests (bonus included).",
+            registry=r,
         )
         self.request_mean_accepted = Histogram(
-            p + "request_mean_accepted_tokens", "Committed tokens per decode step, per request.", buckets=_ACCEPTED_BUCKETS, registry=r
+            p + "request_mean_accepted_tokens",
+            "Committed tokens per decode step, per request.",
+            buckets=_ACCEPTED_BUCKETS,
+            registry=r,
         )
         self.prefill_s = Counter(p + "prefill_seconds", "Time in prefill forwards.", registry=r)
         self.draft_s = Counter(p + "draft_seconds", "Time spent drafting.", registry=r)
         self.verify_s = Counter(p + "verify_seconds", "Time in verification forwards (and KV commit).", registry=r)
         self.latency = Histogram(
-            p + "request_latency_seconds", "Request latency, arrival to last byte.", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r
+            p + "request_latency_seconds",
+            "Request latency, arrival to last byte.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "Arrival to first generated text.", ["endpoint"], buckets=_TTFT_BUCKETS, registry=r
+            p + "time_to_first_token_seconds",
+            "Arrival to first generated text.",
+            ["endpoint"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.queue_depth = Gauge(p + "queue_depth", "Requests admitted, not generating yet.", registry=r)
         self.active = Gauge(p + "active_requests", "Generations in progress.", registry=r)

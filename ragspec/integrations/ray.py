@@ -418,7 +418,11 @@ class ReplicaLossMiddleware:
             return
         if not started:
             body = _error_body(self.MESSAGE)
-            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"retry-after", b"1"),
+                (b"content-length", str(len(body)).encode()),
+            ]
             await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
         elif sse:
@@ -553,9 +557,19 @@ def run(settings: ServerSettings, options: RayOptions, *, wait: Optional[Callabl
 
     try:
         url = deploy(settings, options)
-        scale = f"{options.autoscale[0]}..{options.autoscale[1]} replicas" if options.autoscale else f"{options.replicas} replica(s)"
-        logger.warning("ragspec on Ray Serve: %s, %s each %g CPU / %g GPU, %d thread(s)", url, scale,
-                       options.cpus_per_replica, options.gpus_per_replica, options.threads)
+        scale = (
+            f"{options.autoscale[0]}..{options.autoscale[1]} replicas"
+            if options.autoscale
+            else f"{options.replicas} replica(s)"
+        )
+        logger.warning(
+            "ragspec on Ray Serve: %s, %s each %g CPU / %g GPU, %d thread(s)",
+            url,
+            scale,
+            options.cpus_per_replica,
+            options.gpus_per_replica,
+            options.threads,
+        )
         (wait or _wait_forever)()
     except KeyboardInterrupt:
         pass

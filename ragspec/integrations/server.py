@@ -76,7 +76,11 @@ __all__ = ["create_app", "ServerSettings", "APIError", "build_summary_prompt", "
 SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest, "/v1/summarize": SummarizeRequest}
+_BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/summarize": SummarizeRequest,
+}
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "constrained-str"})
 _ENDPOINTS = ("/v1/summarize", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health")
 
@@ -334,9 +338,13 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"Unrecognized request argument supplied: {param}"
         elif kind == "missing":
             # an empty body reaches here as the whole body missing (no field name)
-            message = f"missing required field: {param}" if param else "request body is missing (a JSON object is required)"
+            message = (
+                f"missing required field: {param}" if param else "request body is missing (a JSON object is required)"
+            )
         else:
-            message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+            message = (
+                f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+            )
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
         return APIError(400, message, param=param, code=kind or None).response()
@@ -353,7 +361,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return _api_error(exc).response()
-
 
 
 def _document_bodies(app: FastAPI) -> None:
@@ -456,7 +463,9 @@ def _validate(model: type[BaseModel], raw: bytes, max_values: int) -> BaseModel:
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="model_type")
     unknown = first_unknown_field(model, data)
     if unknown is not None:
-        raise RequestValidationError([{"type": "extra_forbidden", "loc": ("body", *unknown), "msg": "Extra inputs are not permitted"}])
+        raise RequestValidationError(
+            [{"type": "extra_forbidden", "loc": ("body", *unknown), "msg": "Extra inputs are not permitted"}]
+        )
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -539,7 +548,9 @@ def _prepare_completion(engine, prompt, kwargs: dict, limits: RequestLimits, can
     return _Prepared(ids, _encode_documents(engine, documents, cancel))
 
 
-def _prepare_chat(engine, messages: list[dict], kwargs: dict, limits: RequestLimits, cancel: threading.Event) -> _Prepared:
+def _prepare_chat(
+    engine, messages: list[dict], kwargs: dict, limits: RequestLimits, cancel: threading.Event
+) -> _Prepared:
     """Token ids of a chat through the model's chat template."""
     _check_chars(sum(len(m["content"]) for m in messages), limits.prompt_chars, "messages", "messages", engine)
     documents = kwargs.get("documents")
@@ -553,8 +564,14 @@ def _prepare_chat(engine, messages: list[dict], kwargs: dict, limits: RequestLim
     return _Prepared(ids, _encode_documents(engine, documents, cancel))
 
 
-def _prepare_summary(engine, documents: list[str], instruction: Optional[str], kwargs: dict, limits: RequestLimits,
-                     cancel: threading.Event) -> _Prepared:
+def _prepare_summary(
+    engine,
+    documents: list[str],
+    instruction: Optional[str],
+    kwargs: dict,
+    limits: RequestLimits,
+    cancel: threading.Event,
+) -> _Prepared:
     """Token ids of the summary prompt (the documents are in it, chat-templated)."""
     total = sum(len(d) for d in documents) + len(instruction or "")
     _check_chars(total, limits.prompt_chars, "documents and instruction", "documents", engine)
@@ -780,7 +797,9 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
         engine = request.app.state.engine
         if model is None or model in (served_name(request), engine.model_name, "ragspec"):
             return
-        raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model", code="model_not_found")
+        raise APIError(
+            404, f"The model `{model}` does not exist.", type="not_found_error", param="model", code="model_not_found"
+        )
 
     def pick_engine(request: Request, datastore: Optional[str]):
         state = request.app.state
@@ -866,7 +885,14 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
                 gen.close()
             stats = last.stats if last else None
             out = envelope(
-                [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(last.finish_reason if last else "stop")}],
+                [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": _finish(last.finish_reason if last else "stop"),
+                    }
+                ],
                 _usage(stats),
             )
             out["stats"] = stats.to_dict() if stats else None
@@ -877,7 +903,12 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
             try:
                 try:
                     async for chunk in gen.chunks():
-                        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": _finish(chunk.finish_reason)}
+                        choice = {
+                            "index": 0,
+                            "text": chunk.text,
+                            "logprobs": None,
+                            "finish_reason": _finish(chunk.finish_reason),
+                        }
                         yield _sse(envelope([choice], None))
                         if chunk.finish_reason is not None and with_usage:
                             yield _sse(envelope([], _usage(chunk.stats)))
@@ -902,7 +933,9 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
             kwargs = engine_kwargs(body, settings.default_max_tokens)
             engine = pick_engine(request, body.datastore)
             try:
-                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+                messages = [
+                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+                ]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             limits = gen.limits
@@ -939,12 +972,22 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                first = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield _sse(envelope("chat.completion.chunk", [first]))
                 try:
                     async for chunk in gen.chunks():
                         delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-                        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(chunk.finish_reason)}
+                        choice = {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": _finish(chunk.finish_reason),
+                        }
                         yield _sse(envelope("chat.completion.chunk", [choice]))
                         if chunk.finish_reason is not None and with_usage:
                             yield _sse(envelope("chat.completion.chunk", [], _usage(chunk.stats)))
@@ -997,7 +1040,13 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
             try:
                 try:
                     async for chunk in gen.chunks():
-                        out = {"id": rid, "object": "summary.chunk", "created": created, "model": name, "summary": chunk.text}
+                        out = {
+                            "id": rid,
+                            "object": "summary.chunk",
+                            "created": created,
+                            "model": name,
+                            "summary": chunk.text,
+                        }
                         if chunk.finish_reason is not None:
                             out["finish_reason"] = _finish(chunk.finish_reason)
                             out["usage"] = _usage(chunk.stats)

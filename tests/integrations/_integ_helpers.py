@@ -40,9 +40,9 @@ def make_tiny_engine(eos=(), max_draft: int = 8, drafter=None):
     draft policy is not adaptive, so drafts (and hence seeded samples) never depend on the
     latency model other requests update."""
     from ragspec import Engine, PolicyConfig
+    from ragspec.backend.hf import HFTarget
     from ragspec.drafters import PromptLookupDrafter
     from ragspec.policy import LatencyModel
-    from ragspec.backend.hf import HFTarget
 
     tok = make_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE

@@ -4,7 +4,6 @@ tokenizer (plus a chat template), and a live uvicorn server on a free loopback p
 from __future__ import annotations
 
 import pytest
-
 from _integ_helpers import LiveServer, make_tiny_engine
 
 

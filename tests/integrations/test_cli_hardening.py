@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-
 from _integ_helpers import CHAT_TEMPLATE, make_char_tokenizer, make_tiny_llama
 
 

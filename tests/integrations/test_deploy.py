@@ -19,8 +19,8 @@ import httpx
 import jsonschema
 import pytest
 import yaml
-
 from _integ_helpers import CHAT_TEMPLATE, free_port, make_char_tokenizer, make_tiny_llama
+
 from ragspec.cli import build_parser
 from ragspec.errors import ConfigError
 from ragspec.integrations.cli import settings_from_args
@@ -109,7 +109,9 @@ def test_serve_options_and_environment(monkeypatch):
     s = settings_from_args(parser.parse_args(["serve"]))
     assert (s.api_key, s.port, s.datastores) == ("from-env", 9001, (("wiki", "/d/wiki"), ("docs", "/d/docs")))
     # options win over the environment
-    s = settings_from_args(parser.parse_args(["serve", "--api-key", "cli", "--port", "9002", "--datastore", "a=/x", "--datastore", "/y/b"]))
+    s = settings_from_args(
+        parser.parse_args(["serve", "--api-key", "cli", "--port", "9002", "--datastore", "a=/x", "--datastore", "/y/b"])
+    )
     assert (s.api_key, s.port, s.datastores) == ("cli", 9002, (("a", "/x"), ("b", "/y/b")))
     assert parse_datastore("notes=/srv/ds/notes") == ("notes", "/srv/ds/notes")
     for bad in ("../x=/d", "=/d", "a=", "a b=/d"):

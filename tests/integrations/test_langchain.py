@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from _integ_helpers import ScriptedDrafter, make_tiny_engine, oracle_plan
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage, SystemMessage
@@ -14,8 +15,6 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from pydantic import ValidationError
-
-from _integ_helpers import ScriptedDrafter, make_tiny_engine, oracle_plan
 
 from ragspec.errors import ConfigError
 from ragspec.integrations.langchain import ChatRagspec, RagspecLLM, with_documents
@@ -78,7 +77,9 @@ def test_llm_async_forms_equal_engine(llm, tiny_engine):
 
 def test_chat_all_forms_equal_engine(chat, tiny_engine):
     msgs = [SystemMessage("be brief"), HumanMessage("the cat sat")]
-    ids = tiny_engine.encode_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}])
+    ids = tiny_engine.encode_messages(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
+    )
     want = solo(tiny_engine, ids).text
     assert chat.invoke(msgs).content == want
     assert "".join(c.content for c in chat.stream(msgs)) == want

@@ -62,7 +62,9 @@ def test_rag_chain_ragspec_equals_transformers_greedy(engine, tmp_path):
     baseline = ex.TransformersLLM(engine.model, engine.tokenizer, engine.eos_token_ids, max_new_tokens=MAX_NEW)
     ragspec_llm = RagspecLLM(engine=engine, max_new_tokens=MAX_NEW)
     # the same prompt token ids on both lines
-    prompt_text = (({"context": retriever | ex.format_docs, "question": lambda q: q}) | ex.PROMPT).invoke(question).to_string()
+    prompt_text = (
+        (({"context": retriever | ex.format_docs, "question": lambda q: q}) | ex.PROMPT).invoke(question).to_string()
+    )
     assert baseline.prompt_ids(prompt_text) == engine.encode_prompt(prompt_text)
 
     want = ex.build_chain(retriever, baseline).invoke(question)

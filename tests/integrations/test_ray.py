@@ -24,10 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 import yaml
-
 from _integ_helpers import CHAT_TEMPLATE, LiveServer, free_port, make_char_tokenizer, make_tiny_llama
+
 from ragspec.errors import ConfigError
 from ragspec.integrations.ray import PROXY_CALLBACK, REPLICA_HEADER, RayOptions, parse_autoscale
 from ragspec.integrations.settings import ServerSettings
@@ -243,7 +242,12 @@ def deployed(cluster, model_dir):
 
     settings = service_settings(model_dir, cluster.port)
     options = RayOptions(
-        replicas=2, cpus_per_replica=0.5, threads_per_replica=1, health_check_period_s=1.0, metrics_interval_s=0.5, name=MAIN_APP
+        replicas=2,
+        cpus_per_replica=0.5,
+        threads_per_replica=1,
+        health_check_period_s=1.0,
+        metrics_interval_s=0.5,
+        name=MAIN_APP,
     )
     url = deploy(settings, options)
     assert url == f"http://127.0.0.1:{cluster.port}"
@@ -303,12 +307,33 @@ def test_ray_options_from_the_command_line():
     assert (o.replicas, o.autoscale, o.cpus_per_replica, o.gpus_per_replica, o.threads) == (1, None, 1.0, 0.0, 1)
     o = ray_options_from_args(
         parser.parse_args(
-            ["serve", "--ray", "--autoscale", "1:4", "--cpus-per-replica", "2.5", "--gpus-per-replica", "0.25", "--address", "ray://head:10001"]
+            [
+                "serve",
+                "--ray",
+                "--autoscale",
+                "1:4",
+                "--cpus-per-replica",
+                "2.5",
+                "--gpus-per-replica",
+                "0.25",
+                "--address",
+                "ray://head:10001",
+            ]
         )
     )
     # threads default to the whole CPUs a replica holds, so replicas never oversubscribe a node
-    assert (o.autoscale, o.cpus_per_replica, o.gpus_per_replica, o.threads, o.address) == ((1, 4), 2.5, 0.25, 2, "ray://head:10001")
-    o = ray_options_from_args(parser.parse_args(["serve", "--ray", "--replicas", "3", "--cpus-per-replica", "0.5", "--threads-per-replica", "2"]))
+    assert (o.autoscale, o.cpus_per_replica, o.gpus_per_replica, o.threads, o.address) == (
+        (1, 4),
+        2.5,
+        0.25,
+        2,
+        "ray://head:10001",
+    )
+    o = ray_options_from_args(
+        parser.parse_args(
+            ["serve", "--ray", "--replicas", "3", "--cpus-per-replica", "0.5", "--threads-per-replica", "2"]
+        )
+    )
     assert (o.replicas, o.threads) == (3, 2)
     assert parse_autoscale("0:2") == (0, 2)
     for bad in ("2", "a:b", "3:1", "0:0", "-1:2"):
@@ -336,14 +361,27 @@ def test_ragspec_serve_ray_command_serves(cluster, model_dir, monkeypatch):
 
     def wait() -> None:  # instead of sleeping until Ctrl-C
         seen["health"] = httpx.get(url + "/health", timeout=TIMEOUT).json()
-        r = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "datastore": "notes"}, timeout=TIMEOUT)
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "datastore": "notes"}, timeout=TIMEOUT
+        )
         seen["status"], seen["replica"] = r.status_code, r.headers.get(REPLICA_HEADER)
         seen["text"] = r.json()["choices"][0]["text"]
         seen["states"] = replica_states("cli")
         cluster.record()
 
     monkeypatch.setattr(rray, "_wait_forever", wait)
-    args = ["serve", "--ray", "--app-name", "cli", "--replicas", "1", "--cpus-per-replica", "0.5", "--threads-per-replica", "1"]
+    args = [
+        "serve",
+        "--ray",
+        "--app-name",
+        "cli",
+        "--replicas",
+        "1",
+        "--cpus-per-replica",
+        "0.5",
+        "--threads-per-replica",
+        "1",
+    ]
     args += ["--host", "127.0.0.1", "--port", str(cluster.port), "--model", str(model_dir / "tiny"), "--eagle", "none"]
     args += ["--datastore", f"notes={model_dir / 'ds'}", "--no-calibrate"]
     assert main(args) == 0
@@ -418,7 +456,10 @@ def test_outputs_equal_one_engine(deployed, reference):
         ("/v1/chat/completions", {"messages": chat, "max_tokens": 20}),
         # seeded sampling: its own generator, the same sample on any replica
         ("/v1/completions", {"prompt": "a bird sang", "max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 11}),
-        ("/v1/chat/completions", {"messages": chat, "max_tokens": 20, "temperature": 0.7, "seed": 3, "datastore": "notes"}),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "max_tokens": 20, "temperature": 0.7, "seed": 3, "datastore": "notes"},
+        ),
     ]
     for path, body in cases:
         want = httpx.post(reference.url + path, json=body, timeout=TIMEOUT)
@@ -428,7 +469,10 @@ def test_outputs_equal_one_engine(deployed, reference):
         assert got.headers.get(REPLICA_HEADER), "every answer names its replica"
     # and the greedy answer is the engine's own
     direct = reference.engine.generate("the cat sat on the mat. the cat", max_new_tokens=24, chat=False)
-    assert httpx.post(deployed + "/v1/completions", json=cases[0][1], timeout=TIMEOUT).json()["choices"][0]["text"] == direct.text
+    assert (
+        httpx.post(deployed + "/v1/completions", json=cases[0][1], timeout=TIMEOUT).json()["choices"][0]["text"]
+        == direct.text
+    )
     # streaming (chat and completions, usage included): the same text and usage, SSE framing kept
     for path, body in (cases[2], cases[3]):
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -456,10 +500,14 @@ def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
     prompts = [f"the {w} sat on the" for w in ("cat", "dog", "bird", "mat", "log", "tree")] * 3  # 18 requests
     want = {}
     for p in set(prompts):
-        want[p] = httpx.post(reference.url + "/v1/completions", json={"prompt": p, "max_tokens": 32}, timeout=TIMEOUT).json()
+        want[p] = httpx.post(
+            reference.url + "/v1/completions", json={"prompt": p, "max_tokens": 32}, timeout=TIMEOUT
+        ).json()
 
     def one(p: str):
-        r = httpx.post(deployed + "/v1/completions", json={"prompt": p, "max_tokens": 32, "datastore": None}, timeout=TIMEOUT)
+        r = httpx.post(
+            deployed + "/v1/completions", json={"prompt": p, "max_tokens": 32, "datastore": None}, timeout=TIMEOUT
+        )
         return p, r.status_code, r.headers.get(REPLICA_HEADER), r.json()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -505,7 +553,11 @@ def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
     replica_pids = {pid for pid in pids if _cmdline(pid).startswith("ray::ServeReplica")}
     assert len(replica_pids) == 2
     assert sorted(pid for pid, _ in wildcard) == sorted(replica_pids), wildcard
-    outside = [(pid, _cmdline(pid)[:60], local) for pid, local in listening if not _is_loopback(local) and (pid, local) not in wildcard]
+    outside = [
+        (pid, _cmdline(pid)[:60], local)
+        for pid, local in listening
+        if not _is_loopback(local) and (pid, local) not in wildcard
+    ]
     assert not outside, outside
     listening = [local for _, local in listening]
     assert f"127.0.0.1:{cluster.port}" in listening
@@ -518,14 +570,18 @@ def test_killing_a_replica_mid_load(deployed, reference):
     before = replica_actors()
     assert len(before) == 2
     prompt, body = "the cat sat on the", {"max_tokens": 400}
-    full = httpx.post(reference.url + "/v1/completions", json={"prompt": prompt, **body}, timeout=TIMEOUT).json()["choices"][0]["text"]
+    full = httpx.post(reference.url + "/v1/completions", json={"prompt": prompt, **body}, timeout=TIMEOUT).json()[
+        "choices"
+    ][0]["text"]
     stream_started = threading.Event()
     streams: dict[int, dict] = {}
     lock = threading.Lock()
 
     def stream(i: int) -> dict:
         out = {"replica": None, "text": "", "events": []}
-        with httpx.stream("POST", deployed + "/v1/completions", json={"prompt": prompt, **body, "stream": True}, timeout=TIMEOUT) as r:
+        with httpx.stream(
+            "POST", deployed + "/v1/completions", json={"prompt": prompt, **body, "stream": True}, timeout=TIMEOUT
+        ) as r:
             out["status"] = r.status_code
             out["replica"] = r.headers.get(REPLICA_HEADER)
             with lock:
@@ -602,7 +658,9 @@ def test_killing_a_replica_mid_load(deployed, reference):
     else:
         pytest.fail(f"the killed replica was not restarted: {replica_states()}, {sorted(replica_actors())}")
     new = (set(now) - set(before)).pop()
-    short = httpx.post(reference.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8}, timeout=TIMEOUT).json()
+    short = httpx.post(
+        reference.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8}, timeout=TIMEOUT
+    ).json()
     seen = set()
     deadline = time.monotonic() + 30
     while new not in seen and time.monotonic() < deadline:
@@ -651,7 +709,9 @@ def test_ray_compose_file_follows_the_compose_spec_and_runs_the_tested_command()
         env = svc["environment"]
         assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == PROXY_CALLBACK
         assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"].startswith("${RAY_AUTH_TOKEN:?")
-        assert "./datastores:/data/datastores:ro" in svc["volumes"] and any(v.endswith(":" + env["RAGSPEC_CACHE"]) for v in svc["volumes"])
+        assert "./datastores:/data/datastores:ro" in svc["volumes"] and any(
+            v.endswith(":" + env["RAGSPEC_CACHE"]) for v in svc["volumes"]
+        )
 
     def shell(svc) -> list[list[str]]:
         """The commands of a ``bash -c`` service, compose's $$ and the defaults expanded."""

@@ -15,8 +15,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from _integ_helpers import LiveServer
+
 from ragspec.integrations.server import ServerSettings, build_summary_prompt, create_app
 
 MODEL = "tiny-llama"
@@ -56,7 +56,9 @@ def test_openai_completions_plain_and_stream(live_server, tiny_engine):
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == want.stats.num_prompt_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + 20
-    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stream=True, stream_options={"include_usage": True})
+    stream = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
     parts, usage, finish = [], None, None
     for ch in stream:
         if ch.choices:
@@ -83,7 +85,9 @@ def test_openai_chat_plain_and_stream(live_server, tiny_engine):
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
     assert r.usage.completion_tokens == 20
-    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, stream=True, stream_options={"include_usage": True})
+    stream = c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
@@ -95,8 +99,12 @@ def test_openai_chat_plain_and_stream(live_server, tiny_engine):
 def test_langchain_chatopenai_against_the_server(live_server, tiny_engine):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=live_server.url + "/v1", api_key="unused", model=MODEL, max_tokens=20, temperature=0, max_retries=0)
-    want = tiny_engine.generate(tiny_engine.encode_messages([{"role": "user", "content": "hello there"}]), max_new_tokens=20)
+    llm = ChatOpenAI(
+        base_url=live_server.url + "/v1", api_key="unused", model=MODEL, max_tokens=20, temperature=0, max_retries=0
+    )
+    want = tiny_engine.generate(
+        tiny_engine.encode_messages([{"role": "user", "content": "hello there"}]), max_new_tokens=20
+    )
     msg = llm.invoke("hello there")
     assert msg.content == want.text
     assert msg.usage_metadata["output_tokens"] == 20
@@ -113,7 +121,11 @@ def test_summarize_plain_and_streaming(live_server, tiny_engine):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["summary"] == want.text and out["finish_reason"] == "length"
-    assert out["usage"] == {"prompt_tokens": want.stats.num_prompt_tokens, "completion_tokens": 24, "total_tokens": want.stats.num_prompt_tokens + 24}
+    assert out["usage"] == {
+        "prompt_tokens": want.stats.num_prompt_tokens,
+        "completion_tokens": 24,
+        "total_tokens": want.stats.num_prompt_tokens + 24,
+    }
     assert out["stats"]["num_generated_tokens"] == 24 and "mean_accepted_tokens" in out["stats"]
     r = httpx.post(live_server.url + "/v1/summarize", json={**body, "stream": True}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -128,7 +140,11 @@ def test_summarize_plain_and_streaming(live_server, tiny_engine):
 # ---------------------------------------------------------------------- metrics
 def test_metrics_move_after_a_request(live_server):
     before = httpx.get(live_server.url + "/metrics").text
-    r = httpx.post(live_server.url + "/v1/summarize", json={"documents": ["one two three. one two three."], "max_tokens": 16}, timeout=TIMEOUT)
+    r = httpx.post(
+        live_server.url + "/v1/summarize",
+        json={"documents": ["one two three. one two three."], "max_tokens": 16},
+        timeout=TIMEOUT,
+    )
     assert r.status_code == 200
     after = httpx.get(live_server.url + "/metrics")
     assert after.headers["content-type"].startswith("text/plain")
@@ -140,8 +156,14 @@ def test_metrics_move_after_a_request(live_server):
     assert metric(a, "ragspec_decode_steps_total") > metric(before, "ragspec_decode_steps_total")
     assert metric(a, "ragspec_mean_accepted_tokens") >= 1.0
     lat = 'endpoint="/v1/summarize"'
-    assert metric(a, "ragspec_request_latency_seconds_count", lat) == metric(before, "ragspec_request_latency_seconds_count", lat) + 1
-    assert metric(a, "ragspec_time_to_first_token_seconds_count", lat) == metric(before, "ragspec_time_to_first_token_seconds_count", lat) + 1
+    assert (
+        metric(a, "ragspec_request_latency_seconds_count", lat)
+        == metric(before, "ragspec_request_latency_seconds_count", lat) + 1
+    )
+    assert (
+        metric(a, "ragspec_time_to_first_token_seconds_count", lat)
+        == metric(before, "ragspec_time_to_first_token_seconds_count", lat) + 1
+    )
     for name in (
         "ragspec_drafted_tokens_total",
         "ragspec_accepted_tokens_total",
@@ -164,13 +186,19 @@ def _run(url: str, req: dict) -> str:
     assert r.status_code == 200, r.text
     if not stream:
         j = r.json()
-        return {"completion": lambda: j["choices"][0]["text"], "chat": lambda: j["choices"][0]["message"]["content"], "summary": lambda: j["summary"]}[kind]()
+        return {
+            "completion": lambda: j["choices"][0]["text"],
+            "chat": lambda: j["choices"][0]["message"]["content"],
+            "summary": lambda: j["summary"],
+        }[kind]()
     parts = []
     for e in sse_events(r):
         if kind == "summary":
             parts.append(e["summary"])
         elif e["choices"]:
-            parts.append(e["choices"][0]["text"] if kind == "completion" else e["choices"][0]["delta"].get("content") or "")
+            parts.append(
+                e["choices"][0]["text"] if kind == "completion" else e["choices"][0]["delta"].get("content") or ""
+            )
     return "".join(parts)
 
 
@@ -179,12 +207,20 @@ def test_eight_concurrent_requests_equal_their_solo_runs(live_server):
         {"kind": "completion", "body": {"prompt": "the cat sat on the mat. the cat", "max_tokens": 40}},
         {"kind": "completion", "stream": True, "body": {"prompt": "one two three one two", "max_tokens": 60}},
         {"kind": "chat", "body": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 30}},
-        {"kind": "chat", "stream": True, "body": {"messages": [{"role": "user", "content": "a dog ran"}], "max_tokens": 50}},
+        {
+            "kind": "chat",
+            "stream": True,
+            "body": {"messages": [{"role": "user", "content": "a dog ran"}], "max_tokens": 50},
+        },
         {"kind": "summary", "body": {"documents": ["the park was green."], "max_tokens": 35}},
         {"kind": "summary", "stream": True, "body": {"documents": ["rain fell all day."], "max_tokens": 45}},
         # seeded sampling: its own generator, so the same sample alone or in company
         {"kind": "completion", "body": {"prompt": "abc abc abc", "max_tokens": 30, "temperature": 0.9, "seed": 11}},
-        {"kind": "chat", "stream": True, "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0.7, "seed": 3}},
+        {
+            "kind": "chat",
+            "stream": True,
+            "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0.7, "seed": 3},
+        },
     ]
     solo = [_run(live_server.url, r) for r in reqs]
     scheduler = live_server.app.state.scheduler
@@ -224,7 +260,9 @@ def test_disconnect_mid_stream_cancels_then_next_request_is_normal(live_server):
     assert got == 3
     scheduler = live_server.app.state.scheduler
     deadline = time.monotonic() + 20
-    while (scheduler.num_jobs or metric(httpx.get(url + "/metrics").text, "ragspec_cancelled_requests_total") <= before) and time.monotonic() < deadline:
+    while (
+        scheduler.num_jobs or metric(httpx.get(url + "/metrics").text, "ragspec_cancelled_requests_total") <= before
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert scheduler.num_jobs == 0
     m = httpx.get(url + "/metrics").text
@@ -234,7 +272,9 @@ def test_disconnect_mid_stream_cancels_then_next_request_is_normal(live_server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60.0, read=0.3))
     deadline = time.monotonic() + 20
-    while (scheduler.num_jobs or metric(httpx.get(url + "/metrics").text, "ragspec_cancelled_requests_total") <= before + 1) and time.monotonic() < deadline:
+    while (
+        scheduler.num_jobs or metric(httpx.get(url + "/metrics").text, "ragspec_cancelled_requests_total") <= before + 1
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     m = httpx.get(url + "/metrics").text
     assert metric(m, "ragspec_cancelled_requests_total") == before + 2
@@ -283,20 +323,44 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+        400,
+        "max_tokens",
+    ),
     # found by a fresh-user trial: a seed past 64 bits leaked "Overflow when unpacking long long"
     ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": 10**23, "temperature": 1}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1, "temperature": 1}, 400, "seed"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "path,body,status,param", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD)]
+)
 def test_bad_input_gets_a_json_4xx(live_server, path, body, status, param):
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(live_server.url + path, content=content, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        live_server.url + path, content=content, headers={"content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -335,7 +399,12 @@ def test_api_key_required_on_v1_and_health_open(tiny_engine):
     with LiveServer(app) as srv:
         url = srv.url
         body = {"documents": ["abc"], "max_tokens": 4}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+        ):
             r = httpx.post(url + "/v1/summarize", json=body, headers=headers, timeout=TIMEOUT)
             assert r.status_code == 401, headers
             assert r.json()["error"]["code"] == "invalid_api_key"
@@ -349,7 +418,10 @@ def test_api_key_required_on_v1_and_health_open(tiny_engine):
         assert r.status_code == 200
         with pytest.raises(openai.AuthenticationError):
             client(srv, "wrong").completions.create(model=MODEL, prompt="abc", max_tokens=4)
-        assert client(srv, "s3cret").completions.create(model=MODEL, prompt="abc", max_tokens=4).usage.completion_tokens == 4
+        assert (
+            client(srv, "s3cret").completions.create(model=MODEL, prompt="abc", max_tokens=4).usage.completion_tokens
+            == 4
+        )
 
 
 class GatedEngine:
@@ -369,7 +441,9 @@ class GatedEngine:
 
 def test_full_queue_gets_429_with_retry_after(tiny_engine):
     gate = threading.Event()
-    app = create_app(engine=GatedEngine(tiny_engine, gate), settings=ServerSettings(max_active=1, max_queue=1, retry_after_s=2))
+    app = create_app(
+        engine=GatedEngine(tiny_engine, gate), settings=ServerSettings(max_active=1, max_queue=1, retry_after_s=2)
+    )
     with LiveServer(app) as srv:
         scheduler = app.state.scheduler
         body = {"documents": ["abc"], "max_tokens": 4}
@@ -413,7 +487,9 @@ def test_datastores_by_name_only(tmp_path, tiny_engine):
 
 def test_empty_body_says_the_body_is_missing(live_server):
     """Regression: an empty POST body answered "missing required field: None"."""
-    r = httpx.post(live_server.url + "/v1/completions", content=b"", headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        live_server.url + "/v1/completions", content=b"", headers={"content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "None" not in msg and "body" in msg
@@ -425,8 +501,8 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     instead of wrapping the whole selection in a longest-match composite."""
     import torch
 
-    from ragspec.datastore import DatastoreDrafter, build_datastore
     from ragspec.config import PLDConfig
+    from ragspec.datastore import DatastoreDrafter, build_datastore
     from ragspec.drafters import CompositeDrafter, SelectingDrafter
     from ragspec.eagle import EagleDrafter, EagleHead
     from ragspec.engine import DrafterParts, Engine

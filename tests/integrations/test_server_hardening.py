@@ -16,8 +16,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 from _integ_helpers import LiveServer
+
 from ragspec.integrations.server import ServerSettings, create_app, json_separators
 
 TIMEOUT = httpx.Timeout(60.0)
@@ -135,14 +135,25 @@ def test_megabyte_of_documents_is_refused_without_being_tokenized(tiny_engine):
             post(srv, "/v1/completions", {"prompt": "abc", "documents": docs}), 400, "documents_too_long", "documents"
         )
         assert f"{limits.document_chars:,}" in err["message"]
-        assert_openai_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                               "documents": docs}), 400, "documents_too_long")
-        assert_openai_error(post(srv, "/v1/summarize", {"documents": docs}), 400, "context_length_exceeded", "documents")
-        assert_openai_error(post(srv, "/v1/completions", {"prompt": "a" * (limits.prompt_chars + 1)}), 400,
-                            "context_length_exceeded", "prompt")
+        assert_openai_error(
+            post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "documents": docs}),
+            400,
+            "documents_too_long",
+        )
+        assert_openai_error(
+            post(srv, "/v1/summarize", {"documents": docs}), 400, "context_length_exceeded", "documents"
+        )
+        assert_openai_error(
+            post(srv, "/v1/completions", {"prompt": "a" * (limits.prompt_chars + 1)}),
+            400,
+            "context_length_exceeded",
+            "prompt",
+        )
         assert not eng.seen or max(eng.seen) <= limits.prompt_chars  # nothing big was tokenized
         # documents within the limit are tokenized, off the event loop and off the worker
-        r = post(srv, "/v1/completions", {"prompt": "the cat", "max_tokens": 8, "documents": ["the cat sat on the mat."]})
+        r = post(
+            srv, "/v1/completions", {"prompt": "the cat", "max_tokens": 8, "documents": ["the cat sat on the mat."]}
+        )
         assert r.status_code == 200, r.text
         assert eng.threads and all(t.startswith("ragspec-prepare") for t in eng.threads), eng.threads
     assert limits.document_chars == 16 * 512 and limits.prompt_chars == 32 * 512  # sized to the 512-token context
@@ -231,8 +242,9 @@ def test_client_gone_while_its_request_is_prepared_cancels_it(tiny_engine):
         with pytest.raises(httpx.ReadTimeout):
             post(srv, "/v1/completions", {"prompt": "abc", "max_tokens": 50}, timeout=httpx.Timeout(30.0, read=0.5))
         assert entered.is_set()
-        assert wait_until(lambda: metric(httpx.get(srv.url + "/metrics").text, "ragspec_cancelled_requests_total")
-                          == before + 1)
+        assert wait_until(
+            lambda: metric(httpx.get(srv.url + "/metrics").text, "ragspec_cancelled_requests_total") == before + 1
+        )
         assert sched.num_jobs == 0  # its place is free while its tokenization still runs
         gate.set()
         time.sleep(0.2)
@@ -253,7 +265,12 @@ def test_client_gone_while_queued_is_dropped_before_it_runs(tiny_engine):
             first = pool.submit(post, srv, "/v1/summarize", {"documents": ["abc"], "max_tokens": 4})
             assert wait_until(lambda: sched.num_active == 1)
             with pytest.raises(httpx.ReadTimeout):  # queued behind the gated one, then gone
-                post(srv, "/v1/summarize", {"documents": ["xyz"], "max_tokens": 40}, timeout=httpx.Timeout(30.0, read=0.5))
+                post(
+                    srv,
+                    "/v1/summarize",
+                    {"documents": ["xyz"], "max_tokens": 40},
+                    timeout=httpx.Timeout(30.0, read=0.5),
+                )
             # the worker is inside the gated step: the queued job goes before any next step
             gate.set()
             assert first.result().status_code == 200
@@ -378,11 +395,16 @@ def test_form_encoded_body_gets_415_naming_the_content_type(live_server):
     application/json`` (as ``curl -d`` sends it) got a misleading "valid dictionary" error."""
     body = json.dumps({"prompt": "abc", "max_tokens": 4})
     for ctype in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x"):
-        err = assert_openai_error(post(live_server, "/v1/completions", body, headers={"content-type": ctype}), 415,
-                                  "unsupported_media_type")
+        err = assert_openai_error(
+            post(live_server, "/v1/completions", body, headers={"content-type": ctype}), 415, "unsupported_media_type"
+        )
         assert ctype.split(";")[0] in err["message"] and "application/json" in err["message"]
     # JSON with a charset, a +json type, or no content type at all: parsed as JSON
-    for headers in ({"content-type": "application/json; charset=utf-8"}, {"content-type": "application/vnd.x+json"}, {}):
+    for headers in (
+        {"content-type": "application/json; charset=utf-8"},
+        {"content-type": "application/vnd.x+json"},
+        {},
+    ):
         assert post(live_server, "/v1/completions", body, headers=headers).status_code == 200
 
 
@@ -416,7 +438,9 @@ def test_limits_from_options_and_environment():
 
     s = settings_from_args(build_parser().parse_args(["serve", "--max-body-bytes", "1000", "--no-docs"]))
     assert s.max_body_bytes == 1000 and s.docs is False
-    s = ServerSettings.from_env({"RAGSPEC_MAX_BODY_BYTES": "2048", "RAGSPEC_DOCS": "off", "RAGSPEC_MAX_DOCUMENT_CHARS": "9"})
+    s = ServerSettings.from_env(
+        {"RAGSPEC_MAX_BODY_BYTES": "2048", "RAGSPEC_DOCS": "off", "RAGSPEC_MAX_DOCUMENT_CHARS": "9"}
+    )
     assert (s.max_body_bytes, s.docs, s.max_document_chars) == (2048, False, 9)
     lim = s.limits(8192)
     assert (lim.body_bytes, lim.prompt_chars, lim.document_chars) == (2048, 32 * 8192, 9)

@@ -17,8 +17,8 @@ import textwrap
 import time
 
 import httpx
-
 from _integ_helpers import LiveServer
+
 from ragspec.integrations.server import ServerSettings, create_app
 
 SMALL = {"prompt": "the cat sat on the mat. the cat", "max_tokens": 8}
@@ -67,8 +67,9 @@ def test_oversized_requests_among_normal_ones_leave_their_latency_alone(tiny_eng
     statuses: list[int] = []
     refuse_cpu: list[float] = []
     with LiveServer(app) as srv, httpx.Client(timeout=60) as c:
-        sender = subprocess.Popen([sys.executable, "-c", _SENDER, srv.url], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        sender = subprocess.Popen(
+            [sys.executable, "-c", _SENDER, srv.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert sender.stdout.readline().strip() == "ready"
             for _ in range(3):

@@ -18,14 +18,13 @@ from collections import Counter
 
 import pytest
 import torch
+from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
+from ragspec.backend.hf import HFTarget
 from ragspec.config import PolicyConfig, SamplingParams
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import Engine
-from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree
-
-from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 V = 12
 PROMPT = [3, 7, 1, 9, 4]
@@ -39,9 +38,18 @@ def _tiny_llama(seed: int = 3):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
@@ -109,8 +117,13 @@ def _sample(engine, params: SamplingParams, runs: int = NUM_RUNS) -> tuple[Count
     accepted = 0
     for seed in range(runs):
         out = engine.generate(
-            PROMPT, max_new_tokens=5, chat=False, temperature=params.temperature, top_k=params.top_k,
-            top_p=params.top_p, seed=seed,
+            PROMPT,
+            max_new_tokens=5,
+            chat=False,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=seed,
         )
         counts[tuple(out.token_ids[:NUM_TOKENS])] += 1
         accepted += out.stats.num_accepted_tokens

@@ -14,12 +14,11 @@ from typing import Sequence
 
 import pytest
 import torch
+from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 from ragspec import DraftTree, Engine, PolicyConfig
-from ragspec.config import SamplingParams
 from ragspec.backend.hf import HFTarget
-
-from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
+from ragspec.config import SamplingParams
 
 V = 12
 PROMPT = (1, 5, 7)

@@ -22,13 +22,12 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 from ragspec.config import SamplingParams
 from ragspec.sampling import process_logits, sample_from, verify_sampling
 from ragspec.types import DraftTree, VerifyResult
-
 from ragspec_testing import make_tree
-from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 V = 8
 PROMPT = (1, 2)

@@ -116,7 +116,10 @@ def test_batched_verify_gives_each_request_exactly_its_solo_forward(skinny, mode
         sb, ss = _prefilled(batched, prompts), _prefilled(solo, prompts)
         pasts = [s.length for s in sb]
         # odd items lazy (greedy: row 0 from the shared output-layer call, the rest on demand)
-        items = [VerifyItem(s, p[-1], t, hidden=True, lazy_logits=i % 2 == 1) for i, (s, p, t) in enumerate(zip(sb, prompts, trees))]
+        items = [
+            VerifyItem(s, p[-1], t, hidden=True, lazy_logits=i % 2 == 1)
+            for i, (s, p, t) in enumerate(zip(sb, prompts, trees))
+        ]
         outs = batched.verify(items)
         assert count.sizes == [len(items)]  # one forward for all
         for i, (s, p, t) in enumerate(zip(ss, prompts, trees)):
@@ -169,7 +172,10 @@ def test_skinny_kernel_computes_each_row_independently(skinny):
 
 
 def test_items_above_the_row_limit_and_single_items_take_the_solo_path(skinny, monkeypatch):
-    batched, solo = _target(skinny, make_tiny_llama(layers=2, head_dim=32)), _target(skinny, make_tiny_llama(layers=2, head_dim=32))
+    batched, solo = (
+        _target(skinny, make_tiny_llama(layers=2, head_dim=32)),
+        _target(skinny, make_tiny_llama(layers=2, head_dim=32)),
+    )
     count = _CountBatches(batched, monkeypatch)
     big = make_tree(list(range(10, 10 + SKINNY_MAX_ROWS)), [-1] + list(range(SKINNY_MAX_ROWS - 1)))  # 17 rows
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -246,10 +252,13 @@ def test_engine_step_gives_each_of_8_mixed_requests_its_solo_output(skinny, adap
     prompts = [_text(n, seed=i) for i, (n, _) in enumerate(_REQUESTS)]
     assert len(tok(prompts[0])["input_ids"]) == 5 and len(tok(prompts[6])["input_ids"]) == 350
     solo = [
-        _run_alone(engine, p, kw, _CANCEL_AFTER if i == _CANCEL else None) for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS))
+        _run_alone(engine, p, kw, _CANCEL_AFTER if i == _CANCEL else None)
+        for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS))
     ]
     count = _CountBatches(target, monkeypatch)
-    reqs = {i: engine.start(p, chat=False, **kw) for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS)) if i != _LATE}
+    reqs = {
+        i: engine.start(p, chat=False, **kw) for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS)) if i != _LATE
+    }
     got: dict[int, list] = {i: [] for i in range(len(_REQUESTS))}
     steps = {i: 0 for i in range(len(_REQUESTS))}
     rounds = 0

@@ -436,7 +436,10 @@ def test_reopened_in_new_process_gives_identical_lookups(tmp_path):
     )
     out = subprocess.run(
         [sys.executable, "-c", script, str(path), json.dumps(contexts)],
-        capture_output=True, text=True, check=True, timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     assert json.loads(out.stdout) == here
 
@@ -489,7 +492,7 @@ def test_cli_build_info_query_bench(tmp_path, monkeypatch, capsys):
     assert ds_cli.main(["datastore", "add", str(out), str(more), "--no-progress"]) == 0
     assert ds_cli.main(["datastore", "bench", str(out), "--num", "20", "--json"]) == 0
     lines = capsys.readouterr().out
-    bench = json.loads(lines[lines.index("{"):])
+    bench = json.loads(lines[lines.index("{") :])
     assert bench["num_shards"] == 2 and bench["lookup_p99_s"] > 0
 
 

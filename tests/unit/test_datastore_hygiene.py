@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -159,8 +158,12 @@ def test_one_malformed_jsonl_line_no_longer_aborts_the_build(tmp_path, caplog, c
     """Regression (issue 17 case 3): one malformed line in a .jsonl aborted the whole build."""
     src = tmp_path / "in"
     src.mkdir()
-    lines = [json.dumps({"text": _text([1, 2, 3])}), '{"text": "t4 t5', json.dumps({"text": _text([6, 7])}),
-             json.dumps({"other": 1})]
+    lines = [
+        json.dumps({"text": _text([1, 2, 3])}),
+        '{"text": "t4 t5',
+        json.dumps({"text": _text([6, 7])}),
+        json.dumps({"other": 1}),
+    ]
     (src / "corpus.jsonl").write_text("\n".join(lines) + "\n")
     tok = make_tokenizer()
     with caplog.at_level(logging.WARNING, logger="ragspec.datastore"):
@@ -205,8 +208,9 @@ def _kill_during_sort(command: str, datastore: Path, inputs: Path) -> None:
     temporary directory exists by then)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     script = _KILLED.format(tests=str(Path(__file__).parent))
-    proc = subprocess.Popen([sys.executable, "-c", script, command, str(datastore), str(inputs)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, command, str(datastore), str(inputs)], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "sorting"
     finally:

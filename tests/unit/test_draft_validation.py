@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from ragspec_testing import ScriptedDrafter, make_tiny_llama, make_tree, oracle_plan
 from ragspec import Engine, PolicyConfig
-from ragspec.policy import LatencyModel
 from ragspec.backend.hf import HFTarget
+from ragspec.policy import LatencyModel
 from ragspec.tree import drop_invalid_nodes
 from ragspec.types import DraftTree
+from ragspec_testing import ScriptedDrafter, make_tiny_llama, make_tree, oracle_plan
 
 FLAT_LATENCY = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013, 16: 0.015}
 
@@ -66,8 +66,11 @@ def test_drop_invalid_nodes_cases(tokens, parents, depth, vocab, want, num_dropp
 def test_drop_invalid_nodes_wrong_depth_is_malformed():
     # node 1 claims depth 3 below a depth-0 parent: its position would be wrong
     tree = DraftTree(
-        tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 0, 1]), depth=torch.tensor([0, 3, 4]),
-        sources=("a", "b", "b"), scores=torch.tensor([0.5, 0.25, 0.125]),
+        tokens=torch.tensor([1, 2, 3]),
+        parents=torch.tensor([-1, 0, 1]),
+        depth=torch.tensor([0, 3, 4]),
+        sources=("a", "b", "b"),
+        scores=torch.tensor([0.5, 0.25, 0.125]),
     )
     kept, dropped = drop_invalid_nodes(tree, 10)
     assert dropped == 2 and _lists(kept) == ([1], [-1], [0])

@@ -36,10 +36,12 @@ def test_index_agrees_with_plain_kernel_on_random_sequences():
         suffix = toks[len(toks) - n :]
         starts = [s for s in range(len(toks) - n) if toks[s : s + n] == suffix]
         assert starts, "the reported match length must occur earlier"
+
         # the draft is what follows one of those occurrences (cyclically past the end)
         def follow(s):
             p = len(toks) - (s + n)
             return [toks[s + n + (j % p)] for j in range(4)]
+
         assert any(follow(s) == cands[0] for s in starts)
 
 

@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragspec_testing import FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama
+from ragspec.backend.hf import HFTarget
 from ragspec.config import PolicyConfig
-from ragspec.engine import Engine
-from ragspec.errors import ConfigError, EagleHeadMismatchError, ModelLoadError
 from ragspec.drafters import SelectingDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig, load_eagle_head, save_eagle_head, target_fingerprint
 from ragspec.eagle.head import read_head_config
+from ragspec.engine import Engine
+from ragspec.errors import ConfigError, EagleHeadMismatchError, ModelLoadError
 from ragspec.models import ModelSpec
-from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree, VerifyResult
-
+from ragspec_testing import FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: one thread is faster
 
@@ -57,8 +56,12 @@ def trained_dir(tmp_path_factory, model, tok):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     record = run_training(
         None,
-        DataConfig(paths=(str(data),), holdout_per_category=0, num_responses=12, response_tokens=48, generation_batch=4),
-        TrainConfig(epochs=40, max_steps=60, batch_tokens=512, lr=3e-3, draft_vocab_size=0, save_every=30, val_fraction=0.0),
+        DataConfig(
+            paths=(str(data),), holdout_per_category=0, num_responses=12, response_tokens=48, generation_batch=4
+        ),
+        TrainConfig(
+            epochs=40, max_steps=60, batch_tokens=512, lr=3e-3, draft_vocab_size=0, save_every=30, val_fraction=0.0
+        ),
         d / "head",
         model_and_tokenizer=(model, tok),
         progress=False,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
+from ragspec.backend.hf import HFTarget
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.errors import PromptTooLongError
 from ragspec.policy import LatencyModel
-from ragspec.backend.hf import HFTarget
+from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 
 PROMPT = "the cat sat on the mat. the cat sat on the hat."
 FLAT_LATENCY = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013, 16: 0.015}
@@ -90,7 +89,7 @@ def test_stop_string_across_two_tokens_mid_draft(no_eos_setup, char_tokenizer):
     # generation stopped in the step that completed the stop: tokens end with the completing one
     out = eng.generate(prompt, max_new_tokens=40, chat=False, stop=[stop])
     assert out.token_ids == ref[: cut + 2]
-    assert out.stats.num_forward_passes == 1  + 1  # prefill + one step of 8 drafted tokens
+    assert out.stats.num_forward_passes == 1 + 1  # prefill + one step of 8 drafted tokens
 
 
 def test_max_new_tokens_never_exceeded_by_long_draft(no_eos_setup, char_tokenizer):

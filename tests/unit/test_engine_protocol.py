@@ -81,7 +81,9 @@ def test_eos_stop_string_and_max_new_tokens(tok):
     full = _engine(target, tok).generate(PROMPT, max_new_tokens=40, chat=False).text
     stop = full[10:12]
     first = full.index(stop)
-    out = _engine(target, tok, ScriptedDrafter(oracle_plan(ref))).generate(PROMPT, max_new_tokens=40, chat=False, stop=[stop])
+    out = _engine(target, tok, ScriptedDrafter(oracle_plan(ref))).generate(
+        PROMPT, max_new_tokens=40, chat=False, stop=[stop]
+    )
     assert out.text == full[:first] and out.stats.finish_reason == "stop"
 
 
@@ -106,7 +108,10 @@ def test_several_requests_in_one_step_each_get_their_solo_output(tok):
     # each request drafts from its own reference (the scripted drafter replays it)
     drafters = [ScriptedDrafter(oracle_plan(refs[0])), BranchingDrafter(refs[1], target.vocab_size), None]
     engines = [_engine(target, tok, d) for d in drafters]
-    reqs = [e.start(p, DecodeConfig(max_new_tokens=25 - 5 * i), chat=False) for i, (e, p) in enumerate(zip(engines, prompts))]
+    reqs = [
+        e.start(p, DecodeConfig(max_new_tokens=25 - 5 * i), chat=False)
+        for i, (e, p) in enumerate(zip(engines, prompts))
+    ]
     outs = [[] for _ in reqs]
     target.verify_calls.clear()
     shared = _engine(target, tok)  # one engine steps all of them (their sessions are theirs)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_kernels import _BUILDABLE
 
+from ragspec.backend.hf import HFTarget
 from ragspec.backend.kernels import load_quant_linear
 from ragspec.backend.quant import Q4_1, Q8_0, GGUFWeight, load_gguf_weights, match_gguf_weights, read_gguf_weights
-from ragspec.backend.hf import HFTarget
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
-
-from test_kernels import _BUILDABLE
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +121,9 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
     kernel, and greedy output equal to transformers'."""
     skinny, quant = kernels
     path = tmp_path / "m.gguf"
-    model, named = _quantized_tiny_model(path, permute="model.layers.0.self_attn.k_proj", perturb="model.layers.0.mlp.up_proj")
+    model, named = _quantized_tiny_model(
+        path, permute="model.layers.0.self_attn.k_proj", perturb="model.layers.0.mlp.up_proj"
+    )
     calls: list[int] = []
 
     def counting(x, qs, scales, fmt, bias):

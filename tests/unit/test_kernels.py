@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ragspec.backend import kernels
-from ragspec.backend.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
 from ragspec.backend.hf import HFTarget
+from ragspec.backend.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
 
@@ -223,10 +223,10 @@ def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     """Regression (fresh-user trial): ``--dtype bf16`` on a CPU without oneDNN's bfloat16
     support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
     is skipped there and the model decodes with torch's kernels."""
+    from ragspec.backend.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec.config import PLDConfig
     from ragspec.drafters import PromptLookupDrafter
     from ragspec.engine import Engine
-    from ragspec.backend.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
@@ -340,7 +340,9 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
     # drafts the true continuation (accepted 8-token chains) / wrong tokens (rejected): both
     # verified through the kernel, every draft verified (no cost model in the way)
     for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
-        engine = Engine(target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[])
+        engine = Engine(
+            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
+        )
         out = engine.generate(prompt, max_new_tokens=60, chat=False)
         assert out.stats.num_drafted_tokens > 0
         assert list(out.token_ids) == ref

@@ -8,7 +8,13 @@ from pathlib import Path
 import ragspec
 
 PACKAGE = Path(ragspec.__file__).parent
-ALLOWED_TRANSFORMERS = {"AutoTokenizer", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "PretrainedConfig", "AutoConfig"}
+ALLOWED_TRANSFORMERS = {
+    "AutoTokenizer",
+    "PreTrainedTokenizerBase",
+    "PreTrainedTokenizerFast",
+    "PretrainedConfig",
+    "AutoConfig",
+}
 
 
 def _modules():
@@ -82,6 +88,10 @@ def test_engine_is_built_only_by_the_loader():
                 offenders.append(f"{rel}:{node.lineno} Engine(...)")
             if isinstance(node, ast.Assign):
                 for t in node.targets:
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("engine", "variant"):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id in ("engine", "variant")
+                    ):
                         offenders.append(f"{rel}:{node.lineno} {t.value.id}.{t.attr} = ...")
     assert offenders == []

@@ -123,8 +123,8 @@ def _save_tiny_hf_model(folder: Path, tokenizer) -> Path:
 def _write_tiny_gguf(path: Path, seed: int = 0, vocab: int = 64, hidden: int = 32, layers: int = 2) -> Path:
     """Write a tiny random float32 Llama GGUF with a BPE ("gpt2") tokenizer: ids 0-2 are
     <unk>, <s>, </s>; then the letters, "Ġ", and two-letter merges."""
-    import numpy as np
     import gguf
+    import numpy as np
 
     rng = np.random.default_rng(seed)
     heads, kv_heads, inter = 4, 2, 64
@@ -473,10 +473,13 @@ def test_model_fetch_takes_the_name_as_model_option_too(monkeypatch, capsys):
     """Regression (fresh-user trial): ``ragspec model fetch --model gemma3-270m`` was
     rejected (only the positional NAME was accepted, while every other command takes
     ``--model``)."""
-    from ragspec import cli, models as models_mod
+    from ragspec import cli
+    from ragspec import models as models_mod
 
     fetched = []
-    monkeypatch.setattr(models_mod, "fetch_model", lambda name, force=False: fetched.append(name) or f"/cache/{name}.gguf")
+    monkeypatch.setattr(
+        models_mod, "fetch_model", lambda name, force=False: fetched.append(name) or f"/cache/{name}.gguf"
+    )
     assert cli.main(["model", "fetch", "--model", "gemma3-270m"]) == 0
     assert cli.main(["model", "fetch", "gemma3-270m"]) == 0
     assert cli.main(["model", "fetch"]) == 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PolicyConfig
-from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.backend.hf import HFTarget
+from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree, VerifyResult
+from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
 
 CPU_LIKE = {1: 0.042, 2: 0.068, 3: 0.083, 4: 0.063, 8: 0.064, 16: 0.080}  # verification not free
 GPU_LIKE = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.0101, 16: 0.0102}  # verification ~free

@@ -143,9 +143,7 @@ def test_empty_tree_samples_row_zero():
 def test_second_sibling_accepted_after_first_rejected():
     # root children 4 (probability 0) and 8 (probability 1): the second sibling is accepted
     # and its own child 2 too; then the bonus comes from the row after node 2
-    tree = DraftTree(
-        tokens=torch.tensor([4, 8, 2]), parents=torch.tensor([-1, -1, 1]), depth=torch.tensor([0, 0, 1])
-    )
+    tree = DraftTree(tokens=torch.tensor([4, 8, 2]), parents=torch.tensor([-1, -1, 1]), depth=torch.tensor([0, 0, 1]))
     rows = one_hot_rows([8, 0, 2, 6])  # row 0 root, 1 after node 0, 2 after node 1, 3 after node 2
     res = verify_sampling(tree, rows, T1, gen())
     assert (res.accepted_nodes, res.accepted_tokens, res.bonus_token) == ((1, 2), (8, 2), 6)

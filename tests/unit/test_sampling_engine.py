@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 from ragspec import Engine, PLDConfig, PolicyConfig
-from ragspec.drafters import PromptLookupDrafter
 from ragspec.backend.hf import HFTarget
-
+from ragspec.drafters import PromptLookupDrafter
+from ragspec_testing import ScriptedDrafter, make_tiny_llama, oracle_plan, wrong_plan
 
 # every torch entry point that draws random numbers
 _RANDOM_FUNCTIONS = [
@@ -109,9 +108,9 @@ def test_seed_reproducible_across_engines_with_different_latency(char_tokenizer)
     # table and the draft choices (hence the samples) followed it. A seeded request now
     # drafts by the fixed reference table.
     from ragspec import Engine
+    from ragspec.backend.hf import HFTarget
     from ragspec.drafters import PromptLookupDrafter
     from ragspec.policy import LatencyModel
-    from ragspec.backend.hf import HFTarget
 
     model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3, eos_token_id=None, std=0.2)
     prompt = char_tokenizer("the cat sat on the mat. the cat sat on the hat.")["input_ids"]

@@ -5,6 +5,7 @@ clock, and that the drafter keeps nothing between requests."""
 import itertools
 import random
 
+import pytest
 import torch
 
 from ragspec.config import PolicyConfig
@@ -15,8 +16,6 @@ from ragspec.errors import ConfigError
 from ragspec.policy import AcceptedPerStep, StepTimer
 from ragspec.types import DraftTree, VerifyResult
 from ragspec_testing import FixedDrafter, make_char_tokenizer, make_tiny_llama
-
-import pytest
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -35,7 +34,10 @@ class _Clock:
 
 def _session(retrieval_tree, head_tree, *, min_match=3, calibrate=True, clock=None):
     sel = SelectingDrafter(
-        FixedDrafter(retrieval_tree), FixedDrafter(head_tree), min_match=min_match, calibrate=calibrate,
+        FixedDrafter(retrieval_tree),
+        FixedDrafter(head_tree),
+        min_match=min_match,
+        calibrate=calibrate,
         clock=clock or _Clock(),
     )
     return sel.start_request([1, 2, 3])
@@ -230,7 +232,9 @@ def test_seeded_sampling_with_a_calibrated_selection_repeats_exactly(monkeypatch
 
     def sample(clock_steps):
         ticks = itertools.accumulate(clock_steps)  # step timings as the selection sees them
-        drafter = SelectingDrafter(PromptLookupDrafter(), EagleDrafter(head, target), min_match=2, clock=lambda: next(ticks))
+        drafter = SelectingDrafter(
+            PromptLookupDrafter(), EagleDrafter(head, target), min_match=2, clock=lambda: next(ticks)
+        )
         eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(adaptive=False))  # every draft verified
         out = eng.generate(ids, max_new_tokens=40, chat=False, temperature=0.9, seed=11, return_steps=True)
         eng.generate(ids, max_new_tokens=16, chat=False)  # an unseeded greedy request in between

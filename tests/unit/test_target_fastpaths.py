@@ -4,11 +4,11 @@ Each keeps the output of plain greedy decoding; these tests pin what each one pr
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
-from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.backend.hf import HFTarget, RowLogits
+from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
@@ -93,9 +93,9 @@ def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
 
 def test_prepacked_linears_greedy_identical_to_generate():
     model = make_tiny_llama(layers=2)
-    from ragspec.engine import Engine
-    from ragspec.drafters import PromptLookupDrafter
     from ragspec.config import PLDConfig
+    from ragspec.drafters import PromptLookupDrafter
+    from ragspec.engine import Engine
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
@@ -186,8 +186,13 @@ def test_engine_verifies_likely_accepted_drafts_with_full_logits():
 
     target.verify_one = recording
     flat = {1: 0.040, 4: 0.044, 8: 0.046, 16: 0.050}
-    eng = Engine(target, make_char_tokenizer(), drafter=ScriptedDrafter(oracle_plan(ref)), eos_token_ids=[],
-                 latency=LatencyModel(dict(flat), ema=0.0, early=dict(flat)))
+    eng = Engine(
+        target,
+        make_char_tokenizer(),
+        drafter=ScriptedDrafter(oracle_plan(ref)),
+        eos_token_ids=[],
+        latency=LatencyModel(dict(flat), ema=0.0, early=dict(flat)),
+    )
     out = eng.generate(prompt, max_new_tokens=40, chat=False)
     assert list(out.token_ids) == ref
     drafted = [lazy for n, lazy in calls if n]
@@ -230,9 +235,18 @@ def test_gqa_attention_route_keeps_verification_logits_bit_identical():
     for a, b in zip(before, verify_all(target)):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
     assert greedy_reference(model, prompt, 24, eos_token_id=2) == ref_greedy
+
     # drafts right on even steps, wrong from the second token on odd ones
-    plan = lambda step, gen: ref_greedy[len(gen) : len(gen) + 4] if step % 2 == 0 else ref_greedy[len(gen) : len(gen) + 1] + [3, 3]
-    eng = Engine(target, make_char_tokenizer(), drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[2])
+    def plan(step, gen):
+        return ref_greedy[len(gen) : len(gen) + 4] if step % 2 == 0 else ref_greedy[len(gen) : len(gen) + 1] + [3, 3]
+
+    eng = Engine(
+        target,
+        make_char_tokenizer(),
+        drafter=ScriptedDrafter(plan),
+        policy=PolicyConfig(adaptive=False),
+        eos_token_ids=[2],
+    )
     out = eng.generate(prompt, max_new_tokens=24, chat=False)
     assert list(out.token_ids) == ref_greedy and out.stats.num_accepted_tokens > 0
 
@@ -240,8 +254,14 @@ def test_gqa_attention_route_keeps_verification_logits_bit_identical():
 def test_gqa_attention_route_is_a_no_op_without_grouped_heads():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     model = LlamaForCausalLM(cfg).eval()
     target = HFTarget(model)
     assert not target.route_gqa_attention()

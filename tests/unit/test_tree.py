@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ragspec_testing import greedy_reference, make_tiny_llama
 from ragspec import Engine, PolicyConfig
-from ragspec.policy import LatencyModel
 from ragspec.backend.hf import HFTarget
+from ragspec.policy import LatencyModel
 from ragspec.tree import merge_trees, path_to_node, tree_attention_mask, tree_from_candidates, tree_position_ids
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
+from ragspec_testing import greedy_reference, make_tiny_llama
 
 
 def test_tree_from_candidates_docstring_example():
@@ -149,11 +149,18 @@ def test_tree_verification_equals_chain_verification_on_chains(char_tokenizer):
 def test_tree_verification_respects_sliding_window():
     # a tiny Gemma3 (local layers with a 4-token window): tree logits equal chain logits
     # for the same path even when the context is longer than the window
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
