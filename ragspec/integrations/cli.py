@@ -93,19 +93,19 @@ def ray_options_from_args(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     ray_options = ray_options_from_args(args)
+    settings = settings_from_args(args)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
     if ray_options is not None:
         # the replicas load the model and datastores themselves (on their nodes); a bad
         # one fails its health check and this ends with its one-line error
         from .ray import run
 
-        return run(settings_from_args(args), ray_options)
+        return run(settings, ray_options)
     import uvicorn
 
     from .server import create_app
 
-    settings = settings_from_args(args)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
     # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
     from .server import _datastore_engines, _load_engine

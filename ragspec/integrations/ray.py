@@ -472,6 +472,10 @@ def connect(
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
+        # Serve's controller kills a proxy not ready within 5 s (health check: 10 s); on a
+        # busy small machine its start alone takes longer
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+        os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
         if "ray" in sys.modules and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
             # Ray was imported before this call: its copy of that switch is already read
             from ray._private import ray_constants
@@ -485,6 +489,10 @@ def connect(
     if address is not None:
         ray.init(address=address, log_to_driver=log_to_driver)
         return False
+    # Ray's raylet gives its agents 30 s to start and its workers 60 s to register, then
+    # dies: a busy small machine (importing Ray and torch on 2 shared cores) needs longer
+    system_config = {"agent_register_timeout_ms": 180_000, "worker_register_timeout_seconds": 180}
+    system_config.update(_system_config or {})
     ray.init(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -493,7 +501,7 @@ def connect(
         _node_ip_address="127.0.0.1",
         _temp_dir=temp_dir,
         _metrics_export_port=metrics_export_port,
-        _system_config=_system_config,
+        _system_config=system_config,
         log_to_driver=log_to_driver,
     )
     return True

@@ -11,12 +11,14 @@ need no cluster. Every request loop is bounded in count and time."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -123,24 +125,44 @@ class Cluster:
     ``ragspec serve --ray`` starts one, with 2 CPUs and its own temp folder."""
 
     def __init__(self) -> None:
-        from ragspec.integrations.ray import connect
-
         # short: Ray's unix sockets live under it (108-byte path limit)
         self.temp_dir = tempfile.mkdtemp(prefix="rsray", dir="/tmp")
         self.port = free_port()
         self.metrics_port = free_port()
         self.seen: set[int] = set()
-        started = connect(
-            num_cpus=2,
-            object_store_memory=96 * 2**20,
-            temp_dir=self.temp_dir,
-            metrics_export_port=self.metrics_port,
-            log_to_driver=False,
-            _system_config={"metrics_report_interval_ms": 1000},  # (default 10 s)
-        )
+        for attempt in (1, 2):
+            try:
+                started = self._start()
+                break
+            except Exception as e:  # Ray's own start-up deadlines (30 s, not settable) on a busy machine
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
         assert started, "a Ray was already running in the test process"
         self.record()
         self.closed = False
+
+    def _start(self) -> bool:
+        from ragspec.integrations.ray import connect
+
+        os.makedirs(self.temp_dir, exist_ok=True)
+        try:
+            return connect(
+                num_cpus=2,
+                object_store_memory=96 * 2**20,
+                temp_dir=self.temp_dir,
+                metrics_export_port=self.metrics_port,
+                log_to_driver=False,
+                _system_config={"metrics_report_interval_ms": 1000},  # (default 10 s)
+            )
+        except BaseException:
+            # a Ray that failed to start leaves what it had started: end those processes
+            # (ours: their command lines name our temp folder), then report the failure
+            for pid in sorted(_children(os.getpid())):
+                if self.temp_dir in _cmdline(pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
 
     def record(self) -> set[int]:
         """The Ray processes now (descendants of this process), remembered for the
