@@ -104,11 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run(settings, ray_options)
     import uvicorn
 
-    from .server import create_app
-
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
     # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
-    from .server import _datastore_engines, _load_engine
+    from .server import _datastore_engines, _load_engine, create_app
 
     engine = _load_engine(settings)
     app = create_app(engine=engine, settings=settings, datastore_engines=_datastore_engines(engine, settings))
