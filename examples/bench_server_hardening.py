@@ -120,8 +120,10 @@ class Stream:
         # a count the model goes on with: no end of text before max_tokens
         prompt = ", ".join(str(n) for n in range(i, i + 12)) + ","
         body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n")
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
         self.sock.sendall(head.encode() + body)
         self.events: list[float] = []
         self.done = False
@@ -193,8 +195,12 @@ def cancellation(url: str, port: int, trials: int, num_streams: int = 8, prefill
             time.sleep(0.05)
     lat = [r["cancel_latency_s"] for r in out]
     rounds = [r["round_s"] for r in out if r["round_s"]]
-    return {"trials": out, "cancel_latency_median_s": statistics.median(lat), "cancel_latency_max_s": max(lat),
-            "round_median_s": statistics.median(rounds) if rounds else None}
+    return {
+        "trials": out,
+        "cancel_latency_median_s": statistics.median(lat),
+        "cancel_latency_max_s": max(lat),
+        "round_median_s": statistics.median(rounds) if rounds else None,
+    }
 
 
 def small(c: httpx.Client, url: str) -> float:
@@ -214,8 +220,9 @@ def oversized(url: str, pid: int, rounds: int) -> dict:
             rss_peak[0] = max(rss_peak[0], proc_status(pid)["VmRSS"])
             time.sleep(0.005)
 
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert sender.stdout.readline().strip() == "ready"
         with httpx.Client(timeout=600) as c:
@@ -263,20 +270,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     proc, url = start_server(args.pythonpath, args.threads)
     try:
         port = int(url.rsplit(":", 1)[1])
-        res = {"cancellation": cancellation(url, port, args.trials),
-               "cancellation_with_prefills": cancellation(url, port, args.trials, 4, 4)}
-        for key, what in (("cancellation", "8 streaming"), ("cancellation_with_prefills", "4 streaming + 4 long prefills")):
+        res = {
+            "cancellation": cancellation(url, port, args.trials),
+            "cancellation_with_prefills": cancellation(url, port, args.trials, 4, 4),
+        }
+        for key, what in (
+            ("cancellation", "8 streaming"),
+            ("cancellation_with_prefills", "4 streaming + 4 long prefills"),
+        ):
             c = res[key]
             gap = f"{c['round_median_s']:.3f} s" if c["round_median_s"] is not None else "n/a"
-            print(f"cancellation with {what}: median {c['cancel_latency_median_s']:.3f} s, max "
-                  f"{c['cancel_latency_max_s']:.3f} s; event gap of a stream that goes on {gap}", flush=True)
+            print(
+                f"cancellation with {what}: median {c['cancel_latency_median_s']:.3f} s, max "
+                f"{c['cancel_latency_max_s']:.3f} s; event gap of a stream that goes on {gap}",
+                flush=True,
+            )
         if not args.skip_oversized:
             o = res["oversized"] = oversized(url, proc.pid, args.rounds)
-            print(f"small p50 alone {o['small_p50_alone_s']:.3f} s, during oversized {o['small_p50_during_s']:.3f} s "
-                  f"({o['ratio']:.2f}x); oversized: {o['oversized']}", flush=True)
+            print(
+                f"small p50 alone {o['small_p50_alone_s']:.3f} s, during oversized {o['small_p50_during_s']:.3f} s "
+                f"({o['ratio']:.2f}x); oversized: {o['oversized']}",
+                flush=True,
+            )
             mib = 1 << 20
-            print(f"server RSS before {o['rss_before_bytes'] / mib:.0f} MiB, peak during {o['rss_peak_during_bytes'] / mib:.0f}"
-                  f" MiB; VmHWM before {o['vmhwm_before_bytes'] / mib:.0f} MiB, after {o['vmhwm_after_bytes'] / mib:.0f} MiB")
+            print(
+                f"server RSS before {o['rss_before_bytes'] / mib:.0f} MiB, peak during {o['rss_peak_during_bytes'] / mib:.0f}"
+                f" MiB; VmHWM before {o['vmhwm_before_bytes'] / mib:.0f} MiB, after {o['vmhwm_after_bytes'] / mib:.0f} MiB"
+            )
     finally:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
