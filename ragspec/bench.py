@@ -1,13 +1,26 @@
 """``ragspec bench``: ragspec against plain transformers decoding on Spec-Bench prompts.
 
 For each prompt, in the same process and in alternating order, it times plain
-``model.generate`` greedy (the baseline), transformers' own prompt lookup
-(``prompt_lookup_num_tokens=10``) and ragspec, and checks ragspec's tokens against the
-baseline. Every later speed claim of the project is made with this.
+``model.generate`` greedy (the baseline), optionally transformers' static-cache
+``generate`` (compiled by transformers on CUDA: the fastest plain decoding it offers),
+transformers' own prompt lookup (``prompt_lookup_num_tokens=10``) and ragspec (at one or
+more draft budgets), and checks ragspec's tokens against the baseline. Every later speed
+claim of the project is made with this.
+
+Timings are wall time between two device synchronisations (``torch.cuda.synchronize`` on
+CUDA; a no-op on CPU), so queued GPU work is never left out. With ``warmup`` each method
+runs once on the first prompt before anything is timed (CUDA context and kernel caches,
+``torch.compile`` of the static-cache baseline, cuBLAS handles).
+
+Identity: in float32 (TF32 off) ragspec's greedy output should equal ``model.generate``'s
+token for token. In bfloat16 it cannot be promised (a multi-row verification forward
+rounds differently from a one-row step, which flips near-tied argmaxes), so the summary
+reports the share of identical outputs and where the others first diverge.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -22,7 +35,16 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_prompts", "run_bench", "make_record", "MT_BENCH_CATEGORIES", "BenchRecord"]
+__all__ = [
+    "load_prompts",
+    "run_bench",
+    "make_record",
+    "summarize",
+    "format_table",
+    "profile_attention",
+    "MT_BENCH_CATEGORIES",
+    "BenchRecord",
+]
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -94,6 +116,13 @@ class BenchRecord:
     prefill_s: float = 0.0
     accepted_histogram: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
+    static_s: Optional[float] = None
+    static_tokens: Optional[int] = None
+    static_identical: Optional[bool] = None
+    max_draft_tokens: Optional[int] = None
+    more_budgets: dict = field(default_factory=dict)
+    """Runs of ragspec at other draft budgets: str(budget) -> {"s", "tokens", "identical",
+    "first_diff", "mean_accepted", "forward_passes"}."""
 
 
 def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
@@ -101,6 +130,33 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
         if x != y:
             return i
     return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+def _sync(device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device, fn):
+    """(fn(), seconds) measured between two device synchronisations."""
+    _sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - t0
+
+
+def static_generate_kwargs(max_cache_len: Optional[int] = None) -> dict:
+    """``model.generate`` keywords for transformers' static-cache decoding. On CUDA
+    transformers compiles the decoding step (``torch.compile``, mode "reduce-overhead": CUDA
+    graphs) on the first call; ``max_cache_len`` sizes the cache for the longest request,
+    so later calls of other lengths reuse the compiled step instead of recompiling."""
+    kw: dict = {"cache_implementation": "static"}
+    if max_cache_len:
+        kw["max_cache_len"] = int(max_cache_len)
+    return kw
 
 
 def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: Sequence[int], **kw) -> list[int]:
@@ -159,6 +215,9 @@ def run_bench(
     *,
     max_new_tokens: int = 128,
     hf_pld: bool = True,
+    static_baseline: bool = False,
+    draft_budgets: Sequence[int] = (),
+    warmup: bool = False,
     temperature: float = 0.0,
     seed: int = 0,
     progress=None,
@@ -167,62 +226,121 @@ def run_bench(
 ) -> list[BenchRecord]:
     """Run the benchmark over ``rows``; see the module docstring.
 
-    With ``temperature > 0`` the baseline samples (``do_sample=True``) and identity is not
-    checked (it cannot hold sample by sample); only speed and acceptance are compared.
+    Args:
+        engine: the :class:`ragspec.Engine` under test (its model is the baselines' model).
+        rows: Spec-Bench rows (``turns[0]`` is the prompt).
+        max_new_tokens: tokens generated per prompt by every method.
+        hf_pld: also time transformers' prompt lookup.
+        static_baseline: also time transformers' static-cache ``generate`` (compiled on
+            CUDA; see :func:`static_generate_kwargs`).
+        draft_budgets: ragspec runs once per budget (most draft nodes per step), the first
+            one being the record's main ragspec run; empty: once, at the engine's own.
+        warmup: run every method once on the first prompt (16 tokens) before timing; a
+            static-cache baseline that fails there (its compilation) is dropped with a
+            warning instead of ending the run.
+        temperature: with ``temperature > 0`` the baselines sample (``do_sample=True``) and
+            identity is not checked (it cannot hold sample by sample); only speed and
+            acceptance are compared.
+        seed: ragspec's seed for prompt i is ``seed + i`` (sampling only).
+        progress: called as ``progress(i, record)`` after each prompt.
+        keep_steps: keep ragspec's per-step stats in the records.
+        documents_for: ``row -> list[str]`` documents handed to ragspec's drafter.
 
     Returns:
         one BenchRecord per prompt (times in seconds).
     """
+
     model = engine.model
+    device = engine.target.device
     eos = engine.eos_token_ids
     records = []
     sampling = temperature > 0
-    for i, row in enumerate(rows):
-        ids = engine.encode_prompt(row["turns"][0], chat=True)
-        docs = documents_for(row) if documents_for else None
-        gen_kw = (
-            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if sampling else dict(do_sample=False)
-        )
+    rows = list(rows)
+    encoded = [engine.encode_prompt(row["turns"][0], chat=True) for row in rows]
+    gen_kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if sampling else dict(do_sample=False)
+    static_kw = (
+        static_generate_kwargs(max((len(ids) for ids in encoded), default=0) + max_new_tokens)
+        if static_baseline
+        else {}
+    )
+    budgets = [int(b) for b in draft_budgets] or [engine.policy.max_draft_tokens]
+    engines = {}
+    for b in budgets:
+        if b == engine.policy.max_draft_tokens:
+            engines[b] = engine
+        else:
+            # the same model, drafter and latency model; only the budget differs
+            engines[b] = engine.with_drafter(
+                engine.drafter, policy=dataclasses.replace(engine.policy, max_draft_tokens=b)
+            )
 
-        def run_baseline():
-            t0 = time.perf_counter()
-            toks = _hf_generate(model, ids, max_new_tokens, eos, **gen_kw)
-            return toks, time.perf_counter() - t0
-
-        def run_pld():
-            t0 = time.perf_counter()
-            toks = _hf_generate(model, ids, max_new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
-            return toks, time.perf_counter() - t0
-
-        def run_ragspec():
-            out = engine.generate(
+    def run(name: str, i: int, ids: list[int], docs, new_tokens: int):
+        if name == "baseline":
+            return _timed(device, lambda: _hf_generate(model, ids, new_tokens, eos, **gen_kw))
+        if name == "static":
+            return _timed(device, lambda: _hf_generate(model, ids, new_tokens, eos, **static_kw, **gen_kw))
+        if name == "hf_pld":
+            return _timed(
+                device, lambda: _hf_generate(model, ids, new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
+            )
+        budget = int(name.split("@")[1])
+        return _timed(
+            device,
+            lambda: engines[budget].generate(
                 ids,
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=new_tokens,
                 chat=False,
                 temperature=temperature,
                 seed=seed + i,
                 return_steps=keep_steps,
                 documents=docs,
-            )
-            return out, out.stats.total_s
+            ),
+        )
 
+    methods = ["baseline"] + (["static"] if static_baseline else []) + (["hf_pld"] if hf_pld else [])
+    methods += [f"ragspec@{b}" for b in budgets]
+    if warmup and rows:
+        docs = documents_for(rows[0]) if documents_for else None
+        for name in list(methods):
+            try:
+                _, s = run(name, 0, encoded[0], docs, min(16, max_new_tokens))
+            except Exception as e:  # torch.compile raises many types; the other methods still run
+                if name != "static":
+                    raise
+                logger.warning(
+                    "static-cache generate failed in its warm-up (%s: %s); timing without it", type(e).__name__, e
+                )
+                methods.remove(name)
+                continue
+            logger.info("warm-up of %s: %.2f s", name, s)
+    for i, (row, ids) in enumerate(zip(rows, encoded)):
+        docs = documents_for(row) if documents_for else None
         # alternate the order so that neither side always runs on a warm cache
-        results = {}
-        order = ["baseline", "hf_pld", "ragspec"] if i % 2 == 0 else ["ragspec", "hf_pld", "baseline"]
-        for name in order:
-            if name == "baseline":
-                results[name] = run_baseline()
-            elif name == "hf_pld" and hf_pld:
-                results[name] = run_pld()
-            elif name == "ragspec":
-                results[name] = run_ragspec()
+        order = methods if i % 2 == 0 else methods[::-1]
+        results = {name: run(name, i, ids, docs, max_new_tokens) for name in order}
         base_toks, base_s = results["baseline"]
-        out, _ = results["ragspec"]
+        out, rs_s = results[f"ragspec@{budgets[0]}"]
         rec = make_record(row, ids, base_toks, base_s, out, sampling=sampling, keep_steps=keep_steps)
+        rec.ragspec_s = rs_s
+        rec.max_draft_tokens = budgets[0]
         if "hf_pld" in results:
             pld_toks, pld_s = results["hf_pld"]
             rec.hf_pld_s, rec.hf_pld_tokens = pld_s, len(pld_toks)
             rec.hf_pld_identical = (pld_toks == base_toks) if not sampling else None
+        if "static" in results:
+            st_toks, st_s = results["static"]
+            rec.static_s, rec.static_tokens = st_s, len(st_toks)
+            rec.static_identical = (st_toks == base_toks) if not sampling else None
+        for b in budgets[1:]:
+            o, o_s = results[f"ragspec@{b}"]
+            rec.more_budgets[str(b)] = {
+                "s": o_s,
+                "tokens": len(o.token_ids),
+                "identical": (o.token_ids == base_toks) if not sampling else False,
+                "first_diff": _first_diff(o.token_ids, base_toks) if not sampling else -1,
+                "mean_accepted": o.stats.mean_accepted_tokens,
+                "forward_passes": o.stats.num_forward_passes,
+            }
         if not rec.identical and not sampling:
             logger.warning(
                 "question %s: ragspec differs from greedy at token %d (a float tie between near-equal logits "
@@ -234,6 +352,12 @@ def run_bench(
         if progress:
             progress(i, rec)
     return records
+
+
+def static_compiled(model) -> bool:
+    """Whether transformers compiled ``model``'s decoding step for static-cache
+    ``generate`` (it does on CUDA, not on CPU)."""
+    return getattr(model, "_compiled_call", None) is not None
 
 
 def summarize(records: Sequence[BenchRecord]) -> dict:
@@ -268,21 +392,105 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
             "draft_s": sum(r.draft_s for r in rs),
             "verify_s": sum(r.verify_s for r in rs),
             "prefill_s": sum(r.prefill_s for r in rs),
+            "identical_share": sum(r.identical for r in rs) / len(rs),
+            # index of the first token that differs from the baseline, per differing output
+            "first_diffs": sorted(r.first_diff for r in rs if not r.identical and r.first_diff >= 0),
+            "max_draft_tokens": rs[0].max_draft_tokens,
         }
+        static = [r for r in rs if r.static_s is not None]
+        if static:
+            st_tps = sum(r.static_tokens for r in static) / max(1e-9, sum(r.static_s for r in static))
+            table[g]["static_tok_s"] = st_tps
+            table[g]["static_speedup"] = st_tps / base_tps if base_tps else None
+            table[g]["static_identical"] = sum(bool(r.static_identical) for r in static)
+        budgets = sorted({b for r in rs for b in r.more_budgets}, key=int)
+        for b in budgets:
+            runs = [(r, r.more_budgets[b]) for r in rs if b in r.more_budgets]
+            tps = sum(m["tokens"] for _, m in runs) / max(1e-9, sum(m["s"] for _, m in runs))
+            msteps = sum(m["forward_passes"] - 1 for _, m in runs)
+            table[g][f"ragspec@{b}"] = {
+                "tok_s": tps,
+                "speedup": tps / base_tps if base_tps else 0.0,
+                "mean_accepted": sum(m["tokens"] - 1 for _, m in runs) / max(1, msteps),
+                "identical": sum(bool(m["identical"]) for _, m in runs),
+                "first_diffs": sorted(m["first_diff"] for _, m in runs if not m["identical"] and m["first_diff"] >= 0),
+            }
     return table
 
 
+def format_identity(identical: int, prompts: int, first_diffs: Sequence[int]) -> str:
+    """``"3/4"``, or ``"1/4 @12"`` when some outputs differ (@: the earliest token index
+    where one first differs from the baseline)."""
+    text = f"{identical}/{prompts}"
+    return text + (f" @{min(first_diffs)}" if first_diffs else "")
+
+
 def format_table(table: dict, sampling: bool = False) -> str:
-    head = f"{'category':<15}{'n':>4}{'base tok/s':>12}{'hf-pld tok/s':>14}{'ragspec tok/s':>15}{'speedup':>9}{'accepted':>10}{'acc.rate':>10}{'identical':>11}"
+    """The summary as a text table: one row per category group; a ``static tok/s``
+    column when the static-cache baseline ran, one ``ragspec@B`` column per extra draft
+    budget; identity as ``identical/prompts`` and the earliest first divergence."""
+    any_row = next(iter(table.values()), {})
+    static = "static_tok_s" in any_row
+    budgets = [k for k in any_row if k.startswith("ragspec@")]
+    main = f"ragspec@{any_row.get('max_draft_tokens')}" if budgets and any_row.get("max_draft_tokens") else "ragspec"
+    head = f"{'category':<15}{'n':>4}{'base tok/s':>12}"
+    if static:
+        head += f"{'static tok/s':>14}"
+    head += f"{'hf-pld tok/s':>14}{main + ' tok/s':>{max(15, len(main) + 7)}}{'speedup':>9}"
+    for b in budgets:
+        head += f"{b + ' tok/s':>{len(b) + 7}}"
+    head += f"{'accepted':>10}{'acc.rate':>10}{'identical':>14}"
     lines = [head, "-" * len(head)]
     for g, t in table.items():
         pld = f"{t['hf_pld_tok_s']:.1f}" if t["hf_pld_tok_s"] else "-"
-        ident = "n/a" if sampling else f"{t['identical']}/{t['prompts']}"
-        lines.append(
-            f"{g:<15}{t['prompts']:>4}{t['baseline_tok_s']:>12.1f}{pld:>14}{t['ragspec_tok_s']:>15.1f}"
-            f"{t['speedup']:>8.2f}x{t['mean_accepted']:>10.2f}{t['acceptance_rate']:>10.2f}{ident:>11}"
-        )
+        ident = "n/a" if sampling else format_identity(t["identical"], t["prompts"], t.get("first_diffs", ()))
+        line = f"{g:<15}{t['prompts']:>4}{t['baseline_tok_s']:>12.1f}"
+        if static:
+            line += f"{t.get('static_tok_s') or 0.0:>14.1f}"
+        line += f"{pld:>14}{t['ragspec_tok_s']:>{max(15, len(main) + 7)}.1f}{t['speedup']:>8.2f}x"
+        for b in budgets:
+            line += f"{t[b]['tok_s'] if b in t else 0.0:>{len(b) + 7}.1f}"
+        line += f"{t['mean_accepted']:>10.2f}{t['acceptance_rate']:>10.2f}{ident:>14}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def profile_attention(fn) -> dict:
+    """Which attention kernels ``fn()`` runs, from torch's profiler.
+
+    Returns:
+        ``{"ops": {name: calls}, "device_kernels": n}``: the scaled-dot-product / flex
+        attention operators called (``aten::_scaled_dot_product_efficient_attention``,
+        ``..._flash_attention``, ``..._cudnn_attention``, ``..._attention_math`` (PyTorch's
+        unfused fallback), ``..._flash_attention_for_cpu``, flex attention), and how many
+        device (CUDA) kernels ran in all (0 on CPU): at batch 1 a small model's step is
+        bound by these launches.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    ops: dict[str, int] = {}
+    kernels = 0
+    for evt in prof.events():
+        name = evt.name
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            continue
+        if (
+            name.startswith("aten::_scaled_dot_product")
+            or name.startswith("aten::_flash_attention")
+            or name.startswith("aten::_efficient_attention")
+            or "flex_attention" in name
+        ):
+            ops[name] = ops.get(name, 0) + 1
+    return {"ops": dict(sorted(ops.items())), "device_kernels": kernels}
 
 
 def plot(table: dict, records: Sequence[BenchRecord], path: str | Path) -> None:

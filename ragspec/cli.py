@@ -280,11 +280,15 @@ def cmd_bench(args) -> int:
             file=sys.stderr,
         )
 
+    budgets = [int(b) for b in args.draft_budgets.split(",") if b.strip()] if args.draft_budgets else []
     records = bench.run_bench(
         engine,
         rows,
         max_new_tokens=args.max_new_tokens,
         hf_pld=not args.no_hf_pld,
+        static_baseline=args.static_baseline,
+        draft_budgets=budgets,
+        warmup=args.warmup,
         temperature=args.temperature,
         progress=progress,
         keep_steps=bool(args.json),
@@ -312,6 +316,12 @@ def cmd_bench(args) -> int:
                         "gguf_weights": engine.target.gguf_weights,
                         "threads": __import__("torch").get_num_threads(),
                         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
+                        "draft_budgets": budgets or [engine.policy.max_draft_tokens],
+                        "static_baseline": args.static_baseline,
+                        "static_compiled": bench.static_compiled(engine.model),
+                        "warmup": args.warmup,
+                        "torch": __import__("torch").__version__,
+                        "transformers": __import__("transformers").__version__,
                     },
                     "summary": table,
                     "records": [dataclasses.asdict(r) for r in records],
@@ -387,6 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG: speedup per category and accepted-length histogram")
     b.add_argument("--no-hf-pld", action="store_true", help="skip transformers' prompt lookup")
     b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument(
+        "--static-baseline",
+        action="store_true",
+        help="also time transformers' static-cache generate (compiled on CUDA)",
+    )
+    b.add_argument(
+        "--draft-budgets",
+        default=None,
+        help="comma-separated draft budgets to run ragspec at, e.g. 8,32 (default: --max-draft-tokens)",
+    )
+    b.add_argument(
+        "--warmup", action="store_true", help="run every method once before timing (CUDA: kernels, compilation)"
+    )
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -195,14 +195,17 @@ class Engine:
 
         return load_engine(model, device, dtype, **kwargs)
 
-    def with_drafter(self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None) -> "Engine":
-        """An engine sharing this one's target, tokenizer, policy and latency model, drafting
-        with ``drafter`` (``parts``: what it was composed of). No I/O."""
+    def with_drafter(
+        self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None, *, policy: Optional[PolicyConfig] = None
+    ) -> "Engine":
+        """An engine sharing this one's target, tokenizer and latency model, drafting with
+        ``drafter`` (``parts``: what it was composed of; ``policy``: other draft-size
+        settings, default this one's). No I/O."""
         return Engine(
             self.target,
             self.tokenizer,
             drafter=drafter,
-            policy=self.policy,
+            policy=policy if policy is not None else self.policy,
             latency=self.latency,
             eos_token_ids=self.eos_token_ids,
             model_name=self.model_name,

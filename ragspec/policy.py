@@ -30,7 +30,16 @@ from .types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LatencyModel", "AcceptanceModel", "AcceptedPerStep", "StepTimer", "choose_draft", "DraftChoice"]
+__all__ = [
+    "LatencyModel",
+    "LatencyTable",
+    "measure_latency",
+    "AcceptanceModel",
+    "AcceptedPerStep",
+    "StepTimer",
+    "choose_draft",
+    "DraftChoice",
+]
 
 
 # Greedy verification computes the output layer's rows lazily (the first row, then the rest
@@ -125,54 +134,225 @@ class LatencyModel:
     def measure(
         cls,
         target,
-        qs: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
-        context: int = 512,
-        repeats: int = 3,
-        early: bool = True,
+        qs: Optional[Sequence[int]] = None,
+        context: Optional[int] = None,
+        repeats: Optional[int] = None,
+        early: Optional[bool] = None,
+        *,
+        contexts: Optional[Sequence[int]] = None,
+        model_name: str = "",
     ) -> "LatencyModel":
-        """Time the target's verification forward for each q at a ``context``-token cache:
-        with all N + 1 rows of logits, and (``early``) with the first row only.
+        """Time the target's verification forward for each q and return the model the
+        engine uses: the measured seconds per q averaged over the measured contexts (see
+        :func:`measure_latency` for the measurement, its device-dependent defaults and the
+        full :class:`LatencyTable`).
 
-        The q values are timed in interleaved rounds (q = 1, 2, ..., 16, then again), so a
-        burst of load on a shared machine inflates one sample of several q instead of
-        every sample of one q; the median per q is kept. A forward of fewer tokens is never
-        slower than one of more, so each q's cost is capped by every larger q's (a
-        disturbed q = 1 sample read 80 ms beside 63 ms for q = 2 on the 2-core CPU and made
-        drafting look cheaper than it was). A few seconds on a 2-core CPU for a 135M model.
+        Args:
+            target: a :class:`~ragspec.backend.base.Target` (its ``verify``, ``prefill``,
+                ``rollback``, ``new_state``, ``device``, ``dtype``).
+            qs: new tokens per forward to time (None: 1-16 on CPU, 1-64 on CUDA).
+            context: one cache length (tokens) to time at; ``contexts`` several (None for
+                both: 512 on CPU, 512 and 2048 on CUDA).
+            repeats: timed rounds after one warm-up round (None: 3 on CPU, 5 on CUDA).
+            early: also time forwards that compute only the first row of logits (None: on
+                CPU only, where greedy verification computes rows lazily).
+            model_name: the model's name in the table's key (default: the config's
+                ``_name_or_path``).
+
+        Raises:
+            ValueError: no q or context left to time (e.g. the model's context is too short).
         """
-        import time
+        if context is not None and contexts is not None:
+            raise ValueError("give context or contexts, not both")
+        measured = measure_latency(
+            target,
+            qs=qs,
+            contexts=(context,) if context is not None else contexts,
+            repeats=repeats,
+            early=early,
+            model_name=model_name,
+        )
+        mid = statistics.fmean(measured.full)
+        early_table = measured.at(mid, early=True) if measured.early else None
+        logger.info(
+            "latency model (ms), %s: %s", measured.key, {q: round(v * 1e3, 2) for q, v in measured.at(mid).items()}
+        )
+        return cls(measured.at(mid), early=early_table)
 
-        from .backend.base import Capability, VerifyItem
 
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
-        samples: dict[tuple[int, bool], list[float]] = {}
-        early = early and bool(target.capability(Capability.LAZY_ROWS))
-        modes = (False, True) if early else (False,)
-        with torch.inference_mode():
+@dataclass(frozen=True)
+class LatencyTable:
+    """Measured seconds per target forward, keyed by what they were measured on.
+
+    Attributes:
+        device: ``"cpu"``, or ``"cuda:<device name>"`` (e.g. ``"cuda:NVIDIA H200"``).
+        dtype: the weights' dtype, e.g. ``"float32"``, ``"bfloat16"``.
+        model: the model's name.
+        full: context (cached tokens) -> q (new tokens) -> seconds, all N + 1 rows of
+            logits computed.
+        early: the same with only the first row's logits (empty where not measured).
+    """
+
+    device: str
+    dtype: str
+    model: str
+    full: dict[int, dict[int, float]]
+    early: dict[int, dict[int, float]]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """``(device, dtype, model)``: tables of different keys are not interchangeable."""
+        return (self.device, self.dtype, self.model)
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return tuple(sorted(self.full))
+
+    def at(self, context: float, early: bool = False) -> dict[int, float]:
+        """q -> seconds at a ``context``-token cache, linear in the context between the two
+        nearest measured contexts (the nearest one outside them): {512: {1: 0.010},
+        2048: {1: 0.014}}.at(1280) -> {1: 0.012}."""
+        tables = self.early if early else self.full
+        if not tables:
+            raise ValueError("no table measured" + (" with the first row only" if early else ""))
+        ctx = sorted(tables)
+        lo = max((c for c in ctx if c <= context), default=ctx[0])
+        hi = min((c for c in ctx if c >= context), default=ctx[-1])
+        if lo == hi:
+            return dict(tables[lo])
+        w = (context - lo) / (hi - lo)
+        return {q: tables[lo][q] * (1 - w) + tables[hi][q] * w for q in tables[lo] if q in tables[hi]}
+
+    def to_dict(self) -> dict:
+        """JSON-able: ``{"device", "dtype", "model", "full": {ctx: {q: s}}, "early": ...}``
+        (JSON keys are strings)."""
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "model": self.model,
+            "full": {str(c): {str(q): s for q, s in t.items()} for c, t in self.full.items()},
+            "early": {str(c): {str(q): s for q, s in t.items()} for c, t in self.early.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LatencyTable":
+        """Inverse of :meth:`to_dict`."""
+
+        def tables(d: dict) -> dict[int, dict[int, float]]:
+            return {int(c): {int(q): float(s) for q, s in t.items()} for c, t in d.items()}
+
+        return cls(
+            str(data["device"]),
+            str(data["dtype"]),
+            str(data["model"]),
+            tables(data["full"]),
+            tables(data.get("early", {})),
+        )
+
+
+#: q timed by default: CPU verification drafts at most 16 tokens; on CUDA a forward of up to
+#: 64 new tokens costs about as much as one of 1 (launch-bound at batch 1), so larger drafts
+#: are measured too.
+_CPU_QS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+_CUDA_QS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def measure_latency(
+    target,
+    *,
+    qs: Optional[Sequence[int]] = None,
+    contexts: Optional[Sequence[int]] = None,
+    repeats: Optional[int] = None,
+    early: Optional[bool] = None,
+    model_name: str = "",
+) -> LatencyTable:
+    """Time the target's verification forward of q new tokens over a cache of each context.
+
+    Defaults depend on the target's device: on CPU q = 1-16 at 512 cached tokens, 3 rounds,
+    first-row-only forwards too (what greedy verification does there); on CUDA q = 1-64 at
+    512 and 2048 cached tokens, 5 rounds, full forwards only. On CUDA every sample is taken
+    between two ``torch.cuda.synchronize()`` calls, so it is the forward's wall time, not
+    its launch time. Contexts are capped so that context + q fits the model's length.
+
+    The q values are timed in interleaved rounds (q = 1, 2, ..., then again; the first
+    round warms up), so a burst of load on a shared machine inflates one sample of several
+    q instead of every sample of one q; the median per q is kept. A forward of fewer tokens
+    is never slower than one of more, so each q's cost is capped by every larger q's (a
+    disturbed q = 1 sample read 80 ms beside 63 ms for q = 2 on the 2-core CPU and made
+    drafting look cheaper than it was). A few seconds on a 2-core CPU for a 135M model.
+
+    Returns:
+        a :class:`LatencyTable` keyed by (device, dtype, model).
+
+    Raises:
+        ValueError: no q or context left to time.
+    """
+    import time
+
+    from .backend.base import Capability, VerifyItem
+
+    device = torch.device(target.device)
+    cuda = device.type == "cuda"
+    qs = tuple(sorted({int(q) for q in (qs if qs is not None else (_CUDA_QS if cuda else _CPU_QS)) if int(q) >= 1}))
+    contexts = tuple(contexts) if contexts is not None else ((512, 2048) if cuda else (512,))
+    repeats = int(repeats) if repeats is not None else (5 if cuda else 3)
+    early = ((not cuda) if early is None else bool(early)) and bool(target.capability(Capability.LAZY_ROWS))
+    if not qs:
+        raise ValueError("no q to time")
+    limit = getattr(target, "max_length", None)
+    if limit:
+        contexts = tuple(min(int(c), limit - qs[-1] - 2) for c in contexts)
+    contexts = tuple(sorted({c for c in contexts if c >= 1}))
+    if not contexts:
+        raise ValueError(f"no context fits q up to {qs[-1]} in the model's {limit} positions")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    from .types import DraftTree
+
+    gen = torch.Generator().manual_seed(0)
+    modes = (False, True) if early else (False,)
+    full: dict[int, dict[int, float]] = {}
+    first: dict[int, dict[int, float]] = {}
+    with torch.inference_mode():
+        for context in contexts:
+            ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+            samples: dict[tuple[int, bool], list[float]] = {}
             state = target.new_state()
             target.prefill(state, ids)
             base = target.state_length(state)
             for rnd in range(repeats + 1):
                 for q in qs:
                     for lazy in modes:
-                        tree = DraftTree.chain(ids[: q - 1]) if q > 1 else DraftTree.empty()
+                        # q - 1 draft tokens after the root; wrap around the prompt for long q
+                        tree = DraftTree.chain([ids[i % context] for i in range(q - 1)]) if q > 1 else DraftTree.empty()
+                        sync()
                         t0 = time.perf_counter()
                         out = target.verify([VerifyItem(state, ids[-1], tree, lazy_logits=lazy)])[0]
                         if out.row_logits is not None:
                             out.row_logits.argmax(0)
+                        sync()
                         dt = time.perf_counter() - t0
                         target.rollback(state, base)
                         if rnd:  # the first round warms up
                             samples.setdefault((q, lazy), []).append(dt)
-        table = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
-        early_table = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs}) if early else {}
-        logger.info("latency model (ms): %s", {q: round(v * 1e3, 1) for q, v in table.items()})
-        if early_table:
-            logger.info(
-                "latency model, first row only (ms): %s", {q: round(v * 1e3, 1) for q, v in early_table.items()}
-            )
-        return cls(table, early=early_table or None)
+            full[context] = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
+            if early:
+                first[context] = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs})
+            del state
+    name = model_name or str(getattr(getattr(target, "config", None), "_name_or_path", "") or "")
+    table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
+    for c in contexts:
+        logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
+    return table
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

@@ -126,22 +126,34 @@ def mean_embeddings(token_ids: np.ndarray, starts: np.ndarray, embedding: Any) -
         token_ids: int [T] token ids (no separators).
         starts: int64 [C] start of each chunk in ``token_ids`` (increasing; chunk c ends at
             starts[c + 1], the last at T); chunks must not be empty.
-        embedding: float [V, d] input-embedding matrix (numpy array or torch tensor).
+        embedding: float [V, d] input-embedding matrix (numpy array or torch tensor, on
+            any device: the means are computed where it lives, e.g. a model's CUDA
+            embedding, and returned on the host).
 
     Returns:
-        float32 [C, d].
+        float32 [C, d] (numpy, host memory).
+
+    Raises:
+        ValueError: a token id outside the embedding matrix.
     """
     import torch
 
     weight = embedding if isinstance(embedding, torch.Tensor) else torch.from_numpy(np.asarray(embedding))
-    weight = weight.detach().to(torch.float32)
-    ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-    if ids.numel() and int(ids.max()) >= weight.shape[0]:
+    weight = weight.detach()
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and int(ids.max()) >= weight.shape[0]:
         raise ValueError(f"token id {int(ids.max())} is outside the embedding matrix of {weight.shape[0]} rows")
-    offsets = torch.from_numpy(np.asarray(starts, dtype=np.int64))
+    # ids and offsets go to the embedding's device (embedding_bag refuses mixed devices);
+    # only the gathered rows are cast to float32, never the whole [V, d] matrix
+    ids_t = torch.from_numpy(ids).to(weight.device)
+    offsets = torch.from_numpy(np.asarray(starts, dtype=np.int64)).to(weight.device)
     with torch.no_grad():
-        out = torch.nn.functional.embedding_bag(ids, weight, offsets, mode="mean")  # [C, d]
-    return out.numpy()
+        if weight.dtype == torch.float32:
+            out = torch.nn.functional.embedding_bag(ids_t, weight, offsets, mode="mean")  # [C, d]
+        else:
+            rows, inverse = torch.unique(ids_t, return_inverse=True)  # [U], [T]
+            out = torch.nn.functional.embedding_bag(inverse, weight[rows].float(), offsets, mode="mean")  # [C, d]
+    return out.cpu().numpy()
 
 
 @dataclass(frozen=True)

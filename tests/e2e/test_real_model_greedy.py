@@ -64,6 +64,7 @@ def test_shipped_head_found_by_weights_when_loaded_by_path(real_engine):
     assert shipped_head(real_engine.target, by_path) == SHIPPED_HEADS / "smollm2-135m-instruct"
 
 
+@pytest.mark.cpu_only
 def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engine, dev_rows):
     """With the compiled kernel, every decoder linear (30 layers x 7) and the tied output
     layer of the default model are read from the GGUF's own Q4_1 / Q8_0 blocks, and a
