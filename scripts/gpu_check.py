@@ -1,0 +1,446 @@
+"""The Python half of scripts/gpu_check.sh: a random-weights model, the forward
+micro-benchmark, the bench with results written after every prompt, and the final table.
+
+    python scripts/gpu_check.py random-model --config-tar .gpu/c/model-config.tar.gz --out DIR [--layers N]
+    python scripts/gpu_check.py micro --model M --device cuda --dtypes bf16,fp32 --out micro.json [--smoke]
+    python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [...]
+    python scripts/gpu_check.py table --dir OUT [--dir STASH ...]
+
+Every number is printed and written as JSON; ``table`` reads the JSON files back (from the
+first and the second device call) and prints one compact table. This is a command-line
+tool: it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+CATEGORIES = ("rag", "summarization", "qa", "translation")
+
+
+# ---------------------------------------------------------------------------- helpers
+def _env() -> dict:
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.cuda.is_available(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE"),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda_version"] = torch.version.cuda
+    return info
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _no_tf32() -> None:
+    """float32 matrix products in full float32 (the identity stages)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+# ---------------------------------------------------------------------------- random-model
+def cmd_random_model(args) -> int:
+    """The default model's architecture and tokenizer with random weights (seed 0), saved
+    as a Hugging Face folder: timings are those of the real shapes; acceptance and
+    therefore speedups are not meaningful."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(args.out)
+    work = out.with_name(out.name + ".src")
+    work.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(args.config_tar) as tf:
+        tf.extractall(work, filter="data")
+    cfg = AutoConfig.from_pretrained(work / "config", local_files_only=True)
+    if args.layers:
+        cfg.num_hidden_layers = int(args.layers)
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(work / "tokenizer", local_files_only=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"random-weights model ({cfg.num_hidden_layers} layers, {model.num_parameters() / 1e6:.0f}M parameters) "
+          f"saved to {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+# ---------------------------------------------------------------------------- micro
+def _branchy_tree(nodes: int, branches: int):
+    """``branches`` chains below the root sharing the nodes (a tree, not a chain)."""
+    from ragspec.types import DraftTree
+
+    per = max(1, nodes // branches)
+    tokens, parents = [], []
+    for b in range(branches):
+        prev = -1
+        for d in range(per):
+            if len(tokens) == nodes:
+                break
+            tokens.append(100 + 7 * len(tokens))
+            parents.append(prev)
+            prev = len(tokens) - 1
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n = len(tokens)
+    return DraftTree(
+        tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
+        sources=("micro",) * n, scores=torch.ones(n),
+    )  # fmt: skip
+
+
+def cmd_micro(args) -> int:
+    """Forward time against new tokens (1-64 on CUDA) at two contexts, per dtype, and the
+    attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
+    ``Engine.from_pretrained`` sets them up."""
+    from ragspec import Engine, models
+    from ragspec.bench import profile_attention
+    from ragspec.policy import measure_latency
+    from ragspec.backend.hf import HFTarget
+    from ragspec.types import DraftTree
+
+    _no_tf32()
+    spec = models.resolve_model(args.model)
+    results = {"env": _env(), "model": spec.name, "model_path": str(spec.path), "dtypes": {}}
+    for dt in [d for d in args.dtypes.split(",") if d]:
+        t0 = time.perf_counter()
+        model, _tok = models.load_model(spec, device=args.device, dtype=dt)
+        target = HFTarget(model)
+        target.speed_up()
+        kw = dict(qs=(1, 2, 4, 8, 16), contexts=(128, 256), repeats=1) if args.smoke else {}
+        table = measure_latency(target, model_name=spec.name, **kw)
+        ctx = table.contexts[-1]
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, target.vocab_size, (ctx,), generator=gen).tolist()
+        cases = {
+            "step (1 token)": DraftTree.empty(),
+            "chain 16": DraftTree.chain(ids[:15]),
+            "tree 16 (4 branches)": _branchy_tree(16, 4),
+        }
+        if not args.smoke:
+            cases["tree 64 (8 branches)"] = _branchy_tree(64, 8)
+        attention = {}
+        with torch.inference_mode():
+            state = target.new_state()
+            target.prefill(state, ids)
+            for name, tree in cases.items():
+                target.verify_one(state, ids[-1], tree)  # warm-up
+                target.rollback(state, ctx)
+                prof = profile_attention(lambda: target.verify_one(state, ids[-1], tree))
+                target.rollback(state, ctx)
+                attention[name] = prof
+            x = torch.tensor([ids[:ctx]], device=target.device)
+            attention["model.generate (prefill + 3 steps)"] = profile_attention(
+                lambda: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False,
+                                       pad_token_id=0, eos_token_id=None)  # fmt: skip
+            )
+        results["dtypes"][dt] = {
+            "latency": table.to_dict(),
+            "attention": attention,
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "seconds": time.perf_counter() - t0,
+        }
+        _print_micro(dt, results["dtypes"][dt])
+        del model, target, state
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        _write_json(Path(args.out), results)
+    return 0
+
+
+def _print_micro(dt: str, r: dict) -> None:
+    lat = r["latency"]
+    print(f"# forward ms vs new tokens, {dt}, {lat['device']} ({r['attn_implementation']} attention)")
+    for ctx, row in sorted(lat["full"].items(), key=lambda kv: int(kv[0])):
+        print(f"  context {ctx:>5}: " + "  ".join(f"{q}:{s * 1e3:.2f}" for q, s in row.items()))
+    for case, prof in r["attention"].items():
+        ops = ", ".join(f"{k.removeprefix('aten::')} x{v}" for k, v in prof["ops"].items()) or "none seen"
+        print(f"  attention, {case}: {ops}; device kernels {prof['device_kernels']}")
+
+
+# ---------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    """``ragspec bench`` (the same Engine.from_pretrained + bench.run_bench), writing the
+    JSON after every prompt so that a stage cut off by its time limit keeps what it did."""
+    import dataclasses
+
+    from ragspec import Engine, bench
+    from ragspec.config import PolicyConfig
+
+    if args.dtype in ("fp32", "float32"):
+        _no_tf32()
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    cats = [c for c in args.categories.split(",") if c]
+    rows = bench.load_prompts(args.data, cats, args.limit)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
+                                    policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
+    settings = {
+        "model": engine.model_name,
+        "model_arg": args.model,
+        "random_weights": bool(args.random_weights),
+        "calibrated": not args.no_calibrate,
+        "device": str(engine.target.device),
+        "dtype": str(engine.target.dtype),
+        "max_new_tokens": args.max_new_tokens,
+        "budgets": budgets,
+        "static_baseline": args.static,
+        "hf_pld": not args.no_hf_pld,
+        "prompts": len(rows),
+        "eagle": engine.eagle_path,
+        "attn_implementation": getattr(engine.model.config, "_attn_implementation", None),
+        "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
+        "load_s": time.perf_counter() - t0,
+        "env": _env(),
+    }
+    print(f"# bench {settings['dtype']} on {settings['device']}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
+          f"budgets {budgets}, static baseline {args.static}, loaded in {settings['load_s']:.1f} s", flush=True)
+    records = []
+    out = Path(args.out)
+
+    def save(done: bool) -> None:
+        settings["static_compiled"] = bench.static_compiled(engine.model)
+        settings["complete"] = done
+        _write_json(out, {"settings": settings, "summary": bench.summarize(records) if records else {},
+                          "records": [dataclasses.asdict(r) for r in records]})  # fmt: skip
+
+    def progress(i, r) -> None:
+        records.append(r)
+        more = "  ".join(f"@{b} {m['tokens'] / m['s']:.1f} {'=' if m['identical'] else 'DIFF@%d' % m['first_diff']}"
+                         for b, m in r.more_budgets.items())  # fmt: skip
+        static = f"static {r.static_tokens / r.static_s:.1f}  " if r.static_s else ""
+        pld = f"pld {r.hf_pld_tokens / r.hf_pld_s:.1f}  " if r.hf_pld_s else ""
+        print(f"  [{i + 1}/{len(rows)}] {r.category:<13} base {r.baseline_tokens / r.baseline_s:.1f}  {static}{pld}"
+              f"@{r.max_draft_tokens} {r.ragspec_tokens / r.ragspec_s:.1f} "
+              f"{'=' if r.identical else 'DIFF@%d' % r.first_diff}  {more}", flush=True)  # fmt: skip
+        save(False)
+
+    bench.run_bench(engine, rows, max_new_tokens=args.max_new_tokens, hf_pld=not args.no_hf_pld,
+                    static_baseline=args.static, draft_budgets=budgets, warmup=True, progress=progress)  # fmt: skip
+    save(True)
+    print(bench.format_table(bench.summarize(records)))
+    return 0
+
+
+# ---------------------------------------------------------------------------- table
+def _load(dirs, name):
+    for d in dirs:
+        p = Path(d) / name
+        if p.is_file():
+            try:
+                return json.loads(p.read_text())
+            except ValueError:
+                continue
+    return None
+
+
+def _junit(dirs, name):
+    import xml.etree.ElementTree as ET
+
+    for d in dirs:
+        p = Path(d) / name
+        if p.is_file():
+            try:
+                root = ET.parse(p).getroot()
+            except ET.ParseError:
+                continue
+            suites = [root] if root.tag == "testsuite" else list(root)
+            tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+            failed = [
+                f"{c.get('classname', '').split('.')[-1]}::{c.get('name')}"
+                for s in suites
+                for c in s.iter("testcase")
+                if c.find("failure") is not None or c.find("error") is not None
+            ]
+            return tot, failed
+    return None
+
+
+def _tps(tokens, seconds):
+    return tokens / seconds if seconds else float("nan")
+
+
+def _fmt(x, width=8, digits=1):
+    return f"{x:>{width}.{digits}f}" if isinstance(x, (int, float)) and not math.isnan(x) else f"{'-':>{width}}"
+
+
+def cmd_table(args) -> int:
+    """One compact table from the JSON files of both device calls."""
+    from ragspec.bench import format_identity
+
+    dirs = args.dir
+    bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "micro.json")
+    env = (bf16 or fp32 or micro or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
+    lines = ["", "=" * 100]
+    st = (bf16 or fp32 or {}).get("settings", {})
+    lines.append(
+        f"ragspec GPU check | {env.get('gpu', 'no GPU (' + str(st.get('device', 'cpu')) + ')')} | torch {env.get('torch')} | "
+        f"transformers {env.get('transformers')} | model {st.get('model', '?')}"
+        + (" (RANDOM WEIGHTS: speed/acceptance not meaningful)" if st.get("random_weights") else "")
+    )
+    for label, res in (("bf16", bf16), ("fp32", fp32)):
+        if res:
+            s = res["settings"]
+            lines.append(
+                f"  bench {label}: {len(res['records'])}/{s['prompts']} prompts{'' if s.get('complete') else ' (CUT OFF)'}, "
+                f"{s['max_new_tokens']} new tokens, budgets {s['budgets']}, static-cache generate "
+                f"{'compiled' if s.get('static_compiled') else 'eager (not compiled)' if s.get('static_baseline') else 'not run'}, "
+                f"attention {s.get('attn_implementation')}, eagle {'on' if s.get('eagle') else 'off'}"
+            )
+        else:
+            lines.append(f"  bench {label}: no results")
+    # tokens/s (bf16) and identity (bf16 share, fp32)
+    head = (f"{'category':<14}{'n':>3}{'generate':>10}{'static':>9}{'hf-pld':>9}{'rs@8':>9}{'rs@32':>9}{'x@8':>7}{'x@32':>7}"
+            f"  {'bf16 identical @8 | @32':<26}{'fp32 identical @8 | @32':<24}")
+    lines += ["tokens/s in bf16 (x: speedup over generate); identity against model.generate of the same dtype", head, "-" * len(head)]
+
+    def group_rows(res):
+        out = {}
+        if not res:
+            return out
+        for r in res["records"]:
+            cat = r["category"]
+            for g in (cat, "all"):
+                out.setdefault(g, []).append(r)
+        return {g: out[g] for g in [c for c in CATEGORIES if c in out] + ["all"] if g in out}
+
+    gb, gf = group_rows(bf16), group_rows(fp32)
+    budgets = (st.get("budgets") or [8, 32])[:2]
+    for g in list(gb) or list(gf):
+        rs = gb.get(g, [])
+        base = _tps(sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)) if rs else float("nan")
+        stat = [r for r in rs if r.get("static_s")]
+        static = _tps(sum(r["static_tokens"] for r in stat), sum(r["static_s"] for r in stat)) if stat else float("nan")
+        pld = [r for r in rs if r.get("hf_pld_s")]
+        pld_tps = _tps(sum(r["hf_pld_tokens"] for r in pld), sum(r["hf_pld_s"] for r in pld)) if pld else float("nan")
+
+        def budget_tps(records, b):
+            if not records:
+                return float("nan")
+            if records[0].get("max_draft_tokens") == b:
+                return _tps(sum(r["ragspec_tokens"] for r in records), sum(r["ragspec_s"] for r in records))
+            ms = [r["more_budgets"][str(b)] for r in records if str(b) in r.get("more_budgets", {})]
+            return _tps(sum(m["tokens"] for m in ms), sum(m["s"] for m in ms)) if ms else float("nan")
+
+        def ident(records, b):
+            if not records:
+                return "-"
+            if records[0].get("max_draft_tokens") == b:
+                pairs = [(r["identical"], r["first_diff"]) for r in records]
+            else:
+                pairs = [(m["identical"], m["first_diff"]) for r in records
+                         for m in [r.get("more_budgets", {}).get(str(b))] if m]  # fmt: skip
+            if not pairs:
+                return "-"
+            return format_identity(sum(bool(i) for i, _ in pairs), len(pairs), [d for i, d in pairs if not i and d >= 0])
+
+        t8 = budget_tps(rs, budgets[0])
+        t32 = budget_tps(rs, budgets[-1])
+        fr = gf.get(g, [])
+        lines.append(
+            f"{g:<14}{len(rs) or len(fr):>3}{_fmt(base, 10)}{_fmt(static, 9)}{_fmt(pld_tps, 9)}{_fmt(t8, 9)}{_fmt(t32, 9)}"
+            f"{_fmt(t8 / base if base else float('nan'), 7, 2)}{_fmt(t32 / base if base else float('nan'), 7, 2)}"
+            f"  {ident(rs, budgets[0]) + ' | ' + ident(rs, budgets[-1]):<26}{ident(fr, budgets[0]) + ' | ' + ident(fr, budgets[-1]):<24}"
+        )
+    if micro:
+        for dt, r in micro.get("dtypes", {}).items():
+            lat = r["latency"]["full"]
+            qs = [q for q in ("1", "4", "16", "32", "64") if any(q in row for row in lat.values())]
+            cells = "; ".join(
+                f"ctx {c}: " + " ".join(f"q{q} {row[q] * 1e3:.2f}" for q in qs if q in row)
+                for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
+            )
+            lines.append(f"forward ms {dt}{' (random weights)' if 'random' in micro.get('model_path', '') else ''}: {cells}")
+            att = r["attention"]
+            kinds = {case: ",".join(k.removeprefix("aten::_scaled_dot_product_") for k in p["ops"]) or "no SDPA op" for case, p in att.items()}
+            kern = {case: p["device_kernels"] for case, p in att.items()}
+            lines.append(f"attention {dt} ({r['attn_implementation']}): " + "; ".join(f"{c}: {k} [{kern[c]} kernels]" for c, k in kinds.items()))
+    else:
+        lines.append("forward micro-benchmark: no results")
+    for name, label in (("tests-gpu.xml", "tests/gpu"), ("tests-gpu-real.xml", "tests/gpu (real model)"), ("tests-e2e.xml", "tests/e2e identity (fp32)")):
+        res = _junit(dirs, name)
+        if res is None:
+            lines.append(f"{label}: not run")
+            continue
+        tot, failed = res
+        passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+        lines.append(f"{label}: {passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped"
+                     + (f"; FAILED: {', '.join(failed[:12])}" if failed else ""))  # fmt: skip
+    for d in dirs:
+        for p in sorted(Path(d).glob("stages*.tsv")):
+            stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
+            lines.append(f"stages ({p}): " + ", ".join(f"{s[0]} {'ok' if s[1] == '0' else s[1] if s[1] == 'skipped' else 'rc=' + s[1]} {float(s[2]):.0f}s" for s in stages))
+    lines.append("=" * 100)
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("random-model")
+    r.add_argument("--config-tar", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--layers", type=int, default=0)
+    r.set_defaults(func=cmd_random_model)
+    m = sub.add_parser("micro")
+    m.add_argument("--model", required=True)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--dtypes", default="bf16,fp32")
+    m.add_argument("--out", required=True)
+    m.add_argument("--smoke", action="store_true")
+    m.set_defaults(func=cmd_micro)
+    b = sub.add_parser("bench")
+    b.add_argument("--model", default=None)
+    b.add_argument("--random-weights", action="store_true")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--dtype", default="bf16")
+    b.add_argument("--data", required=True)
+    b.add_argument("--categories", default=",".join(CATEGORIES))
+    b.add_argument("--limit", type=int, default=2)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--budgets", default="8,32")
+    b.add_argument("--static", action="store_true")
+    b.add_argument("--no-hf-pld", action="store_true")
+    b.add_argument("--no-calibrate", action="store_true", help="keep the reference latency table (CPU rehearsal)")
+    b.add_argument("--out", required=True)
+    b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("table")
+    t.add_argument("--dir", action="append", required=True)
+    t.set_defaults(func=cmd_table)
+    args = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
