@@ -38,6 +38,7 @@ from .verify import GreedyVerifier, Verifier, verify_greedy
 if TYPE_CHECKING:
     from .config import PLDConfig
     from .datastore import Datastore
+    from .drafters.response_cache import ResponseCache
     from .eagle import EagleDrafter, EagleHead
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,15 @@ class DrafterParts:
         datastore: the datastore drafted from, or None.
         eagle: the EAGLE head's drafter, or None.
         eagle_path: folder the head was loaded from, or None.
+        response_cache: the cache of this model's earlier responses drafted from
+            (:mod:`ragspec.drafters.response_cache`), or None.
     """
 
     pld: Optional["PLDConfig"] = None
     datastore: Optional["Datastore"] = None
     eagle: Optional["EagleDrafter"] = None
     eagle_path: Optional[str] = None
+    response_cache: Optional["ResponseCache"] = None
 
 
 @dataclass(eq=False)
@@ -631,6 +635,9 @@ class Engine:
         stats.total_s = time.perf_counter() - req.started_s
         text, toks = req.assembler.take(final=True)
         req.done = True
+        finish = getattr(req.session, "finish", None)
+        if finish is not None:
+            finish(list(req.assembler.token_ids), req.finish_reason, req.assembler.text)
         return StreamChunk(text, toks, req.finish_reason, stats)
 
     @staticmethod

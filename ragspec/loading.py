@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from .config import PLDConfig, PolicyConfig
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from .drafters.selecting import SelectingDrafter
 from .engine import DrafterParts, Engine
+from .errors import ConfigError
 from .policy import LatencyModel
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_engine", "load_target", "load_eagle", "compose_drafter", "with_datastore"]
+__all__ = ["load_engine", "load_target", "load_eagle", "compose_drafter", "with_datastore", "with_response_cache"]
 
 
 def load_target(
@@ -89,9 +91,10 @@ def compose_drafter(
     pld: Optional[PLDConfig],
     datastores: Sequence["Datastore"] = (),
     eagle: Optional["EagleDrafter"] = None,
+    response_cache: Optional[ResponseCache] = None,
 ) -> Optional[Drafter]:
-    """Retrieval (prompt lookup, then each datastore: the longest suffix match wins) and,
-    with a head, the selection between retrieval and the head
+    """Retrieval (prompt lookup, then each datastore, then the response cache: the longest
+    suffix match wins) and, with a head, the selection between retrieval and the head
     (:class:`~ragspec.drafters.selecting.SelectingDrafter`). None when there is nothing to
     draft with."""
     retrieval: list[Drafter] = [PromptLookupDrafter(pld)] if pld is not None else []
@@ -99,6 +102,8 @@ def compose_drafter(
         from .datastore import DatastoreDrafter
 
         retrieval.extend(DatastoreDrafter(ds) for ds in datastores)
+    if response_cache is not None:
+        retrieval.append(ResponseCacheDrafter(response_cache))
     base: Optional[Drafter] = None
     if len(retrieval) == 1:
         base = retrieval[0]
@@ -183,5 +188,28 @@ def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
     the same way, with ``datastore`` instead of ``engine``'s (None: without one). No
     model is loaded."""
     parts = engine.parts
-    drafter = compose_drafter(parts.pld, [datastore] if datastore is not None else [], parts.eagle)
+    drafter = compose_drafter(
+        parts.pld, [datastore] if datastore is not None else [], parts.eagle, parts.response_cache
+    )
     return engine.with_drafter(drafter, dataclasses.replace(parts, datastore=datastore))
+
+
+def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
+    """An engine over the same model and backend as ``engine`` that also drafts from
+    ``cache`` and caches each finished response in it (None: without a cache). No model is
+    loaded. See :mod:`ragspec.drafters.response_cache`."""
+    parts = engine.parts
+    drafter: Optional[Drafter]
+    if parts.pld is None and parts.eagle is None and parts.datastore is None:
+        # an engine whose drafter was not composed here: the cache beside that drafter
+        if parts.response_cache is not None:
+            raise ConfigError("this engine already drafts from a response cache")
+        own = ResponseCacheDrafter(cache) if cache is not None else None
+        if engine.drafter is None or own is None:
+            drafter = engine.drafter or own
+        else:
+            drafter = CompositeDrafter([engine.drafter, own])
+    else:
+        stores = [parts.datastore] if parts.datastore is not None else []
+        drafter = compose_drafter(parts.pld, stores, parts.eagle, cache)
+    return engine.with_drafter(drafter, dataclasses.replace(parts, response_cache=cache))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ragspec.errors import RagspecError
+from ragspec.errors import ConfigError, RagspecError
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +139,17 @@ def _skips(info: Any) -> str:
 def cmd_add(args: argparse.Namespace) -> int:
     from .builder import add_to_datastore
 
+    inputs, field = list(args.inputs), args.field
+    if args.from_log:
+        # a response log of `ragspec serve --response-log`: JSON lines, the response in "text"
+        if inputs and field != "text":
+            raise ConfigError("--from-log reads the logs' 'text' field: give other inputs with --field text, or apart")
+        inputs, field = inputs + list(args.from_log), "text"
+    if not inputs:
+        raise ConfigError("nothing to add: give INPUT files or --from-log LOG")
     tokenizer = _tokenizer_for(args.directory, args.model)
     info = add_to_datastore(
-        args.directory, args.inputs, tokenizer, field=args.field, progress=not args.no_progress, strict=args.strict
+        args.directory, inputs, tokenizer, field=field, progress=not args.no_progress, strict=args.strict
     )
     print(
         f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
@@ -360,7 +368,14 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     a = sub.add_parser("add", help="append inputs to a datastore as a new shard")
     a.add_argument("directory", metavar="DIR")
-    a.add_argument("inputs", nargs="+", metavar="INPUT")
+    a.add_argument("inputs", nargs="*", metavar="INPUT")
+    a.add_argument(
+        "--from-log",
+        action="append",
+        default=[],
+        metavar="LOG",
+        help="a response log of 'ragspec serve --response-log' (JSON lines; its responses' text), repeatable",
+    )
     a.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
     a.add_argument("--field", default="text")
     a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")

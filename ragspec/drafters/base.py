@@ -34,6 +34,10 @@ class DraftSession(Protocol):
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Feedback: what the target accepted of the last proposal."""
 
+    # Optional: a session that defines ``finish(token_ids, reason, text)`` is told once, when
+    # its request ends, every token it generated, the finish reason ("stop", "length",
+    # "cancelled") and the text (a response cache learns from it).
+    #
     # Optional: a session that defines ``extend_hidden(hidden)`` receives the target's last
     # hidden states (float [R, H], after the final norm) of every position that enters the
     # KV cache: all prompt positions after the prefill, then root + accepted nodes after
@@ -85,6 +89,14 @@ class _CompositeSession:
                     s.extend_hidden(hidden)
 
             self.extend_hidden = extend_hidden
+        finishers = [s for s in sessions if hasattr(s, "finish")]
+        if finishers:
+
+            def finish(token_ids: Sequence[int], reason: str, text: str = "") -> None:
+                for s in finishers:
+                    s.finish(token_ids, reason, text)
+
+            self.finish = finish
 
     def extend(self, token_ids: Sequence[int]) -> None:
         for s in self._sessions:
@@ -123,6 +135,18 @@ class CompositeDrafter:
         self.drafters = list(drafters)
         self.mode = mode
         self.name = "+".join(d.name for d in self.drafters)
+
+    def reproducible(self) -> Optional[Drafter]:
+        """The drafters' reproducible forms (:func:`reproducible_drafter`), those that have
+        none (a response cache) left out; ``self`` when every drafter is reproducible
+        already, None when none remains."""
+        kids = [reproducible_drafter(d) for d in self.drafters]
+        if all(k is d for k, d in zip(kids, self.drafters)):
+            return self
+        kept = [k for k in kids if k is not None]
+        if not kept:
+            return None
+        return kept[0] if len(kept) == 1 else CompositeDrafter(kept, self.mode)
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..policy import AcceptedPerStep, StepTimer
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession
+from .base import Drafter, DraftSession, reproducible_drafter
 
 __all__ = ["SelectingDrafter"]
 
@@ -98,15 +98,19 @@ class SelectingDrafter:
         self.clock = clock
         self.name = f"{retrieval.name}|{eagle.name}"
 
-    def reproducible(self) -> "SelectingDrafter":
+    def reproducible(self) -> Drafter:
         """The drafter for requests whose output must follow from their seed alone (seeded
         sampling): the same retrieval and head, chosen by the fixed ``min_match`` rule,
         without step timing. A calibrated selection's choice depends on timings, which
         changes which drafts are verified, hence how many random draws a request uses and
-        so its samples (not their distribution). ``self`` when not calibrated."""
-        if not self.calibrate:
+        so its samples (not their distribution). ``self`` when not calibrated; retrieval
+        drafters without a reproducible form (a response cache) are left out."""
+        retrieval = reproducible_drafter(self.retrieval)
+        if not self.calibrate and retrieval is self.retrieval:
             return self
-        return SelectingDrafter(self.retrieval, self.eagle, self.min_match, calibrate=False, clock=self.clock)
+        if retrieval is None:
+            return self.eagle  # nothing reproducible to select against: the head alone
+        return SelectingDrafter(retrieval, self.eagle, self.min_match, calibrate=False, clock=self.clock)
 
     def with_retrieval(self, retrieval: Drafter) -> "SelectingDrafter":
         """The same selection over another retrieval drafter (another datastore)."""
@@ -156,6 +160,9 @@ class _SelectingSession:
         # retrieval drafts of steps the head won, with the tokens committed since (scored
         # once those tokens decide how much of the draft the target would have accepted)
         self._shadows: list[tuple[DraftTree, list[int]]] = []
+        finish = getattr(retrieval, "finish", None)
+        if finish is not None:
+            self.finish = finish  # a response cache among the retrieval drafters learns
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._retrieval.extend(token_ids)

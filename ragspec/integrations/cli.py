@@ -57,6 +57,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_prompt_chars=args.max_prompt_chars,
         max_document_chars=args.max_document_chars,
         docs=False if args.no_docs else None,
+        response_cache_tokens=0 if args.no_response_cache else args.response_cache_tokens,
+        response_log=args.response_log,
     )
 
 
@@ -106,10 +108,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
     # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
-    from .server import _datastore_engines, _load_engine, create_app
+    from .server import _datastore_engines, _load_engine, _response_cache, create_app
 
     engine = _load_engine(settings)
-    app = create_app(engine=engine, settings=settings, datastore_engines=_datastore_engines(engine, settings))
+    app = create_app(
+        engine=engine,
+        settings=settings,
+        datastore_engines=_datastore_engines(engine, settings),
+        response_cache=_response_cache(engine, settings),
+    )
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
     return 0
 
@@ -174,6 +181,19 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)"
+    )
+    p.add_argument(
+        "--response-cache-tokens",
+        type=int,
+        default=None,
+        help="tokens of earlier responses kept to draft from (default 1000000; RAGSPEC_RESPONSE_CACHE_TOKENS)",
+    )
+    p.add_argument("--no-response-cache", action="store_true", help="do not draft from earlier responses")
+    p.add_argument(
+        "--response-log",
+        default=None,
+        help="JSON-lines file the response cache is loaded from at start and saved to at shutdown "
+        "(RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
     r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
     r.add_argument(

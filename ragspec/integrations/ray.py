@@ -265,7 +265,7 @@ class RagspecReplica:
     async def __init__(self, settings: ServerSettings, threads: int, metrics_interval_s: float = 5.0) -> None:
         import torch
 
-        from .server import _datastore_engines, _load_engine
+        from .server import _datastore_engines, _load_engine, _response_cache
 
         torch.set_num_threads(threads)
         self.settings = settings
@@ -278,6 +278,8 @@ class RagspecReplica:
         try:
             self.engine = await asyncio.to_thread(_load_engine, settings)
             self.variants = await asyncio.to_thread(_datastore_engines, self.engine, settings)
+            # each replica caches its own answers (a shared cache would be a store of our own)
+            self.response_cache = await asyncio.to_thread(_response_cache, self.engine, settings)
         except (RagspecError, OSError, ValueError) as e:
             # not raised here: the health check reports it (one line) and Ray Serve never
             # routes to this replica
@@ -294,7 +296,12 @@ class RagspecReplica:
 
         if self.error is not None:
             return FastAPI()  # never served: the first health check fails
-        app = create_app(engine=self.engine, settings=self.settings, datastore_engines=self.variants)
+        app = create_app(
+            engine=self.engine,
+            settings=self.settings,
+            datastore_engines=self.variants,
+            response_cache=self.response_cache,
+        )
         app.add_middleware(_ReplicaHeader, replica=self.replica_id)
         if self.metrics_interval_s > 0:
             self.mirror = _RayMetricsMirror(app.state.metrics.registry, self.metrics_interval_s)

@@ -49,6 +49,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -166,6 +167,25 @@ def _load_engine(settings: ServerSettings):
     )
 
 
+def _response_cache(engine, settings: ServerSettings):
+    """The server's cache of its own responses (None when ``response_cache_tokens`` is 0),
+    with the responses of ``settings.response_log`` when that file exists.
+
+    Raises:
+        ResponseLogError: the log cannot be read (another model, not JSON lines, bad ids).
+    """
+    if settings.response_cache_tokens <= 0:
+        return None
+    from ragspec.drafters.response_cache import ResponseCache
+
+    cache = ResponseCache(settings.response_cache_tokens, model=engine.model_name or "")
+    log = settings.response_log
+    if log and os.path.exists(log):
+        n = cache.load(log, vocab_size=getattr(engine.target, "vocab_size", None))
+        logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
+    return cache
+
+
 def _datastore_engines(engine, settings: ServerSettings) -> dict[str, Any]:
     """One engine per named datastore: the same model, backend and latency model, the
     drafter composed as ``ragspec.loading`` composes it, with that datastore."""
@@ -236,13 +256,23 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
+_UNSET: Any = object()
+
+
 def create_app(
-    engine=None, settings: Optional[ServerSettings] = None, *, datastore_engines: Optional[dict] = None
+    engine=None,
+    settings: Optional[ServerSettings] = None,
+    *,
+    datastore_engines: Optional[dict] = None,
+    response_cache: Any = _UNSET,
 ) -> FastAPI:
     """The FastAPI app. ``engine``: a ready :class:`ragspec.Engine` (None: the lifespan loads
     ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables.
     ``datastore_engines``: the named datastores' engines, already built by
-    ``_datastore_engines`` (None: the lifespan builds them)."""
+    ``_datastore_engines`` (None: the lifespan builds them). ``response_cache``: the cache
+    of the server's own responses, already built by ``_response_cache`` (None: none;
+    unset: the lifespan builds it from the settings when it loads the engine itself, and
+    a ready ``engine`` is served as given)."""
     settings = settings if settings is not None else ServerSettings.from_env()
 
     @contextlib.asynccontextmanager
@@ -254,6 +284,15 @@ def create_app(
         variants = datastore_engines
         if variants is None:
             variants = await asyncio.to_thread(_datastore_engines, eng, settings)
+        cache = response_cache
+        if cache is _UNSET:
+            cache = await asyncio.to_thread(_response_cache, eng, settings) if engine is None else None
+        if cache is not None:
+            from ragspec.loading import with_response_cache
+
+            eng = with_response_cache(eng, cache)
+            variants = {name: with_response_cache(e, cache) for name, e in variants.items()}
+        app.state.response_cache = cache
         scheduler = Scheduler(
             max_active=settings.max_active,
             max_queue=settings.max_queue,
@@ -275,6 +314,12 @@ def create_app(
         finally:
             await asyncio.to_thread(scheduler.stop)
             pool.shutdown(wait=False, cancel_futures=True)
+            if cache is not None and settings.response_log:
+                try:
+                    n = await asyncio.to_thread(cache.save, settings.response_log)
+                    logger.info("saved %d cached responses to %s", n, settings.response_log)
+                except OSError as e:
+                    logger.error("cannot save the response cache to %s: %s", settings.response_log, e)
 
     def _on_finish(job: Job, chunk: StreamChunk) -> None:
         if chunk.finish_reason == "cancelled":

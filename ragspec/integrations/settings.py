@@ -34,8 +34,18 @@ ENV_VARS = {
     "RAGSPEC_MAX_PROMPT_CHARS": "max_prompt_chars",
     "RAGSPEC_MAX_DOCUMENT_CHARS": "max_document_chars",
     "RAGSPEC_DOCS": "docs",
+    "RAGSPEC_RESPONSE_CACHE_TOKENS": "response_cache_tokens",
+    "RAGSPEC_RESPONSE_LOG": "response_log",
 }
-_INT_VARS = ("port", "max_queue", "max_active", "max_body_bytes", "max_prompt_chars", "max_document_chars")
+_INT_VARS = (
+    "port",
+    "max_queue",
+    "max_active",
+    "max_body_bytes",
+    "max_prompt_chars",
+    "max_document_chars",
+    "response_cache_tokens",
+)
 _MIB = 1 << 20
 _CHARS_PER_TOKEN = 32
 """Prompt characters allowed per token of context: real text has 3-5 per token, so a text
@@ -136,6 +146,13 @@ class ServerSettings:
     docs: bool = True
     """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (behind the API key when one is
     set); False: not at all."""
+    response_cache_tokens: int = 1_000_000
+    """Tokens of the server's own earlier responses kept to draft from
+    (:mod:`ragspec.drafters.response_cache`: repeated and similar questions copy earlier
+    answers; least recently used evicted); 0: no response cache."""
+    response_log: Optional[str] = None
+    """A JSON-lines file the response cache is loaded from at start (when it exists) and
+    saved to at shutdown (``ragspec datastore add --from-log`` makes it a datastore shard)."""
     prepare_threads: int = 2
     """Threads that parse, validate and tokenize requests, off the event loop and the
     worker (a request's cost there is bounded by the limits above)."""
@@ -155,6 +172,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.response_cache_tokens < 0:
+            raise ConfigError(f"response_cache_tokens must be >= 0, got {self.response_cache_tokens}")
         if self.prepare_threads < 1:
             raise ConfigError(f"prepare_threads must be >= 1, got {self.prepare_threads}")
         names = [n for n, _ in self.datastores]

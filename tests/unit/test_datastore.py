@@ -505,3 +505,28 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     (path / "shard-00000" / "docs.bin").write_bytes(b"")
     assert ds_cli.main(["datastore", "info", str(path)]) == 2
     assert "docs.bin" in capsys.readouterr().err
+
+
+def test_cli_add_from_a_response_log(tmp_path, monkeypatch, capsys):
+    # `ragspec serve --response-log` writes JSON lines whose "text" is each answer;
+    # `datastore add --from-log` makes them a shard
+    from ragspec.drafters.response_cache import ResponseCache
+
+    tok = make_tokenizer()
+    monkeypatch.setattr(ds_cli, "_load_tokenizer", lambda model: (tok, "tok-A"))
+    src = _write_docs(tmp_path / "in", [[1, 2, 3, 4]])
+    out = tmp_path / "ds"
+    assert ds_cli.main(["datastore", "build", str(src), "-o", str(out), "--no-progress"]) == 0
+    cache = ResponseCache(1000)
+    cache.add([1], [9, 8, 7], "t9 t8 t7")
+    log = tmp_path / "responses.jsonl"
+    cache.save(log)
+    assert ds_cli.main(["datastore", "add", str(out), "--from-log", str(log), "--no-progress"]) == 0
+    info = Datastore.open(out)
+    assert info.num_shards == 2 and info.num_tokens == 7
+    capsys.readouterr()
+    # nothing to add, or a log beside inputs read with another field: one-line errors
+    assert ds_cli.main(["datastore", "add", str(out), "--no-progress"]) == 2
+    assert ds_cli.main(["datastore", "add", str(out), str(src), "--from-log", str(log), "--field", "body"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ragspec datastore: error:") == 2 and "Traceback" not in err

@@ -1,0 +1,363 @@
+"""A cache of the target's own responses, drafted from by later requests.
+
+SuffixDecoding (Oliaro et al., 2024, sections 3-4) keeps a suffix tree over the outputs a
+service has already produced and drafts from it: a service answers the same and similar
+questions over the same documents again and again, and an earlier answer is the best
+predictor of the target's next one (REST's users found the same: a datastore aligned with
+the target's own outputs matters more than its size). This module is that cache for
+ragspec: bounded, per model (one cache per engine's model; a cache only ever sees token ids
+of one tokenizer), evicting the least recently used (or first cached) responses, and
+drafting the continuation of the longest match of the request's context, as prompt lookup
+does over the prompt.
+
+Each response is stored after the last ``context_tokens`` tokens of its prompt, so a
+request whose prompt ends as an earlier one did (the same question; in a chat template the
+question is the prompt's end) matches at its very first step and can copy the earlier
+answer from token one.
+
+The cache changes between requests, so drafts from it depend on the service's history:
+greedy output is unchanged (drafts never change it), sampled output keeps its distribution,
+but a *seeded* sampled request must follow from its seed alone, so
+:meth:`ResponseCacheDrafter.reproducible` leaves the cache out (``None``).
+
+Persistence: :meth:`ResponseCache.save` writes a JSON-lines log (one response per line:
+``{"model", "prompt_tail", "output", "text"}``), :meth:`ResponseCache.load` reads it back
+(the server does both: ``--response-log``), and ``ragspec datastore add --from-log`` turns a
+log into a datastore shard (its ``text`` fields).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+from ..errors import ConfigError, RagspecError
+from ..tree import tree_from_candidates
+from ..types import DraftTree, VerifyResult
+from .base import DraftSession
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResponseCache", "ResponseCacheDrafter", "ResponseLogError"]
+
+
+class ResponseLogError(RagspecError):
+    """A response log cannot be read: not JSON lines, wrong fields, another model, token ids
+    outside the vocabulary."""
+
+
+class ResponseCache:
+    """Bounded n-gram index over the responses an engine has produced.
+
+    Args:
+        max_tokens: most tokens kept (prompt tails included); the least recently used
+            responses (``eviction="lru"``; a response is used when a draft is taken from it)
+            or the first cached ones (``"fifo"``) are evicted beyond it. Memory is about
+            ``max_tokens * (max_ngram - min_ngram + 2)`` index entries.
+        context_tokens: tokens of each prompt's end stored before its response.
+        min_ngram, max_ngram: n-gram lengths indexed (a draft needs a suffix match of at
+            least ``min_ngram`` tokens).
+        max_positions: occurrences kept per n-gram (the latest), ranked per lookup by their
+            true match length.
+        max_response_tokens: a longer response is cached only up to this many tokens.
+        model: the model's name, written to and checked against saved logs.
+
+    Thread-safe: one lock around every operation (the server's worker adds, the engine's
+    step drafts).
+
+    Raises:
+        ConfigError: a bound is not a positive integer, an unknown eviction policy.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int = 1_000_000,
+        *,
+        context_tokens: int = 32,
+        min_ngram: int = 2,
+        max_ngram: int = 8,
+        max_positions: int = 4,
+        max_response_tokens: int = 8192,
+        eviction: str = "lru",
+        model: str = "",
+    ) -> None:
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("min_ngram", min_ngram),
+            ("max_ngram", max_ngram),
+            ("max_positions", max_positions),
+            ("max_response_tokens", max_response_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 0:
+            raise ConfigError(f"context_tokens must be a non-negative integer, got {context_tokens!r}")
+        if min_ngram > max_ngram:
+            raise ConfigError(f"min_ngram {min_ngram} > max_ngram {max_ngram}")
+        if eviction not in ("lru", "fifo"):
+            raise ConfigError(f"eviction must be 'lru' or 'fifo', got {eviction!r}")
+        self.max_tokens = max_tokens
+        self.context_tokens = context_tokens
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.max_positions = max_positions
+        self.max_response_tokens = max_response_tokens
+        self.eviction = eviction
+        self.model = model
+        self._lock = threading.Lock()
+        # entry id -> (tokens: prompt tail + response, where the response starts, text)
+        self._entries: "OrderedDict[int, tuple[list[int], int, str]]" = OrderedDict()
+        # n-gram -> [(entry id, index of the token after the n-gram)], latest last
+        self._table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._by_hash: dict[int, int] = {}  # hash of an entry's tokens -> its id (no duplicates)
+        self._next_id = 0
+        self._num_tokens = 0
+        self.hits = 0
+        self.evicted = 0
+
+    # ------------------------------------------------------------------ contents
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (prompt tails included)."""
+        return self._num_tokens
+
+    def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str = "") -> bool:
+        """Cache one response (``output_ids``, generated after ``prompt_ids``); the same
+        prompt tail and response again only refresh the earlier entry.
+
+        Returns:
+            False when there is nothing to cache (an empty response, or one whose tokens
+            alone exceed ``max_tokens``), else True.
+        """
+        out = [int(t) for t in output_ids][: self.max_response_tokens]
+        if not out:
+            return False
+        tail = [int(t) for t in prompt_ids][-self.context_tokens :] if self.context_tokens else []
+        tokens = tail + out
+        if len(tokens) > self.max_tokens:
+            return False
+        digest = hash(tuple(tokens))
+        with self._lock:
+            same = self._by_hash.get(digest)
+            if same is not None and self._entries[same][0] == tokens:
+                self._entries.move_to_end(same)  # the same answer again: refreshed, not duplicated
+                return True
+            eid = self._next_id
+            self._by_hash[digest] = eid
+            self._next_id += 1
+            self._entries[eid] = (tokens, len(tail), text)
+            self._num_tokens += len(tokens)
+            for end in range(1, len(tokens)):
+                for n in range(self.min_ngram, self.max_ngram + 1):
+                    if end - n < 0:
+                        break
+                    slot = self._table.setdefault(tuple(tokens[end - n : end]), [])
+                    slot.append((eid, end))
+                    if len(slot) > self.max_positions:
+                        del slot[0]
+            while self._num_tokens > self.max_tokens:
+                self._evict_oldest()
+        return True
+
+    def _evict_oldest(self) -> None:
+        eid, (tokens, _, _) = self._entries.popitem(last=False)
+        digest = hash(tuple(tokens))
+        if self._by_hash.get(digest) == eid:
+            del self._by_hash[digest]
+        self._num_tokens -= len(tokens)
+        self.evicted += 1
+        for end in range(1, len(tokens)):
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end - n < 0:
+                    break
+                key = tuple(tokens[end - n : end])
+                slot = self._table.get(key)
+                if slot is None:
+                    continue
+                slot[:] = [e for e in slot if e[0] != eid]
+                if not slot:
+                    del self._table[key]
+
+    def lookup(
+        self, context: Sequence[int], max_tokens: int, stop_ids: frozenset[int] = frozenset(), max_match: int = 64
+    ) -> tuple[list[list[int]], int]:
+        """Continuations of the longest suffix of ``context`` found in the cache.
+
+        Returns:
+            (candidates, match_len): up to ``max_positions`` distinct continuations, the
+            longest true match first (then the latest cached), each at most ``max_tokens``
+            long and cut after the first token in ``stop_ids``; ([], 0) when nothing
+            matches.
+        """
+        if max_tokens <= 0:
+            return [], 0
+        ctx = list(context)
+        with self._lock:
+            for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
+                slot = self._table.get(tuple(ctx[len(ctx) - n :]))
+                if not slot:
+                    continue
+                ranked = []
+                for rank, (eid, start) in enumerate(slot):
+                    tokens = self._entries[eid][0]
+                    m = 0
+                    while m < max_match and m < start and m < len(ctx) and tokens[start - 1 - m] == ctx[-1 - m]:
+                        m += 1
+                    ranked.append((m, rank, eid, start))
+                ranked.sort(reverse=True)
+                cands: list[list[int]] = []
+                for _, _, eid, start in ranked:
+                    cont = self._entries[eid][0][start : start + max_tokens]
+                    if stop_ids:
+                        for j, tok in enumerate(cont):
+                            if tok in stop_ids:
+                                cont = cont[: j + 1]
+                                break
+                    if cont and cont not in cands:
+                        cands.append(cont)
+                if not cands:
+                    continue
+                best = ranked[0][2]
+                if self.eviction == "lru":
+                    self._entries.move_to_end(best)
+                self.hits += 1
+                return cands, max(n, ranked[0][0])
+        return [], 0
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: Union[str, os.PathLike]) -> int:
+        """Write every cached response, oldest first, as JSON lines to ``path`` (atomically:
+        a temporary file renamed into place).
+
+        Returns:
+            the number of responses written.
+        """
+        path = Path(path)
+        with self._lock:
+            rows = [
+                {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
+                for tokens, start, text in self._entries.values()
+            ]
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # replicas may share the path
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+        return len(rows)
+
+    def load(self, path: Union[str, os.PathLike], *, vocab_size: Optional[int] = None) -> int:
+        """Add the responses of a log written by :meth:`save` (oldest first; the cache's
+        bounds apply as they are added).
+
+        Raises:
+            ResponseLogError: a line is not a JSON object with integer token lists, names
+                another model than this cache's, or holds ids outside ``[0, vocab_size)``;
+                nothing is added then.
+
+        Returns:
+            the number of responses added.
+        """
+        path = Path(path)
+        rows: list[tuple[list[int], list[int], str]] = []
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    rows.append(self._parse_row(path, lineno, line, vocab_size))
+        except UnicodeDecodeError as e:
+            raise ResponseLogError(f"{path}: not a UTF-8 JSON-lines response log ({e})") from None
+        for tail, out, text in rows:
+            self.add(tail, out, text)
+        return len(rows)
+
+    def _parse_row(
+        self, path: Path, lineno: int, line: str, vocab_size: Optional[int]
+    ) -> tuple[list[int], list[int], str]:
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ResponseLogError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ResponseLogError(f"{where}: a line must be a JSON object")
+        model = row.get("model", "")
+        if self.model and model and model != self.model:
+            raise ResponseLogError(f"{where}: a response of model {model!r}, this cache is for {self.model!r}")
+        lists = []
+        for key in ("prompt_tail", "output"):
+            ids = row.get(key, [])
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ResponseLogError(f"{where}: {key!r} must be a list of token ids")
+            if vocab_size is not None and any(t < 0 or t >= vocab_size for t in ids):
+                raise ResponseLogError(f"{where}: {key!r} holds token ids outside [0, {vocab_size})")
+            lists.append(ids)
+        text = row.get("text", "")
+        if not isinstance(text, str):
+            raise ResponseLogError(f"{where}: 'text' must be a string")
+        return lists[0], lists[1], text
+
+
+class _ResponseCacheSession:
+    def __init__(self, cache: ResponseCache, prompt_ids: Sequence[int], eos: frozenset[int], source: str) -> None:
+        self._cache = cache
+        self._prompt = list(prompt_ids)
+        self._ctx = list(prompt_ids)[-(cache.max_ngram + 64) :]
+        self._eos = eos
+        self._source = source
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._ctx.extend(int(t) for t in token_ids)
+        keep = self._cache.max_ngram + 64
+        if len(self._ctx) > 2 * keep:
+            del self._ctx[:-keep]
+
+    def propose(self, max_tokens: int) -> DraftTree:
+        cands, n = self._cache.lookup(self._ctx, max_tokens, self._eos)
+        if not cands:
+            return DraftTree.empty()
+        if len(cands) == 1:
+            return DraftTree.chain(cands[0], source=self._source, match_len=n)
+        return tree_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        return None
+
+    def finish(self, token_ids: Sequence[int], reason: str, text: str = "") -> None:
+        """The request ended with ``token_ids`` generated: cache them unless it was
+        cancelled."""
+        if reason in ("stop", "length"):
+            self._cache.add(self._prompt, token_ids, text)
+
+
+class ResponseCacheDrafter:
+    """Drafts from a :class:`ResponseCache` and fills it: each finished request's response
+    is cached (its session's ``finish``, called by the engine), so later requests copy from
+    it. Combine it with prompt lookup (``ragspec.loading.compose_drafter(...,
+    response_cache=)``): the longest match wins.
+
+    Args:
+        cache: the cache, shared by every request of one model.
+    """
+
+    name = "responses"
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self.cache = cache
+
+    def reproducible(self) -> None:
+        """None: a seeded sampled request must not draft from the service's history."""
+        return None
+
+    def start_request(
+        self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
+    ) -> DraftSession:
+        return _ResponseCacheSession(self.cache, prompt_ids, frozenset(int(e) for e in eos_token_ids), self.name)
