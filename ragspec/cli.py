@@ -252,6 +252,48 @@ def cmd_summarize(args) -> int:
     return _generate_and_print(engine, prompt, args, documents=None, compare=args.compare)
 
 
+def cmd_replay(args, rows) -> int:
+    """``bench --replay FILE``: record greedy generations into FILE when it does not exist
+    (the engine of the other options), then replay drafters over them offline."""
+    import json
+    from pathlib import Path
+
+    from . import bench, replay
+
+    path = Path(args.replay)
+    if path.exists():
+        records = replay.load_generations(path)
+        print(f"# {len(records)} recorded generations from {path}", file=sys.stderr)
+    else:
+        engine = _engine(args)
+        print(f"# recording {len(rows)} greedy generations into {path}", file=sys.stderr)
+        records = replay.record_generations(engine, rows, args.max_new_tokens, path)
+    drafters = replay.default_drafters()
+    budget = args.max_draft_tokens or 8
+    table = replay.replay_table(records, drafters, budget, group=bench.category_group)
+    print(replay.format_replay_table(table, list(drafters)))
+    if args.json:
+        out = {
+            g: {
+                "prompts": row["prompts"],
+                **{
+                    n: {
+                        "tokens_per_step": st.tokens_per_step,
+                        "steps": st.steps,
+                        "losses": st.losses,
+                        "lost_tokens": st.lost_tokens,
+                    }
+                    for n, st in row.items()
+                    if n != "prompts"
+                },
+            }
+            for g, row in table.items()
+        }
+        Path(args.json).write_text(json.dumps({"budget": budget, "table": out}, indent=1))
+        print(f"# wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -259,6 +301,8 @@ def cmd_bench(args) -> int:
     rows = bench.load_prompts(args.data, cats, args.limit)
     if not rows:
         raise ConfigError("no prompts selected")
+    if args.replay:
+        return cmd_replay(args, rows)
     engine = _engine(args)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
@@ -409,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--warmup", action="store_true", help="run every method once before timing (CUDA: kernels, compilation)"
+    )
+    b.add_argument(
+        "--replay",
+        metavar="FILE",
+        default=None,
+        help="offline replay: where drafting steps lose against the context oracle (records greedy "
+        "generations into FILE first when it does not exist; see ragspec/replay.py)",
     )
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)

@@ -1,0 +1,332 @@
+"""Offline replay of recorded generations: where do drafting steps lose against the context
+oracle? (``ragspec bench --replay FILE``.)
+
+Greedy output does not depend on the drafts, so once a request's output is known, every
+drafting step can be replayed without the target: the drafter proposes a tree for the
+context so far, greedy verification would accept the longest root path of the tree that
+the recorded output follows (:func:`accepted_path`), and the step commits those tokens plus
+the bonus token. The *context oracle* is the drafter that always proposes the longest prefix
+of the true continuation found anywhere in the prompt, the request's documents and the
+output so far (:func:`context_oracle`; the upper bound of any copy-based drafter at that
+budget, as in the baseline measurements: ~3.4-3.5 accepted tokens per step on rag and
+summarization at 8 draft tokens).
+
+For each step of a drafter's replay, the oracle's length at the same position classifies
+what the step lost:
+
+* ``equal``: the drafter accepted as much as the oracle (both possibly 0);
+* ``no_draft``: the oracle had a span, the drafter proposed nothing (no suffix n-gram
+  matched, or the match was too short);
+* ``first_wrong``: the drafter proposed, but its first token was wrong (candidate ranking
+  chose another continuation, or the match was spurious);
+* ``short``: the drafter's path was right for a while and then diverged before the oracle's
+  span ended (it followed another occurrence);
+* ``beyond``: the drafter accepted more than the oracle (continuations the oracle cannot
+  see, e.g. prompt lookup's cyclic copy of a repeating tail).
+
+What the replay leaves out: the cost model (it drafts every step at the full budget; the
+engine may draft less or nothing), the EAGLE head (it needs the target's hidden states), and
+timing (it counts tokens per step, not seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from .drafters.base import Drafter
+from .errors import ConfigError
+from .types import DraftTree, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "accepted_path",
+    "context_oracle",
+    "ReplayStats",
+    "replay_drafter",
+    "replay_oracle",
+    "record_generations",
+    "load_generations",
+    "replay_table",
+    "format_replay_table",
+    "LOSS_CLASSES",
+    "default_drafters",
+]
+
+LOSS_CLASSES = ("equal", "no_draft", "first_wrong", "short", "beyond")
+
+
+def accepted_path(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
+    """Node indices of the longest root path of ``tree`` whose tokens are a prefix of
+    ``tokens``: what greedy verification accepts when the target's choices are ``tokens``."""
+    if tree.num_nodes == 0:
+        return []
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(int(p), []).append(i)
+    path: list[int] = []
+    node = -1
+    for t in tokens:
+        nxt = next((c for c in children.get(node, ()) if toks[c] == t), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
+
+
+def _pack(ids: Iterable[int]) -> bytes:
+    return b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids)
+
+
+class _Haystack:
+    """Token sequences searched for spans (each on its own: no match crosses two), packed
+    as 4-byte words so ``bytes.find`` does the search in C."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        self._fixed = [_pack(s) for s in sequences]
+        self._live = bytearray()
+
+    def extend(self, ids: Sequence[int]) -> None:
+        self._live += _pack(ids)
+
+    def _contains(self, needle: bytes) -> bool:
+        for hay in (*self._fixed, bytes(self._live)):
+            at = hay.find(needle)
+            while at != -1:
+                if at % 4 == 0:
+                    return True
+                at = hay.find(needle, at + 1)
+        return False
+
+    def longest_prefix(self, future: Sequence[int], budget: int) -> int:
+        """Largest L <= budget such that ``future[:L]`` occurs in one of the sequences (the
+        oracle would copy it from there)."""
+        n = 0
+        while n < min(budget, len(future)) and self._contains(_pack(future[: n + 1])):
+            n += 1
+        return n
+
+
+def context_oracle(context: Sequence[Sequence[int]], future: Sequence[int], budget: int) -> int:
+    """Length of the longest prefix of ``future`` (at most ``budget`` tokens) that occurs in
+    one of the ``context`` sequences (the prompt, each document, the output so far)."""
+    return _Haystack(context).longest_prefix(future, budget)
+
+
+@dataclass
+class ReplayStats:
+    """One replay (a drafter's or the oracle's) over one or more generations.
+
+    Attributes:
+        steps: decode steps (each commits accepted tokens + 1).
+        tokens: tokens committed (the recorded outputs' lengths, minus their first token,
+            which the prefill gives).
+        losses: per loss class (:data:`LOSS_CLASSES`): steps in that class.
+        lost_tokens: per loss class: oracle minus accepted tokens, summed.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    losses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CLASSES, 0))
+    lost_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CLASSES, 0))
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Committed tokens per decode step, bonus included (1.0 = plain decoding)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+    def add(self, other: "ReplayStats") -> None:
+        self.steps += other.steps
+        self.tokens += other.tokens
+        for k in LOSS_CLASSES:
+            self.losses[k] += other.losses[k]
+            self.lost_tokens[k] += other.lost_tokens[k]
+
+
+def _classify(tree: DraftTree, accepted: int, oracle: int) -> str:
+    if accepted > oracle:
+        return "beyond"
+    if accepted == oracle:
+        return "equal"
+    if tree.num_nodes == 0:
+        return "no_draft"
+    return "first_wrong" if accepted == 0 else "short"
+
+
+def replay_drafter(
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    budget: int = 8,
+    documents: Sequence[Sequence[int]] = (),
+) -> ReplayStats:
+    """Replay ``drafter`` over one recorded greedy generation at ``budget`` draft tokens per
+    step (see the module docstring).
+
+    Raises:
+        ConfigError: ``budget`` < 1.
+    """
+    if budget < 1:
+        raise ConfigError(f"budget must be >= 1, got {budget}")
+    out = [int(t) for t in output_ids]
+    stats = ReplayStats()
+    if not out:
+        return stats
+    session = drafter.start_request(list(prompt_ids), [list(d) for d in documents])
+    hay = _Haystack([list(prompt_ids), *[list(d) for d in documents]])
+    session.extend(out[:1])  # the prefill's token
+    hay.extend(out[:1])
+    pos = 1
+    while pos < len(out):
+        future = out[pos:]
+        tree = session.propose(budget)
+        path = accepted_path(tree, future)
+        a = len(path)
+        o = hay.longest_prefix(future, budget)
+        kind = _classify(tree, a, o)
+        stats.losses[kind] += 1
+        stats.lost_tokens[kind] += max(0, o - a)
+        committed = future[: a + 1]
+        if tree.num_nodes:
+            toks = tree.tokens.tolist()
+            session.observe(
+                tree,
+                VerifyResult(tuple(path), tuple(toks[i] for i in path), committed[-1], tree.num_nodes),
+            )
+        session.extend(committed)
+        hay.extend(committed)
+        stats.steps += 1
+        stats.tokens += len(committed)
+        pos += len(committed)
+    return stats
+
+
+def replay_oracle(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], budget: int = 8, documents: Sequence[Sequence[int]] = ()
+) -> ReplayStats:
+    """The context oracle's own replay: each step commits the longest prefix of the true
+    continuation found in the context, plus the bonus token."""
+    out = [int(t) for t in output_ids]
+    stats = ReplayStats()
+    hay = _Haystack([list(prompt_ids), *[list(d) for d in documents]])
+    hay.extend(out[:1])
+    pos = 1
+    while pos < len(out):
+        committed = out[pos : pos + hay.longest_prefix(out[pos:], budget) + 1]
+        hay.extend(committed)
+        stats.steps += 1
+        stats.tokens += len(committed)
+        stats.losses["equal"] += 1
+        pos += len(committed)
+    return stats
+
+
+def record_generations(engine: Any, rows: Sequence[dict], max_new_tokens: int, path: str | Path) -> list[dict]:
+    """Greedy generations of the first turn of each Spec-Bench row through ``engine``
+    (chat-templated), written to ``path`` as JSON lines ``{question_id, category,
+    prompt_ids, output_ids}`` and returned."""
+    recs = []
+    for row in rows:
+        ids = engine.encode_prompt(row["turns"][0], chat=True)
+        out = engine.generate(ids, max_new_tokens=max_new_tokens, chat=False)
+        recs.append(
+            {
+                "question_id": row.get("question_id"),
+                "category": row.get("category", ""),
+                "prompt_ids": ids,
+                "output_ids": out.token_ids,
+            }
+        )
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    return recs
+
+
+def load_generations(path: str | Path) -> list[dict]:
+    """The records :func:`record_generations` wrote.
+
+    Raises:
+        ConfigError: a line is not JSON or lacks integer ``prompt_ids`` / ``output_ids``.
+    """
+    recs = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{i}: not JSON ({e.msg})") from None
+        ok = isinstance(r, dict) and all(
+            isinstance(r.get(k), list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r[k])
+            for k in ("prompt_ids", "output_ids")
+        )
+        if not ok:
+            raise ConfigError(f"{path}:{i}: a record needs integer lists 'prompt_ids' and 'output_ids'")
+        recs.append(r)
+    return recs
+
+
+def replay_table(
+    records: Sequence[dict],
+    drafters: dict[str, Callable[[], Drafter]],
+    budget: int = 8,
+    group: Callable[[str], str] = lambda c: c,
+) -> dict:
+    """Per category group: the oracle's and each drafter's tokens per step and loss
+    breakdown -> {group: {"prompts", "oracle": ReplayStats, name: ReplayStats, ...}}
+    (an "all" group too)."""
+    table: dict[str, dict] = {}
+    for rec in records:
+        for g in (group(rec.get("category", "")), "all"):
+            row = table.setdefault(g, {"prompts": 0, "oracle": ReplayStats(), **{n: ReplayStats() for n in drafters}})
+            row["prompts"] += 1
+            row["oracle"].add(replay_oracle(rec["prompt_ids"], rec["output_ids"], budget))
+            for name, make in drafters.items():
+                row[name].add(replay_drafter(make(), rec["prompt_ids"], rec["output_ids"], budget))
+    if "all" in table:
+        table["all"] = table.pop("all")  # last
+    return table
+
+
+def format_replay_table(table: dict, drafters: Sequence[str]) -> str:
+    """Text table: tokens per step of the oracle and each drafter, and each drafter's steps
+    and lost tokens per loss class (percent of its steps / tokens lost per step)."""
+    lines = []
+    head = f"{'category':<15}{'n':>3}{'oracle':>8}" + "".join(f"{d[:14]:>15}" for d in drafters)
+    lines.append("tokens per step (bonus included), replayed at the full budget:")
+    lines.append(head)
+    for g, row in table.items():
+        lines.append(
+            f"{g:<15}{row['prompts']:>3}{row['oracle'].tokens_per_step:>8.2f}"
+            + "".join(f"{row[d].tokens_per_step:>15.2f}" for d in drafters)
+        )
+    for d in drafters:
+        lines.append("")
+        lines.append(f"{d}: share of steps per class / tokens lost to the oracle per step")
+        lines.append(f"{'category':<15}" + "".join(f"{k:>20}" for k in LOSS_CLASSES))
+        for g, row in table.items():
+            s: ReplayStats = row[d]
+            cells = [
+                f"{100 * s.losses[k] / max(s.steps, 1):5.1f}% / {s.lost_tokens[k] / max(s.steps, 1):4.2f}"
+                for k in LOSS_CLASSES
+            ]
+            lines.append(f"{g:<15}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def default_drafters() -> dict[str, Callable[[], Drafter]]:
+    """The drafters the replay compares: prompt lookup with the shipped settings and two
+    variants of its candidate count (one chain; eight candidates)."""
+    from .config import PLDConfig
+    from .drafters.prompt_lookup import PromptLookupDrafter
+
+    return {
+        "pld": lambda: PromptLookupDrafter(PLDConfig()),
+        "pld-chain": lambda: PromptLookupDrafter(PLDConfig(max_candidates=1)),
+        "pld-8cand": lambda: PromptLookupDrafter(PLDConfig(max_candidates=8)),
+    }

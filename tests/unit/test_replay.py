@@ -1,0 +1,93 @@
+"""The offline replay (``ragspec bench --replay``): the accepted path of a tree, the
+context oracle (aligned token matches only), loss classes, agreement with the engine's own
+steps when every draft is verified, and the CLI over a recorded file."""
+
+from __future__ import annotations
+
+import json
+
+from ragspec import Engine, PolicyConfig
+from ragspec.backend.hf import HFTarget
+from ragspec.cli import main as cli_main
+from ragspec.drafters import PromptLookupDrafter
+from ragspec.policy import LatencyModel
+from ragspec.replay import (
+    accepted_path,
+    context_oracle,
+    load_generations,
+    record_generations,
+    replay_drafter,
+    replay_oracle,
+)
+from ragspec_testing import ScriptedDrafter, make_tree
+
+
+def test_accepted_path_follows_the_matching_branch():
+    tree = make_tree([5, 6, 7, 8], [-1, -1, 1, 2])  # 5 | 6 -> 7 -> 8
+    assert accepted_path(tree, [6, 7, 9]) == [1, 2]
+    assert accepted_path(tree, [5, 1]) == [0]
+    assert accepted_path(tree, [4]) == []
+
+
+def test_context_oracle_is_the_longest_prefix_found_and_word_aligned():
+    assert context_oracle([[1, 2, 3, 4, 5]], [3, 4, 9], 8) == 2
+    assert context_oracle([[1, 2], [7, 8, 9]], [8, 9, 1], 8) == 2  # no span across two sequences
+    assert context_oracle([[1, 2, 3, 4, 5]], [2, 3, 4, 5], 2) == 2  # capped by the budget
+    # 512's bytes (00 02 00 00) occur in [1, 2]'s (01 00 00 00 02 00 00 00) at offset 3 only
+    assert context_oracle([[1, 2]], [512], 4) == 0
+
+
+def test_replays_count_steps_and_classify_losses():
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 1, 2, 3, 4, 5, 6, 7]
+    oracle = replay_oracle(prompt, out, budget=8)
+    assert oracle.tokens == len(out) - 1 and oracle.steps == 1  # the span 1..6 copied, 7 the bonus
+    # a drafter that always proposes the truth does at least as well as the oracle
+    truth = ScriptedDrafter(lambda step, gen: out[len(gen) :])
+    perfect = replay_drafter(truth, prompt, out, budget=8)
+    assert perfect.steps == 1 and perfect.losses["beyond"] == 1  # the whole tail at once: beyond the context
+    # a drafter that proposes nothing loses every copyable span to 'no_draft'
+    silent = ScriptedDrafter(lambda step, gen: [])
+    none = replay_drafter(silent, prompt, out, budget=8)
+    assert none.steps == len(out) - 1 and none.tokens_per_step == 1.0
+    assert none.losses["no_draft"] >= 1 and none.lost_tokens["no_draft"] >= 5
+    wrong = replay_drafter(ScriptedDrafter(lambda step, gen: [99]), prompt, out, budget=8)
+    assert wrong.losses["first_wrong"] >= 1
+
+
+def test_replay_equals_the_engines_steps_when_every_draft_is_verified(no_eos_setup, char_tokenizer, single_thread):
+    model, prompt, ref = no_eos_setup
+    engine = Engine(
+        HFTarget(model),
+        char_tokenizer,
+        drafter=PromptLookupDrafter(),
+        policy=PolicyConfig(max_draft_tokens=8, adaptive=False),
+        latency=LatencyModel({1: 0.01, 8: 0.011, 32: 0.013}),
+        eos_token_ids=(),
+    )
+    out = engine.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref
+    rep = replay_drafter(PromptLookupDrafter(), prompt, out.token_ids, budget=8)
+    assert rep.steps == out.stats.num_forward_passes - 1
+    assert rep.tokens == len(ref) - 1
+
+
+def test_cli_replays_a_recorded_file(tmp_path, no_eos_setup, char_tokenizer, single_thread, capsys):
+    model, _, _ = no_eos_setup
+    engine = Engine(HFTarget(model), char_tokenizer, drafter=PromptLookupDrafter(), eos_token_ids=())
+    rows = [
+        {"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat. the cat sat on the hat."]},
+        {"question_id": 2, "category": "qa", "turns": ["a dog ran far, a dog ran fast, a dog"]},
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = tmp_path / "gens.jsonl"
+    record_generations(engine, rows, 24, rec)
+    assert [len(r["output_ids"]) for r in load_generations(rec)] == [24, 24]
+    report = tmp_path / "replay.json"
+    assert cli_main(["bench", "--data", str(data), "--replay", str(rec), "--json", str(report)]) == 0
+    text = capsys.readouterr().out
+    assert "tokens per step" in text and "no_draft" in text
+    table = json.loads(report.read_text())["table"]
+    assert set(table) == {"rag", "qa", "all"} and table["all"]["prompts"] == 2
+    assert table["all"]["oracle"]["tokens_per_step"] >= 1.0
