@@ -101,22 +101,57 @@ def _print_info(info: Any, as_json: bool) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def _load_engine(model: Optional[str]) -> tuple[Any, str]:
+    """(engine, tokenizer name to record) for ``build --responses``."""
+    from ragspec.loading import load_engine
+    from ragspec.models import resolve_model
+
+    spec = resolve_model(model)
+    name = spec.name if model is None or spec.name == model else str(spec.path)
+    return load_engine(model), name
+
+
 @_guard
 def cmd_build(args: argparse.Namespace) -> int:
     from .builder import build_datastore
 
-    tokenizer, name = _load_tokenizer(args.model)
     t0 = time.perf_counter()
-    info = build_datastore(
-        args.inputs,
-        args.output,
-        tokenizer,
-        field=args.field,
-        tokenizer_name=name,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
-        strict=args.strict,
-    )
+    if args.responses:
+        from .responses import build_response_datastore, read_prompts
+
+        if "-" in args.inputs:
+            raise ConfigError("--responses reads prompt files, not stdin")
+        prompts = read_prompts(args.inputs, args.field, args.limit)
+        engine, name = _load_engine(args.model)
+        print(
+            f"generating the target's answers to {len(prompts)} prompts (greedy + {args.samples} sampled each, "
+            f"{args.max_new_tokens} tokens at most)",
+            file=sys.stderr,
+        )
+        info = build_response_datastore(
+            engine,
+            prompts,
+            args.output,
+            max_new_tokens=args.max_new_tokens,
+            samples=args.samples,
+            temperature=args.temperature,
+            seed=args.seed,
+            tokenizer_name=name,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    else:
+        tokenizer, name = _load_tokenizer(args.model)
+        info = build_datastore(
+            args.inputs,
+            args.output,
+            tokenizer,
+            field=args.field,
+            tokenizer_name=name,
+            progress=not args.no_progress,
+            overwrite=args.overwrite,
+            strict=args.strict,
+        )
     dt = time.perf_counter() - t0
     print(
         f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
@@ -364,6 +399,17 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="fail on a binary input file or a malformed JSONL line (default: skip it with a warning)",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r = b.add_argument_group("a datastore of the target's own answers (see ragspec/datastore/responses.py)")
+    r.add_argument(
+        "--responses",
+        action="store_true",
+        help="the inputs are prompts (JSONL: Spec-Bench 'turns' or --field): build from the model's answers to them",
+    )
+    r.add_argument("--max-new-tokens", type=int, default=256, help="longest answer (default 256)")
+    r.add_argument("--samples", type=int, default=0, help="sampled answers per prompt besides the greedy one")
+    r.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers (default 0.8)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the first sampled answer (then +1, ...)")
+    r.add_argument("--limit", type=int, default=None, help="first N prompts only")
     b.set_defaults(func=cmd_build)
 
     a = sub.add_parser("add", help="append inputs to a datastore as a new shard")
