@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .drafters.base import Drafter
 from .errors import ConfigError
+from .jsonl import iter_jsonl
 from .types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -254,13 +255,7 @@ def load_generations(path: str | Path) -> list[dict]:
         ConfigError: a line is not JSON or lacks integer ``prompt_ids`` / ``output_ids``.
     """
     recs = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, r in iter_jsonl(path):
         ok = isinstance(r, dict) and all(
             isinstance(r.get(k), list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r[k])
             for k in ("prompt_ids", "output_ids")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..errors import ConfigError, DatastoreInputError, EmptyCorpusError
+from ..jsonl import iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -37,23 +38,14 @@ def read_prompts(paths: Sequence[str | Path], field: str = "text", limit: Option
     """
     prompts: list[str] = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatastoreInputError(f"{path}:{i}: not JSON ({e.msg})") from None
-                turns = row.get("turns") if isinstance(row, dict) else None
-                text = (
-                    turns[0] if isinstance(turns, list) and turns else row.get(field) if isinstance(row, dict) else None
-                )
-                if not isinstance(text, str) or not text.strip():
-                    raise DatastoreInputError(f"{path}:{i}: no prompt ('turns' or a string {field!r})")
-                prompts.append(text)
-                if limit is not None and len(prompts) >= limit:
-                    return prompts
+        for i, row in iter_jsonl(path, DatastoreInputError):
+            turns = row.get("turns") if isinstance(row, dict) else None
+            text = turns[0] if isinstance(turns, list) and turns else row.get(field) if isinstance(row, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                raise DatastoreInputError(f"{path}:{i}: no prompt ('turns' or a string {field!r})")
+            prompts.append(text)
+            if limit is not None and len(prompts) >= limit:
+                return prompts
     if not prompts:
         raise EmptyCorpusError("no prompts in the inputs")
     return prompts
