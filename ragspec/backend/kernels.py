@@ -55,6 +55,8 @@ __all__ = [
     "load_few_query_attention",
     "kernel_dir",
     "cpu_kernels_enabled",
+    "cpu_isa",
+    "set_cpu_isa",
 ]
 
 # rows up to which the compiled kernel beats oneDNN's pre-packed linear (measured on the
@@ -125,6 +127,7 @@ def _import_built(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[_NAME] = module
+    logger.debug("compiled CPU kernels loaded from %s: %s path", path, module.cpu_isa())
     return module
 
 
@@ -208,6 +211,32 @@ def load_few_query_attention(cache_dir: Optional[Path] = None) -> Optional[FewQu
     """
     module = _load_module(cache_dir)
     return None if module is None else module.few_query_attention
+
+
+def cpu_isa(cache_dir: Optional[Path] = None) -> Optional[str]:
+    """The instruction set the compiled kernels use: ``"avx512"`` (AVX-512 F/BW/VL/DQ, where
+    the CPU has it) or ``"avx2"`` (AVX2/FMA: other CPUs, or ``RAGSPEC_CPU_ISA=avx2`` in the
+    environment at the kernels' first call); None where the kernels are unavailable (same
+    conditions as :func:`load_skinny_linear`, which it builds or loads first)."""
+    module = _load_module(cache_dir)
+    return None if module is None else str(module.cpu_isa())
+
+
+def set_cpu_isa(name: str, cache_dir: Optional[Path] = None) -> str:
+    """Switch the compiled kernels of this process to ``"avx2"``, ``"avx512"`` or ``"auto"``
+    (the CPU's best unless ``RAGSPEC_CPU_ISA=avx2``), e.g. to test both paths on an AVX-512
+    machine; returns the previous one. The two paths sum in another order (values agree
+    to float32 rounding); within one path ``quant_linear`` equals ``skinny_linear`` over
+    the de-quantized weight bit for bit.
+
+    Raises:
+        RuntimeError: the kernels are unavailable, ``name`` is unknown, or ``"avx512"`` on
+            a CPU without it.
+    """
+    module = _load_module(cache_dir)
+    if module is None:
+        raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
+    return str(module.set_cpu_isa(name))
 
 
 def _load_module(cache_dir: Optional[Path] = None):
