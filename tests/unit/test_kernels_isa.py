@@ -4,7 +4,8 @@ and their runtime dispatch (``RAGSPEC_CPU_ISA``, :func:`ragspec.backend.kernels.
 Each path is checked against torch's float32 reference (F.linear / SDPA) within float32
 rounding, ``quant_linear`` against ``skinny_linear`` over the de-quantized weight bit for
 bit within one path, and every output row against the same row computed alone (batched
-verification relies on it). The AVX-512 cases are skipped, with that reason, on a CPU
+verification relies on it). ``few_query_attention`` runs the same 8-lane code on both paths
+(checked under both settings all the same). The AVX-512 cases are skipped, with that reason, on a CPU
 without AVX-512."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // Few-row linear layer y = x W^T (+ b) for float32 on AVX2/FMA CPUs, and (below) the
-// attention of a few query rows over a KV cache.
+// attention of a few query rows over a KV cache; AVX-512F variants of the linear layers
+// further below (namespace k512), chosen at the first call from the CPU's flags (current_isa).
 //
 // Decoding and draft verification multiply 1-16 activation rows with each weight matrix,
 // so the cost is streaming the weight from memory once. BLAS sgemm/sgemv kernels reach
@@ -237,7 +238,7 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
 
 }  // namespace
 // ---------------------------------------------------------------------------------------
-// AVX-512F variants of the kernels above, compiled for that ISA function by function (the
+// AVX-512F variants of the linear kernels above, compiled for that ISA function by function (the
 // pragma below; the library's flags stay -mavx2 -mfma) and chosen at the first call from
 // the CPU's flags (see current_isa: RAGSPEC_CPU_ISA=avx2 masks them off).
 //
@@ -419,110 +420,6 @@ void quant_row(int64_t fmt, const uint8_t* q, const float* s, int64_t qrow, int6
   rows_block<1>(buf, x, y, o, R, I, O);
 }
 
-// exp for 16 floats (exp256's polynomial)
-inline __m512 exp512(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
-  e = _mm512_slli_epi32(e, 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
-
-// attend_block with 16 lanes (ND = d / 16)
-template <int ND>
-inline void attend_block16(const AttnArgs& a, int64_t h, int64_t b, float* score) {
-  constexpr int64_t d = 16 * ND;
-  const int64_t R = a.G * a.Q;
-  const int64_t j0 = b * kKeyBlock, n = (a.S < j0 + kKeyBlock ? a.S : j0 + kKeyBlock) - j0;
-  const float* kb = a.k + h * a.ksH + j0 * a.ksS;
-  const float* vb = a.v + h * a.vsH + j0 * a.vsS;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t g = r / a.Q, i = r % a.Q;
-    const float* qrow = a.q + (h * a.G + g) * a.qsH + i * a.qsQ;
-    __m512 qv[ND];
-    for (int c = 0; c < ND; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qrow + 16 * c), _mm512_set1_ps(a.scale));
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const float* k0 = kb + j * a.ksS;
-      __m512 acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + t * a.ksS));
-      for (int c = 1; c < ND; ++c)
-        for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + t * a.ksS + 16 * c), acc[t]);
-      __m256 f[8];
-      for (int t = 0; t < 8; ++t) f[t] = fold(acc[t]);
-      _mm256_storeu_ps(score + j, hsum8(f));
-    }
-    for (; j < n; ++j) {
-      const float* krow = kb + j * a.ksS;
-      __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(krow));
-      for (int c = 1; c < ND; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow + 16 * c), s);
-      score[j] = _mm512_reduce_add_ps(s);
-    }
-    float mx = -INFINITY;
-    const bool* mrow = a.mask ? a.mask + i * a.S + j0 : nullptr;
-    for (int64_t t = 0; t < n; ++t) {
-      if (mrow && !mrow[t]) score[t] = -INFINITY;
-      mx = score[t] > mx ? score[t] : mx;
-    }
-    float* st = a.stats + ((h * a.nb + b) * R + r) * 2;
-    float* pr = a.part + ((h * a.nb + b) * R + r) * d;
-    if (mx == -INFINITY) {
-      st[0] = -INFINITY;
-      st[1] = 0.f;
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(pr + 16 * c, _mm512_setzero_ps());
-      continue;
-    }
-    const __m512 vmx = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 lsum = _mm512_setzero_ps();
-    j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m512 s = _mm512_loadu_ps(score + j);
-      const __mmask16 keep = _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_UQ);
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(s, vmx)));
-      _mm512_storeu_ps(score + j, e);
-      lsum = _mm512_add_ps(lsum, e);
-    }
-    float l = _mm512_reduce_add_ps(lsum);
-    for (; j < n; ++j) {
-      score[j] = score[j] == -INFINITY ? 0.f : expf(score[j] - mx);
-      l += score[j];
-    }
-    __m512 acc[ND];
-    for (int c = 0; c < ND; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(score[t]);
-      const float* vrow = vb + t * a.vsS;
-      for (int c = 0; c < ND; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
-    }
-    st[0] = mx;
-    st[1] = l;
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(pr + 16 * c, acc[c]);
-  }
-}
-
-// few_query_attention's work items i0 .. i1 (score: kKeyBlock floats)
-void attend_items(const AttnArgs& a, int64_t d, int64_t i0, int64_t i1, float* score) {
-  for (int64_t item = i0; item < i1; ++item) {
-    const int64_t h = item / a.nb, b = item % a.nb;
-    if (d == 32) attend_block16<2>(a, h, b, score);
-    else if (d == 64) attend_block16<4>(a, h, b, score);
-    else attend_block16<8>(a, h, b, score);
-  }
-}
-
 }  // namespace k512
 }  // namespace
 #pragma GCC pop_options
@@ -694,13 +591,10 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
              m2.defined() ? m2.data_ptr<bool>() : nullptr, stats.data_ptr<float>(), part.data_ptr<float>(),
              G, Q, S, nb, query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1),
              value.stride(2), static_cast<float>(scale)};
-  const bool wide = current_isa() == kIsaAvx512;
+  // (the same 8-lane code on the AVX-512 path: a 16-lane port measured 5-12% slower at 700
+  // cached keys, d = 64, 1-16 queries, the 8-key score blocks' reductions outweighing it)
   at::parallel_for(0, Hkv * nb, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float score[kKeyBlock];
-    if (wide) {
-      k512::attend_items(a, d, i0, i1, score);
-      return;
-    }
+    alignas(32) float score[kKeyBlock];
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t h = item / nb, b = item % nb;
       if (d == 32) attend_block<4>(a, h, b, score);
