@@ -8,6 +8,8 @@ multiplies few activation rows with such blocks directly (llama.cpp's layouts,
 de-quantized weight (the de-quantization is exact in float32, see the kernel's source), so
 greedy output is unchanged. Measured on the 2-core CPU, all 210 decoder linears of
 SmolLM2-135M for one row: 22-25 ms float32, 14 ms from Q4_1; the output layer 5.3 -> 2.9 ms.
+On an AVX-512 CPU the kernel de-quantizes in registers (one thread, a shared 2-vCPU Xeon):
+decoder 13.6 -> 5.0 ms, output layer 5.2 -> 1.75 ms against its AVX2 path.
 
 Each weight of the loaded model is matched to a GGUF tensor by content, not by name:
 transformers permutes the rows of some tensors while loading (the query and key
