@@ -53,6 +53,7 @@ __all__ = [
     "load_skinny_linear",
     "load_quant_linear",
     "load_few_query_attention",
+    "load_decoder_step",
     "kernel_dir",
     "cpu_kernels_enabled",
 ]
@@ -72,7 +73,11 @@ QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
 FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "cpu_kernels.cpp"
+# the extension's translation units, and every file whose change must rebuild it (the hash)
+_SOURCES = (_SOURCE, _CSRC / "decoder_step.cpp")
+_HASHED = (*_SOURCES, _CSRC / "cpu_kernels.h")
 
 
 def cpu_kernels_enabled(value: Optional[str] = None) -> bool:
@@ -108,7 +113,7 @@ def kernel_dir(cache_dir: Optional[Path] = None) -> Path:
         from ..models import cache_dir as default_cache
 
         cache_dir = default_cache()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HASHED) + " ".join(_CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
     return Path(cache_dir) / "kernels" / tag
 
@@ -148,7 +153,7 @@ def _build(final: Path) -> object:
     try:
         module = load(
             name=_NAME,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(tmp),
@@ -208,6 +213,18 @@ def load_few_query_attention(cache_dir: Optional[Path] = None) -> Optional[FewQu
     """
     module = _load_module(cache_dir)
     return None if module is None else module.few_query_attention
+
+
+def load_decoder_step(cache_dir: Optional[Path] = None) -> Optional[type]:
+    """Load the fused decoder step of Llama-architecture models (``csrc/decoder_step.cpp``,
+    same library and conditions as :func:`load_skinny_linear`).
+
+    Returns:
+        the ``DecoderStep`` class (built once per model by
+        :func:`ragspec.backend.native.build_decoder_step`), or None where unavailable.
+    """
+    module = _load_module(cache_dir)
+    return None if module is None else getattr(module, "DecoderStep", None)
 
 
 def _load_module(cache_dir: Optional[Path] = None):

@@ -8,6 +8,8 @@
 // reaches ~20 GB/s. Threads: ATen's intra-op pool (at::parallel_for), split over output
 // features. Summation order differs from BLAS (8 lanes, then a horizontal sum), so values
 // agree with F.linear to float32 rounding, not bit for bit.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -375,4 +377,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "few-row float32 linear layer (AVX2/FMA)");
   m.def("quant_linear", &quant_linear, "few-row linear layer over Q4_1 / Q8_0 GGUF weights (AVX2/FMA)");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX2/FMA)");
+  register_decoder_step(m);  // decoder_step.cpp
 }
