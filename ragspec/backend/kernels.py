@@ -18,6 +18,10 @@ SDPA splits only over heads and query blocks, 9 small items for a decoding step 
 default model): per step at 789 cached tokens, interleaved, 74 -> 61 ms for one token, 91 ->
 79 ms for 4.
 
+The same library holds ``DecoderStep`` (:func:`load_decoder_step`, ``csrc/decoder_step.cpp``):
+every decoder layer of a Llama-architecture model for a step's rows in one call, calling
+the kernels above directly (see :mod:`ragspec.backend.native`).
+
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (about 45 s;
 needs a C++ compiler and ninja) into ragspec's cache (``<cache>/kernels/``, see
 :func:`kernel_dir`), and imported from there afterwards (well under a second; a read-only
