@@ -39,9 +39,11 @@ from .fastpaths import (
     skinny_linear,
 )
 from .kernels import SKINNY_MAX_ROWS
+from .native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
 
 if TYPE_CHECKING:
     from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
+    from .quant import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +267,14 @@ class HFTarget:
         self._packed_bias: Optional[torch.Tensor] = None
         self.packed_linears = 0
         self._gguf: dict[int, GGUFLinear] = {}  # weight data_ptr -> GGUF-block twin, see use_gguf_weights
+        self._gguf_weights: dict[int, "GGUFWeight"] = {}  # the same twins' blocks (for the native step)
+        self._native: Optional[NativeDecoder] = None  # the fused decoder step, see use_native_step
+        # prompts of more tokens than this on an empty state prefill through transformers'
+        # forward (multi-row GEMMs: 700 tokens of the default model in ~0.8 s on the 2-core
+        # CPU, natively in chunks of 16 ~1.5 s), shorter ones and extensions of a filled
+        # state natively in chunks; 0: every first prefill through transformers, so that
+        # every value is the transformers path's bit for bit
+        self.native_prefill_rows = 0
         self._skinny: Optional["SkinnyLinear"] = None  # compiled few-row kernel, see prepack_linears
         self._attention_kernel: Optional["FewQueryAttention"] = None  # see use_attention_kernel
         self._scope = KernelScope()  # fast linear kernels apply inside our own forwards only
@@ -289,13 +299,16 @@ class HFTarget:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ------------------------------------------------------------------ state
-    def new_state(self) -> KVState:
-        """A fresh, empty KV cache for one request."""
+    def new_state(self) -> Union[KVState, NativeKVState]:
+        """A fresh, empty KV cache for one request (a :class:`NativeKVState` once
+        :meth:`use_native_step` is on)."""
+        if self._native is not None:
+            return self._native.new_state()
         # Full (non-sliding) layers on purpose: rollback by crop/index-select is exact on them;
         # sliding-window attention is still applied through the attention mask.
         return KVState(cache=_growable_cache(), length=0)
 
-    def state_length(self, state: KVState) -> int:
+    def state_length(self, state: Union[KVState, NativeKVState]) -> int:
         """Tokens whose keys/values are in ``state``."""
         return state.length
 
@@ -348,6 +361,10 @@ class HFTarget:
         weights, grouped-query attention without key/value head copies, and on CPU the
         compiled few-query attention.
 
+        With the compiled kernels on a Llama-architecture model, decoding and verification
+        run every decoder layer in one C++ call (:meth:`use_native_step`), unless
+        ``RAGSPEC_NATIVE_STEP=0``.
+
         Args:
             cpu_kernels: route few-row linears and attention through ragspec's compiled CPU
                 kernels (:mod:`ragspec.backend.kernels`: built on first use, ~45 s, then
@@ -358,7 +375,13 @@ class HFTarget:
                 linear weights it holds exactly are read from its blocks
                 (:meth:`use_gguf_weights`; the same output bit for bit, fewer bytes per step).
         """
-        from .kernels import cpu_kernels_enabled, load_few_query_attention, load_quant_linear, load_skinny_linear
+        from .kernels import (
+            cpu_kernels_enabled,
+            load_decoder_step,
+            load_few_query_attention,
+            load_quant_linear,
+            load_skinny_linear,
+        )
 
         cache_dir = Path(cache) if cache else None
         skinny = None
@@ -372,6 +395,42 @@ class HFTarget:
         if skinny is not None:
             # the same compiled library: already built and imported above
             self.use_attention_kernel(load_few_query_attention(cache_dir))
+            if native_step_enabled():
+                self.use_native_step(load_decoder_step(cache_dir))
+
+    def use_native_step(self, step_cls: Optional[type]) -> bool:
+        """Run decoding, verification and short prefills through the fused C++ decoder step
+        (:mod:`ragspec.backend.native`; ``step_cls`` from
+        :func:`ragspec.backend.kernels.load_decoder_step`, None: off again). States made
+        from here on are :class:`NativeKVState` (states made before keep transformers'
+        path). The values are those of this object's transformers forward with the compiled
+        kernels, bit for bit; where a step is ~20-25 ms (one row of the default model on the
+        2-core CPU) it saves the per-module Python of its 30 layers. Needs the compiled
+        few-row kernel in use (:meth:`prepack_linears`) and a decoder that
+        :func:`~ragspec.backend.native.native_step_unsupported` accepts; otherwise a no-op
+        (logged at debug level).
+
+        Returns:
+            whether the native step is in use.
+        """
+        if step_cls is None:
+            self._native = None
+            return False
+        if self._skinny is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            logger.debug("native decoder step off: needs the compiled kernel, float32 on CPU")
+            return False
+        reason = native_step_unsupported(self._decoder)
+        if reason is not None:
+            logger.debug("native decoder step off: %s", reason)
+            return False
+        self._native = NativeDecoder(step_cls, self._decoder, self._gguf_weights)
+        logger.debug("native decoder step on (%d layers)", self._native.num_layers)
+        return True
+
+    @property
+    def native_step(self) -> Optional[NativeDecoder]:
+        """The fused decoder step in use (:meth:`use_native_step`), or None."""
+        return self._native
 
     # ------------------------------------------------------------------ forwards
     def _packed_lm_head(self) -> Optional[torch.Tensor]:
@@ -463,6 +522,7 @@ class HFTarget:
             )
             return 0
         self._gguf = {weights[name].data_ptr(): bind_gguf_linear(kernel, q) for name, q in matched.items()}
+        self._gguf_weights = {weights[name].data_ptr(): q for name, q in matched.items()}
         logger.debug("%d of %d linear weights served from GGUF blocks of %s", len(matched), len(weights), path)
         return len(self._gguf)
 
@@ -578,7 +638,9 @@ class HFTarget:
         state.length += int(input_ids.shape[1])
         return out.last_hidden_state[0]  # [Q, H]
 
-    def prefill(self, state: KVState, input_ids: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
+    def prefill(
+        self, state: Union[KVState, NativeKVState], input_ids: Sequence[int], *, return_hidden: bool = False
+    ) -> ForwardOutput:
         """Run the prompt through the model.
 
         Args:
@@ -589,8 +651,69 @@ class HFTarget:
             logits float32 [1, V] of the last position (and hidden [T, H] if asked).
         """
         ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)[None]  # [1, T]
-        hidden = self._run(state, ids, None, None)  # [T, H]
+        if isinstance(state, NativeKVState):
+            hidden = self._native_prefill(state, ids[0])
+        else:
+            hidden = self._run(state, ids, None, None)  # [T, H]
         return ForwardOutput(self._logits(hidden[-1:]), hidden if return_hidden else None)
+
+    def _native_decoder(self) -> NativeDecoder:
+        if self._native is None:
+            raise ConfigError("a native KV state needs the native decoder step (use_native_step)")
+        return self._native
+
+    def _native_prefill(self, state: NativeKVState, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [T] -> hidden [T, H]. An empty state and more than
+        ``native_prefill_rows`` tokens: transformers' forward (multi-row GEMMs) into a
+        transformers cache whose entries are then copied into the state's buffer; else the
+        native step over chunks of at most ``SKINNY_MAX_ROWS`` tokens (causal)."""
+        native = self._native_decoder()
+        t = int(ids.shape[0])
+        if state.length == 0 and t > self.native_prefill_rows:
+            tmp = KVState(cache=_growable_cache(), length=0)
+            hidden = self._run(tmp, ids[None], None, None)  # [T, H]
+            native.load_cache(state, tmp.cache, tmp.length)
+            return hidden
+        parts = []
+        for a in range(0, t, SKINNY_MAX_ROWS):
+            chunk = ids[a : a + SKINNY_MAX_ROWS]
+            q = int(chunk.shape[0])
+            pos = torch.arange(state.length, state.length + q)
+            parts.append(native.forward([state], chunk, pos, [0, q], [None]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _native_rows(self, item: VerifyItem) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """An item's tokens int64 [N + 1], position ids int64 [N + 1] and attention mask
+        (bool [N + 1, past + N + 1] for a branching tree; None: causal)."""
+        tree, past = item.tree, item.state.length
+        n = tree.num_nodes
+        ids = torch.empty(n + 1, dtype=torch.long)
+        ids[0] = item.root_token
+        if n:
+            ids[1:] = tree.tokens
+        if n == 0 or tree.is_chain:
+            return ids, torch.arange(past, past + n + 1), None
+        mask = tree_attention_mask(tree, past)[0, 0]  # [N+1, past+N+1]
+        return ids, tree_position_ids(tree, past)[0], mask
+
+    def _native_verify(self, items: Sequence[VerifyItem]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """One native step over the rows of all ``items`` -> (hidden [R, H], each item's
+        rows ``(start, stop)``); each state grew by its rows."""
+        ids, pos, masks, bounds = [], [], [], [0]
+        for it in items:
+            i, p, m = self._native_rows(it)
+            ids.append(i)
+            pos.append(p)
+            masks.append(m)
+            bounds.append(bounds[-1] + int(i.shape[0]))
+        hidden = self._native_decoder().forward(
+            [it.state for it in items],
+            ids[0] if len(ids) == 1 else torch.cat(ids),
+            pos[0] if len(pos) == 1 else torch.cat(pos),
+            bounds,
+            masks,
+        )
+        return hidden, list(zip(bounds[:-1], bounds[1:]))
 
     def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
         """The verification forward of every item (see :meth:`verify_one`; each request
@@ -604,6 +727,9 @@ class HFTarget:
         routed through ragspec's function, a Llama or Gemma-3 text decoder, items of at
         most ``SKINNY_MAX_ROWS`` rows. Other items (and every item elsewhere) run one after
         another through :meth:`verify_one`. A single item always takes :meth:`verify_one`.
+        Items over native KV states (:meth:`use_native_step`) of at most ``SKINNY_MAX_ROWS``
+        rows share one native step the same way (each request attends to its own buffer;
+        the kernels compute every row on its own, so each gets exactly its solo values).
 
         Returns:
             one :class:`ForwardOutput` per item, in order; each state grew by its N + 1 rows.
@@ -616,6 +742,16 @@ class HFTarget:
         if len(items) > 1:
             if len({id(it.state) for it in items}) != len(items):
                 raise ConfigError("verify: the same KV state appears in two items")
+            native = [
+                i
+                for i, it in enumerate(items)
+                if isinstance(it.state, NativeKVState) and it.tree.num_nodes + 1 <= SKINNY_MAX_ROWS
+            ]
+            if len(native) > 1:
+                batch = [items[i] for i in native]
+                hidden, bounds = self._native_verify(batch)
+                for i, out in zip(native, self._batch_outputs(batch, bounds, hidden)):
+                    outs[i] = out
             group = [i for i, it in enumerate(items) if self._batchable(it)] if self.batches else []
             if len(group) > 1:
                 for i, out in zip(group, self._verify_batch([items[i] for i in group])):
@@ -729,7 +865,13 @@ class HFTarget:
             self._scope.chunked = False
         for it, (a, b) in zip(items, bounds):
             it.state.length += b - a
-        hidden = out.last_hidden_state[0]  # [R, H]
+        return self._batch_outputs(items, bounds, out.last_hidden_state[0])
+
+    def _batch_outputs(
+        self, items: Sequence[VerifyItem], bounds: Sequence[tuple[int, int]], hidden: torch.Tensor
+    ) -> list[ForwardOutput]:
+        """The outputs of a batched verification from its hidden states [R, H] (item i's
+        rows ``bounds[i]``)."""
         # the output layer over every row needed now, all requests at once: all rows of a
         # request verified with full logits, row 0 of a lazy one (greedy always reads it)
         rows: list[int] = []
@@ -752,7 +894,7 @@ class HFTarget:
 
     def verify_one(
         self,
-        state: KVState,
+        state: Union[KVState, NativeKVState],
         root_token: int,
         tree: DraftTree,
         *,
@@ -772,6 +914,16 @@ class HFTarget:
         Returns:
             logits float32 [N + 1, V] (and hidden [N + 1, H] if asked).
         """
+        if isinstance(state, NativeKVState):
+            hidden, _ = self._native_verify([VerifyItem(state, root_token, tree)])
+        else:
+            hidden = self._verify_hf(state, root_token, tree)
+        if lazy_logits:
+            return ForwardOutput(None, hidden if return_hidden else None, RowLogits(self, hidden))
+        return ForwardOutput(self._logits(hidden), hidden if return_hidden else None)
+
+    def _verify_hf(self, state: KVState, root_token: int, tree: DraftTree) -> torch.Tensor:
+        """:meth:`verify_one`'s forward through transformers -> hidden [N + 1, H]."""
         n = tree.num_nodes
         ids = torch.empty(1, n + 1, dtype=torch.long)
         ids[0, 0] = root_token
@@ -785,9 +937,7 @@ class HFTarget:
         else:
             pos, attn = self._tree_masks(tree, past)
             hidden = self._run(state, ids, pos, attn)
-        if lazy_logits:
-            return ForwardOutput(None, hidden if return_hidden else None, RowLogits(self, hidden))
-        return ForwardOutput(self._logits(hidden), hidden if return_hidden else None)
+        return hidden
 
     def _tree_masks(self, tree: DraftTree, past: int) -> tuple[torch.Tensor, Any]:
         """Position ids int64 [1, N + 1] and the attention mask(s) of a tree's verification
@@ -814,13 +964,16 @@ class HFTarget:
         neg = torch.finfo(self.dtype).min
         return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, neg)
 
-    def commit(self, state: KVState, past_len: int, accepted_nodes: Sequence[int]) -> None:
+    def commit(self, state: Union[KVState, NativeKVState], past_len: int, accepted_nodes: Sequence[int]) -> None:
         """Roll the cache back to ``past_len`` + root + the accepted nodes.
 
         Args:
             past_len: cache length before the verification forward.
             accepted_nodes: indices of accepted draft nodes, root to leaf.
         """
+        if isinstance(state, NativeKVState):
+            self._native_decoder().commit(state, past_len, accepted_nodes)
+            return
         keep = past_len + 1 + len(accepted_nodes)
         if list(accepted_nodes) == list(range(len(accepted_nodes))):
             # accepted path is a prefix of the forward's rows: a crop suffices
@@ -836,9 +989,12 @@ class HFTarget:
                 layer.values = layer.values.index_select(-2, full)
         state.length = keep
 
-    def rollback(self, state: KVState, length: int) -> None:
+    def rollback(self, state: Union[KVState, NativeKVState], length: int) -> None:
         """Drop every cache entry from position ``length`` on (keys/values are views, so
         this copies nothing)."""
+        if isinstance(state, NativeKVState):
+            NativeDecoder.rollback(state, length)
+            return
         if state.length > length:
             for layer in state.cache.layers:
                 if layer.keys is not None and layer.keys.numel():

@@ -30,6 +30,10 @@ SDPA splits only over heads and query blocks, 9 small items for a decoding step 
 default model): per step at 789 cached tokens, interleaved, 74 -> 61 ms for one token, 91 ->
 79 ms for 4.
 
+The same library holds ``DecoderStep`` (:func:`load_decoder_step`, ``csrc/decoder_step.cpp``):
+every decoder layer of a Llama-architecture model for a step's rows in one call, calling
+the kernels above directly (see :mod:`ragspec.backend.native`).
+
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (about 45 s;
 needs a C++ compiler and ninja) into ragspec's cache (``<cache>/kernels/``, see
 :func:`kernel_dir`), and imported from there afterwards (well under a second; a read-only
@@ -65,6 +69,7 @@ __all__ = [
     "load_skinny_linear",
     "load_quant_linear",
     "load_few_query_attention",
+    "load_decoder_step",
     "kernel_dir",
     "cpu_kernels_enabled",
     "cpu_isa",
@@ -86,7 +91,11 @@ QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
 FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "cpu_kernels.cpp"
+# the extension's translation units, and every file whose change must rebuild it (the hash)
+_SOURCES = (_SOURCE, _CSRC / "decoder_step.cpp")
+_HASHED = (*_SOURCES, _CSRC / "cpu_kernels.h")
 
 
 def cpu_kernels_enabled(value: Optional[str] = None) -> bool:
@@ -122,7 +131,7 @@ def kernel_dir(cache_dir: Optional[Path] = None) -> Path:
         from ..models import cache_dir as default_cache
 
         cache_dir = default_cache()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HASHED) + " ".join(_CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
     return Path(cache_dir) / "kernels" / tag
 
@@ -163,7 +172,7 @@ def _build(final: Path) -> object:
     try:
         module = load(
             name=_NAME,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(tmp),
@@ -249,6 +258,18 @@ def set_cpu_isa(name: str, cache_dir: Optional[Path] = None) -> str:
     if module is None:
         raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
     return str(module.set_cpu_isa(name))
+
+
+def load_decoder_step(cache_dir: Optional[Path] = None) -> Optional[type]:
+    """Load the fused decoder step of Llama-architecture models (``csrc/decoder_step.cpp``,
+    same library and conditions as :func:`load_skinny_linear`).
+
+    Returns:
+        the ``DecoderStep`` class (built once per model by
+        :func:`ragspec.backend.native.build_decoder_step`), or None where unavailable.
+    """
+    module = _load_module(cache_dir)
+    return None if module is None else getattr(module, "DecoderStep", None)
 
 
 def _load_module(cache_dir: Optional[Path] = None):

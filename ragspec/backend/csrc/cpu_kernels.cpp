@@ -9,6 +9,8 @@
 // reaches ~20 GB/s. Threads: ATen's intra-op pool (at::parallel_for), split over output
 // features. Summation order differs from BLAS (8 lanes, then a horizontal sum), so values
 // agree with F.linear to float32 rounding, not bit for bit.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -637,4 +639,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels use now: 'avx512' or 'avx2'");
   m.def("set_cpu_isa", &set_cpu_isa, "switch the kernels to 'avx2', 'avx512' or 'auto'; returns the previous one");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX-512 or AVX2/FMA)");
+  register_decoder_step(m);  // decoder_step.cpp
 }

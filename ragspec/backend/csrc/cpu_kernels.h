@@ -1,0 +1,22 @@
+// Declarations of the compiled CPU kernels of cpu_kernels.cpp, shared with the other
+// sources of the same extension library (decoder_step.cpp calls them directly).
+#pragma once
+
+#include <torch/extension.h>
+
+// x float32 [R, I] contiguous; weight float32 [O, I] contiguous; bias float32 [O] or empty
+// -> float32 [R, O]. Every output row depends on its input row alone.
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+
+// The same over a GGUF block weight (qs, scales, format code) -> float32 [R, O], bit for bit
+// skinny_linear over the de-quantized weight.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt,
+                           c10::optional<torch::Tensor> bias);
+
+// query float32 [1, Hq, Q, d], key/value [1, Hkv, S, d] (contiguous last dimension), mask
+// bool [1, 1, Q, S] or empty, scale -> float32 [1, Q, Hq, d].
+torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                  c10::optional<torch::Tensor> mask, double scale);
+
+// Registers the fused decoder step (decoder_step.cpp) with the extension module.
+void register_decoder_step(pybind11::module& m);
