@@ -12,6 +12,11 @@ CUDA; a no-op on CPU), so queued GPU work is never left out. With ``warmup`` eac
 runs once on the first prompt before anything is timed (CUDA context and kernel caches,
 ``torch.compile`` of the static-cache baseline, cuBLAS handles).
 
+With ``compare`` (``ragspec bench --compare llamacpp``) another decoder's plain greedy
+(:mod:`ragspec.compare`: llama-cpp-python on the same GGUF, the same token ids and thread
+count) runs as one more interleaved method; the summary gains its tokens/s, prefill
+seconds, decode-only tokens/s, first divergence from the baseline and ragspec's ratio to it.
+
 Identity: in float32 (TF32 off) ragspec's greedy output should equal ``model.generate``'s
 token for token. In bfloat16 it cannot be promised (a multi-row verification forward
 rounds differently from a one-row step, which flips near-tied argmaxes), so the summary
@@ -31,6 +36,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .compare import compare_entry, format_compare_table, summarize_compare
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +129,12 @@ class BenchRecord:
     more_budgets: dict = field(default_factory=dict)
     """Runs of ragspec at other draft budgets: str(budget) -> {"s", "tokens", "identical",
     "first_diff", "mean_accepted", "forward_passes"}."""
+    compare: dict = field(default_factory=dict)
+    """Runs of ``--compare`` runners: name -> :func:`ragspec.compare.compare_entry`."""
+    plain_step_s: float = 0.0
+    plain_steps: int = 0
+    """Seconds of ragspec's forwards in steps that verified no draft, and how many (0 when
+    its per-step figures were not recorded)."""
 
 
 def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
@@ -186,6 +198,7 @@ def make_record(
     """One prompt's record: ragspec's ``GenerationOutput`` ``out`` against the baseline's
     tokens and seconds (identity is not checked when ``sampling``)."""
     st = out.stats
+    plain = [s for s in st.steps if s.num_drafted == 0]
     return BenchRecord(
         question_id=row.get("question_id"),
         category=row.get("category", ""),
@@ -206,6 +219,8 @@ def make_record(
         prefill_s=st.prefill_s,
         accepted_histogram={int(k): v for k, v in st.accepted_histogram.items()},
         steps=[x.to_dict() for x in st.steps] if keep_steps else [],
+        plain_step_s=sum(s.verify_s for s in plain),
+        plain_steps=len(plain),
     )
 
 
@@ -223,6 +238,7 @@ def run_bench(
     progress=None,
     keep_steps: bool = False,
     documents_for=None,
+    compare: Sequence = (),
 ) -> list[BenchRecord]:
     """Run the benchmark over ``rows``; see the module docstring.
 
@@ -245,6 +261,10 @@ def run_bench(
         progress: called as ``progress(i, record)`` after each prompt.
         keep_steps: keep ragspec's per-step stats in the records.
         documents_for: ``row -> list[str]`` documents handed to ragspec's drafter.
+        compare: :class:`ragspec.compare.PlainRunner` s (``--compare``), greedy only: each
+            is prepared (loaded) once before timing and runs every prompt interleaved with
+            the other methods; ragspec's per-step figures are then recorded for its
+            plain-step time.
 
     Returns:
         one BenchRecord per prompt (times in seconds).
@@ -263,6 +283,11 @@ def run_bench(
         if static_baseline
         else {}
     )
+    runners = {f"compare:{r.name}": r for r in compare}
+    if runners and sampling:
+        raise ConfigError("--compare times plain greedy decoding; use --temperature 0")
+    for r in runners.values():
+        r.prepare(max((len(ids) for ids in encoded), default=0) + max_new_tokens)
     budgets = [int(b) for b in draft_budgets] or [engine.policy.max_draft_tokens]
     engines = {}
     for b in budgets:
@@ -283,6 +308,8 @@ def run_bench(
             return _timed(
                 device, lambda: _hf_generate(model, ids, new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
             )
+        if name in runners:
+            return _timed(device, lambda: runners[name].generate(ids, new_tokens, eos))
         budget = int(name.split("@")[1])
         return _timed(
             device,
@@ -292,13 +319,13 @@ def run_bench(
                 chat=False,
                 temperature=temperature,
                 seed=seed + i,
-                return_steps=keep_steps,
+                return_steps=keep_steps or bool(runners),
                 documents=docs,
             ),
         )
 
     methods = ["baseline"] + (["static"] if static_baseline else []) + (["hf_pld"] if hf_pld else [])
-    methods += [f"ragspec@{b}" for b in budgets]
+    methods += [f"ragspec@{b}" for b in budgets] + list(runners)
     if warmup and rows:
         docs = documents_for(rows[0]) if documents_for else None
         for name in list(methods):
@@ -331,6 +358,9 @@ def run_bench(
             st_toks, st_s = results["static"]
             rec.static_s, rec.static_tokens = st_s, len(st_toks)
             rec.static_identical = (st_toks == base_toks) if not sampling else None
+        for key, r in runners.items():
+            run_, run_s = results[key]
+            rec.compare[r.name] = compare_entry(run_, run_s, base_toks)
         for b in budgets[1:]:
             o, o_s = results[f"ragspec@{b}"]
             rec.more_budgets[str(b)] = {
@@ -415,6 +445,8 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
                 "identical": sum(bool(m["identical"]) for _, m in runs),
                 "first_diffs": sorted(m["first_diff"] for _, m in runs if not m["identical"] and m["first_diff"] >= 0),
             }
+        if any(r.compare for r in rs):
+            table[g]["compare"] = summarize_compare(rs)
     return table
 
 
@@ -452,7 +484,8 @@ def format_table(table: dict, sampling: bool = False) -> str:
             line += f"{t[b]['tok_s'] if b in t else 0.0:>{len(b) + 7}.1f}"
         line += f"{t['mean_accepted']:>10.2f}{t['acceptance_rate']:>10.2f}{ident:>14}"
         lines.append(line)
-    return "\n".join(lines)
+    more = format_compare_table(table)
+    return "\n".join(lines) + (f"\n\n{more}" if more else "")
 
 
 def profile_attention(fn) -> dict:

@@ -295,7 +295,7 @@ def cmd_replay(args, rows) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from . import bench, compare
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     rows = bench.load_prompts(args.data, cats, args.limit)
@@ -303,6 +303,18 @@ def cmd_bench(args) -> int:
         raise ConfigError("no prompts selected")
     if args.replay:
         return cmd_replay(args, rows)
+    runners = []
+    if args.compare:
+        # before the model loads: a missing package or a non-GGUF model fails at once
+        from .models import resolve_model
+
+        if args.temperature > 0:
+            raise ConfigError("--compare times plain greedy decoding; use --temperature 0")
+        for name in args.compare:
+            compare.require(name)
+        gguf = resolve_model(args.model).gguf_file
+        threads = args.threads or __import__("torch").get_num_threads()
+        runners = [compare.open_runner(n, gguf=gguf, threads=threads) for n in dict.fromkeys(args.compare)]
     engine = _engine(args)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
@@ -317,26 +329,33 @@ def cmd_bench(args) -> int:
     )
 
     def progress(i, r):
+        others = "".join(f"{n} {c['tokens'] / c['s']:6.1f} tok/s  " for n, c in r.compare.items())
         print(
             f"  [{i + 1}/{len(rows)}] {r.category:<14} base {r.baseline_tokens / r.baseline_s:6.1f} tok/s  "
-            f"ragspec {r.ragspec_tokens / r.ragspec_s:6.1f} tok/s  accepted {r.mean_accepted:.2f}  "
+            f"ragspec {r.ragspec_tokens / r.ragspec_s:6.1f} tok/s  {others}accepted {r.mean_accepted:.2f}  "
             f"{'identical' if r.identical else ('sampled' if args.temperature > 0 else 'DIFFERS at %d' % r.first_diff)}",
             file=sys.stderr,
         )
 
     budgets = [int(b) for b in args.draft_budgets.split(",") if b.strip()] if args.draft_budgets else []
-    records = bench.run_bench(
-        engine,
-        rows,
-        max_new_tokens=args.max_new_tokens,
-        hf_pld=not args.no_hf_pld,
-        static_baseline=args.static_baseline,
-        draft_budgets=budgets,
-        warmup=args.warmup,
-        temperature=args.temperature,
-        progress=progress,
-        keep_steps=bool(args.json),
-    )
+    try:
+        records = bench.run_bench(
+            engine,
+            rows,
+            max_new_tokens=args.max_new_tokens,
+            hf_pld=not args.no_hf_pld,
+            static_baseline=args.static_baseline,
+            draft_budgets=budgets,
+            warmup=args.warmup,
+            temperature=args.temperature,
+            progress=progress,
+            keep_steps=bool(args.json),
+            compare=runners,
+        )
+        compare_settings = compare.runner_settings(runners) if runners else {}
+    finally:
+        for r in runners:
+            r.close()
     table = bench.summarize(records)
     print(bench.format_table(table, sampling=args.temperature > 0))
     if args.json:
@@ -364,6 +383,7 @@ def cmd_bench(args) -> int:
                         "static_baseline": args.static_baseline,
                         "static_compiled": bench.static_compiled(engine.model),
                         "warmup": args.warmup,
+                        "compare": compare_settings,
                         "torch": __import__("torch").__version__,
                         "transformers": __import__("transformers").__version__,
                     },
@@ -460,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="offline replay: where drafting steps lose against the context oracle (records greedy "
         "generations into FILE first when it does not exist; see ragspec/replay.py)",
+    )
+    b.add_argument(
+        "--compare",
+        action="append",
+        choices=("llamacpp",),
+        default=None,
+        help="also time another decoder's plain greedy on the same GGUF, token ids and threads "
+        "(llamacpp: llama-cpp-python, pip install 'ragspec[compare]'); repeatable",
     )
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)

@@ -19,6 +19,7 @@ __all__ = [
     "CapacityError",
     "PromptTooLongError",
     "EagleHeadMismatchError",
+    "MissingDependencyError",
 ]
 
 
@@ -72,3 +73,8 @@ class PromptTooLongError(CapacityError, ValueError):
 
 class EagleHeadMismatchError(RagspecError):
     """An EAGLE draft head was trained for another target model."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An option needs an optional dependency that is not installed; the message names
+    the extra that brings it (``pip install 'ragspec[compare]'``)."""
