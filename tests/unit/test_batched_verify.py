@@ -327,19 +327,20 @@ def test_issue21_must_hold_8_mixed_requests_5_to_900_tokens(skinny, tmp_path, mo
     engine = Engine(
         target, tok, drafter=PromptLookupDrafter(PLDConfig()), policy=PolicyConfig(prefill_chunk_tokens=256)
     )
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(3):
-        (docs / f"d{i}.txt").write_text(_text(400, 20 + i))
-    build_datastore([docs], tmp_path / "ds", tok, progress=False)
-    ds_engine = engine.with_drafter(DatastoreDrafter(Datastore.open(tmp_path / "ds", tok)))
-    engine_of = {i: (ds_engine if i == _DATASTORE_REQUEST else engine) for i in range(8)}
 
     def solo_greedy(i, chars):
         return engine.generate(_text(chars, seed=i), max_new_tokens=30, chat=False).text
 
     requests = _must_hold_requests(tok, solo_greedy)
     prompts = [_text(n, seed=i) for i, (n, _) in enumerate(requests)]
+    # a corpus holding request 0's continuation (a random model's text is in no real one)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "d0.txt").write_text(prompts[0] + solo_greedy(0, 5))
+    (docs / "d1.txt").write_text(_text(400, 21))
+    build_datastore([docs], tmp_path / "ds", tok, progress=False)
+    ds_engine = engine.with_drafter(DatastoreDrafter(Datastore.open(tmp_path / "ds", tok)))
+    engine_of = {i: (ds_engine if i == _DATASTORE_REQUEST else engine) for i in range(8)}
     lengths = [len(tok(p)["input_ids"]) for p in prompts]
     assert min(lengths) == 5 and max(lengths) == 900
 
