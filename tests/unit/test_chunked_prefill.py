@@ -321,3 +321,15 @@ def test_fake_target_engine_chunks_without_capabilities():
     while not req.done:
         out.extend(eng.step([req])[0].token_ids)
     assert out == target.reference(prompt, 5)
+
+
+def test_stream_cancel_is_seen_between_prefill_chunks(tok):
+    """should_cancel is asked before every step after the first, prefill chunks included:
+    a client gone while a long prompt is prefilled costs one chunk, not the whole prompt."""
+    eng = _engine(tok, 100)
+    calls = []
+    chunks = list(
+        eng.stream(_text(800, 4), max_new_tokens=5, chat=False, should_cancel=lambda: calls.append(1) or True)
+    )
+    assert [c.finish_reason for c in chunks] == ["cancelled"]
+    assert chunks[-1].stats.num_prefill_chunks == 1 and len(calls) == 1
