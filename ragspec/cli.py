@@ -295,6 +295,10 @@ def cmd_replay(args, rows) -> int:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "concurrency", None):
+        from .bench_concurrency import cmd_concurrency
+
+        return cmd_concurrency(args)
     from . import bench, compare
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
@@ -490,6 +494,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(llamacpp: llama-cpp-python, pip install 'ragspec[compare]'); repeatable",
     )
     _add_model_args(b)
+    # --concurrency: ragspec.bench_concurrency (N requests through the batched engine step)
+    b.add_argument(
+        "--concurrency",
+        default=None,
+        help="e.g. 1,4,8: clients in flight through the batched engine step, per level (in process); "
+        "default categories summarization,rag",
+    )
+    b.add_argument(
+        "--stall-tokens",
+        type=int,
+        default=0,
+        help="with --concurrency: also time running streams while a prompt of this many tokens arrives",
+    )
     b.set_defaults(func=cmd_bench)
 
     # command groups of the other packages, when installed

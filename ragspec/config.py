@@ -84,14 +84,33 @@ class PLDConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """How much to draft per step."""
+    """How much work one step does: draft sizes, prefill chunks."""
 
     max_draft_tokens: int = 8
     """Most draft tokens (tree nodes) verified in one step."""
     adaptive: bool = True
     """Choose the draft size per step from the latency and acceptance models (cost-aware);
     when False every proposed draft (up to ``max_draft_tokens``) is verified."""
+    prefill_chunk_tokens: int = 256
+    """Chunked prefill (vLLM's term): a prompt enters the KV cache at most this many tokens
+    per step, so a long prompt arriving never holds up the other requests' steps for more
+    than one chunk (0 = the whole prompt in one forward). Chunk boundaries depend only on the
+    prompt, never on the other requests, so a request's output is the same alone or in a
+    batch; against an unchunked prefill only float rounding differs (other matmul shapes)."""
+    batch_aware: bool = True
+    """With ``adaptive``: when several requests are verified in one forward, choose each
+    one's draft for the committed tokens per second of the whole step, within
+    ``max_step_rows`` (drafts shrink as the batch grows; see :meth:`Engine.step`). Seeded
+    sampled requests keep their solo choice (same seed, same output)."""
+    max_step_rows: Optional[int] = None
+    """Most verification rows (roots + draft nodes of all requests) one step budgets for
+    (None: the latency model's largest measured q, where the cost model knows the cost; at
+    least one row per request is always verified)."""
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if isinstance(self.prefill_chunk_tokens, bool) or self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+        if self.max_step_rows is not None and self.max_step_rows < 1:
+            raise ConfigError(f"max_step_rows must be >= 1 or None, got {self.max_step_rows}")

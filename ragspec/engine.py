@@ -1,8 +1,11 @@
 """The decode loop: requests started with :meth:`Engine.start`, advanced by
 :meth:`Engine.step`, streamed as text chunks.
 
-A request's first step is its prefill (the first generated token comes from the prompt's
-last logits). Every later step is one target forward for all requests of the step:
+A request's first steps are its prefill: the prompt enters its KV cache in chunks of at most
+``PolicyConfig.prefill_chunk_tokens`` tokens, one chunk per step (vLLM's chunked prefill), so
+a long prompt arriving holds up the other requests' steps by one chunk's forward at most;
+the first generated token comes from the last chunk's last logits. Every later step is one
+target forward for all requests of the step:
   1. draft: each request's draft session proposes a tree; the policy keeps the part worth
      verifying (possibly nothing: plain decoding);
   2. verify: one ``Target.verify`` call over every request's root + tree; the verifier
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Request", "DrafterParts"]
+__all__ = ["Engine", "Request", "DrafterParts", "StepReport"]
 
 Prompt = Union[str, Sequence[int]]
 
@@ -115,6 +118,12 @@ class Request:
     latency: LatencyModel
     assembler: TextAssembler
     want_hidden: bool = False
+    prefill_chunk: int = 0
+    """Prompt tokens per prefill step (0: the whole prompt at once); fixed at start."""
+    prefilled: int = 0
+    """Prompt tokens already in ``state`` (chunked prefill progress)."""
+    batch_independent: bool = False
+    """Its drafts never depend on the other requests of a step (seeded sampling)."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -123,6 +132,8 @@ class Request:
     """The final chunk has been returned; stepping it again is an error."""
     started_s: float = 0.0
     """``time.perf_counter()`` at its first step (0 before)."""
+    created_s: float = field(default_factory=time.perf_counter)
+    """``time.perf_counter()`` when :meth:`Engine.start` made it."""
 
     def cancel(self) -> None:
         """Ask the engine to end this request at its next step (with ``finish_reason``
@@ -132,6 +143,40 @@ class Request:
     @property
     def num_generated_tokens(self) -> int:
         return len(self.assembler.token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its prompt is not fully in its KV cache yet (its next step is a chunk)."""
+        return self.root is None and not self.finish_reason
+
+    def next_prefill_tokens(self) -> int:
+        """Prompt tokens its next step puts through the model (0 once prefilled)."""
+        if not self.prefilling:
+            return 0
+        left = len(self.prompt_ids) - self.prefilled
+        return min(left, self.prefill_chunk) if self.prefill_chunk else left
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`Engine.step` call did (``Engine.last_step``), for schedulers and
+    metrics.
+
+    Attributes:
+        requests: requests handed to the step.
+        verified: requests verified in its forward (decoding requests).
+        rows: verification rows of that forward (roots + draft nodes, all requests).
+        prefill_tokens: prompt tokens prefilled in it (all chunks).
+        prefill_chunks: prefill forwards run in it.
+        seconds: wall time of the step.
+    """
+
+    requests: int = 0
+    verified: int = 0
+    rows: int = 0
+    prefill_tokens: int = 0
+    prefill_chunks: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -187,6 +232,8 @@ class Engine:
         self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
         self._lazy_rows = bool(target.capability(Capability.LAZY_ROWS))
         self._invalid_draft_sources: set[str] = set()  # sources already warned about (logging only)
+        self.last_step = StepReport()
+        """What the latest :meth:`step` call did."""
 
     # ------------------------------------------------------------------ factories
     @classmethod
@@ -345,15 +392,38 @@ class Engine:
             latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
             want_hidden=session is not None and self._hidden_states and hasattr(session, "extend_hidden"),
+            prefill_chunk=int(self.policy.prefill_chunk_tokens),
+            batch_independent=seeded,
         )
         req.stats.num_prompt_tokens = len(prompt_ids)
         if decode.max_new_tokens == 0:
             req.finish_reason = "length"
         return req
 
+    def step_tokens(self, req: Request) -> int:
+        """Most tokens ``req`` puts through the model in its next step: its next prefill
+        chunk, or its verification rows (root + at most ``max_draft_tokens``); 0 when it
+        finishes without a forward (finished, cancelled). For schedulers' token budgets."""
+        if req.done or req.finish_reason or req.cancel_requested:
+            return 0
+        if req.prefilling:
+            return req.next_prefill_tokens()
+        return 1 + (self.policy.max_draft_tokens if req.session is not None else 0)
+
     def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
-        """Advance each request by one step: its prefill, or one draft-verify-commit round
-        in one ``Target.verify`` call for all of them.
+        """Advance each request by one step: one chunk of its prefill, or one
+        draft-verify-commit round in one ``Target.verify`` call for all of them.
+
+        Drafts in a batch (``PolicyConfig.batch_aware`` with ``adaptive``): the verification
+        forward costs about ``latency(total rows)``, so each request's draft is chosen for
+        the committed tokens per second of the whole step: request j weighs its expected
+        committed tokens plus the others' against ``latency(rows of the others + its own)``
+        (:func:`~ragspec.policy.choose_draft`'s ``other_rows`` / ``other_committed``; the
+        requests before it with their chosen drafts, the ones after it at one row and one
+        token each), and no request gets more than ``max_step_rows // requests - 1`` draft
+        nodes. A row's share of a step's cost falls as the batch grows, and so does its
+        share of the step's gain: drafts shrink with the batch. Greedy outputs do not depend
+        on drafts; seeded sampled requests keep their solo choice.
 
         Returns:
             one :class:`~ragspec.types.StreamChunk` per request, in order: the text and
@@ -366,19 +436,36 @@ class Engine:
         for req in requests:
             if req.done:
                 raise ConfigError("request already finished: its final chunk was returned")
+        t_step = time.perf_counter()
         pending: list[_Pending] = []
+        prefill_tokens = chunks = 0
         with torch.inference_mode():
+            decoding: list[tuple[int, Request]] = []
             for i, req in enumerate(requests):
                 if not req.started_s:
                     req.started_s = time.perf_counter()
+                    req.stats.queue_s = req.started_s - req.created_s
                 if req.finish_reason:
                     continue
                 if req.cancel_requested:
                     req.finish_reason = "cancelled"
                 elif req.root is None:
-                    self._prefill(req)
+                    prefill_tokens += self._prefill(req)
+                    chunks += 1
                 else:
-                    pending.append(self._draft(i, req))
+                    decoding.append((i, req))
+            batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
+            cap = self._per_request_drafts(len(decoding)) if batch else None
+            other_rows, other_committed = 0, 0.0
+            for j, (i, req) in enumerate(decoding):
+                later = len(decoding) - 1 - j  # not drafted yet: one row, one token each
+                if batch and not req.batch_independent:
+                    p = self._draft(i, req, other_rows + later, other_committed + later, cap)
+                else:
+                    p = self._draft(i, req)
+                pending.append(p)
+                other_rows += 1 + p.tree.num_nodes
+                other_committed += 1.0 + p.predicted
             if pending:
                 items = [
                     VerifyItem(p.request.state, int(p.request.root), p.tree, p.request.want_hidden, p.lazy)  # type: ignore[arg-type]
@@ -388,7 +475,22 @@ class Engine:
                 outs = self.target.verify(items)
                 for p, out in zip(pending, outs):
                     self._accept(p, out, t1, solo=len(pending) == 1)
+        self.last_step = StepReport(
+            requests=len(requests),
+            verified=len(pending),
+            rows=sum(1 + p.tree.num_nodes for p in pending),
+            prefill_tokens=prefill_tokens,
+            prefill_chunks=chunks,
+            seconds=time.perf_counter() - t_step,
+        )
         return [self._emit(req) for req in requests]
+
+    def _per_request_drafts(self, n: int) -> int:
+        """Most draft nodes per request in a step verifying ``n`` requests: the step's row
+        budget (``max_step_rows``, default the latency model's largest measured q) shared
+        evenly, one row of each request being its root."""
+        rows = self.policy.max_step_rows or max(self.latency.table)
+        return max(0, rows // max(1, n) - 1)
 
     # ------------------------------------------------------------------ thin loops
     def stream(
@@ -465,9 +567,9 @@ class Engine:
 
     def iterate(self, req: Request, should_cancel: Optional[Callable[[], bool]] = None) -> Iterator[StreamChunk]:
         """Step ``req`` alone until it finishes, yielding its non-empty chunks and the last.
-        ``should_cancel`` is asked before every step after the prefill."""
+        ``should_cancel`` is asked before every step after the first."""
         while True:
-            if should_cancel is not None and req.root is not None and should_cancel():
+            if should_cancel is not None and req.started_s and should_cancel():
                 req.cancel()
             (chunk,) = self.step([req])
             if chunk.text or chunk.token_ids or chunk.finish_reason:
@@ -507,26 +609,44 @@ class Engine:
         return GenerationOutput("".join(text_parts), tokens, stats)
 
     # ------------------------------------------------------------------ stages
-    def _prefill(self, req: Request) -> None:
-        """The request's first forward: the prompt, then its first token."""
+    def _prefill(self, req: Request) -> int:
+        """One chunk of the request's prefill (the whole prompt when unchunked); after the
+        last one, its first token (from that chunk's last logits). Returns the tokens run."""
         t0 = time.perf_counter()
-        out = self.target.prefill(req.state, req.prompt_ids, return_hidden=req.want_hidden)
+        n = req.next_prefill_tokens()
+        chunk = req.prompt_ids[req.prefilled : req.prefilled + n]
+        out = self.target.prefill(req.state, chunk, return_hidden=req.want_hidden)
+        req.prefilled += n
         if req.want_hidden:
             req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+        stats = req.stats
+        stats.num_prefill_chunks += 1
+        if req.prefilled < len(req.prompt_ids):
+            stats.prefill_s += time.perf_counter() - t0
+            return n
         assert out.logits is not None, "a prefill returns the last position's logits"
         res = req.verifier(DraftTree.empty(), out.logits, req.generator)
-        stats = req.stats
         stats.num_forward_passes += 1
-        stats.prefill_s = time.perf_counter() - t0
+        stats.prefill_s += time.perf_counter() - t0
         stats.time_to_first_token_s = time.perf_counter() - req.started_s
         req.root = res.bonus_token
         self._commit_tokens(req, [req.root])
         if req.session is not None:
             req.session.extend([req.root])
+        return n
 
-    def _draft(self, index: int, req: Request) -> _Pending:
-        """Stage 1: the part of the session's proposal worth verifying."""
-        max_draft = self.policy.max_draft_tokens
+    def _draft(
+        self,
+        index: int,
+        req: Request,
+        other_rows: int = 0,
+        other_committed: float = 0.0,
+        cap: Optional[int] = None,
+    ) -> _Pending:
+        """Stage 1: the part of the session's proposal worth verifying (``other_rows``,
+        ``other_committed``: the rest of a batched step, see :meth:`step`; ``cap``: most
+        draft nodes)."""
+        max_draft = self.policy.max_draft_tokens if cap is None else min(cap, self.policy.max_draft_tokens)
         remaining = req.decode.max_new_tokens - req.num_generated_tokens
         past = self.target.state_length(req.state)
         limit = self.target.max_length
@@ -546,7 +666,15 @@ class Engine:
                 self._dropped_invalid_drafts(req.stats, raw, proposal, dropped)
             if proposal.num_nodes:
                 if self.policy.adaptive:
-                    choice = choose_draft(proposal, req.latency, req.acceptance, budget, lazy=greedy)
+                    choice = choose_draft(
+                        proposal,
+                        req.latency,
+                        req.acceptance,
+                        budget,
+                        lazy=greedy,
+                        other_rows=other_rows,
+                        other_committed=other_committed,
+                    )
                     tree, predicted = choice.tree, choice.expected_accepted
                     # a draft likely accepted from its first token: all rows' logits at once
                     lazy = greedy and choice.lazy_logits

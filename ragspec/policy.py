@@ -531,6 +531,9 @@ def choose_draft(
     acceptance: AcceptanceModel,
     max_nodes: int,
     lazy: bool = False,
+    *,
+    other_rows: int = 0,
+    other_committed: float = 0.0,
 ) -> DraftChoice:
     """Keep the draft nodes that maximise expected committed tokens per second.
 
@@ -542,11 +545,22 @@ def choose_draft(
     path) the latency is the expected one: full when a first-level node is accepted, the
     early-exit cost otherwise (:meth:`LatencyModel.expected`).
 
+    In a batched step (other requests' ``other_rows`` rows in the same forward, expected to
+    commit ``other_committed`` tokens), the rate is the whole step's:
+    ``(other_committed + 1 + E[accepted]) / latency(other_rows + 1 + k)``; with ``lazy``
+    only this request's own rows' saving is counted (``(1 - p_first) * (latency(1 + k) -
+    latency.early(1 + k))`` off). Defaults 0: the solo rule above. Example: with
+    ``latency(q) = 40 + 3q`` ms, a node accepted with probability 0.3 is kept alone
+    (1.3 / 46 ms > 1 / 43 ms) and dropped next to 8 plain requests (9.3 / 70 ms < 9 / 67 ms):
+    a row's cost is shared by the batch's tokens, and so is its gain.
+
     Returns:
         DraftChoice with the kept tree (a sub-tree of ``tree``, topological order kept).
     """
     n = min(tree.num_nodes, max_nodes)
-    base_s = latency(1)
+    rows0 = 1 + max(0, int(other_rows))
+    extra = max(0.0, float(other_committed))
+    base_s = latency(rows0)
     if n == 0:
         return DraftChoice(DraftTree.empty(), 0.0, base_s)
     cond = acceptance.node_probs(tree)
@@ -555,7 +569,7 @@ def choose_draft(
     for i in range(tree.num_nodes):
         path[i] = cond[i] * (path[parents[i]] if parents[i] >= 0 else 1.0)
     order = sorted(range(tree.num_nodes), key=lambda i: (-path[i], tree.depth[i].item(), i))
-    best_k, best_rate, best_exp, best_p = 0, 1.0 / base_s, 0.0, 0.0
+    best_k, best_rate, best_exp, best_p = 0, (1.0 + extra) / base_s, 0.0, 0.0
     exp = 0.0
     p_first = 0.0  # chance some first-level node is accepted (they are exclusive)
     best_s = base_s
@@ -564,8 +578,13 @@ def choose_draft(
         exp += path[i]
         if parents[i] < 0:
             p_first = min(1.0, p_first + path[i])
-        step_s = latency.expected(1 + k, p_first) if lazy else latency(1 + k)
-        rate = (1.0 + exp) / step_s
+        if rows0 == 1:
+            step_s = latency.expected(1 + k, p_first) if lazy else latency(1 + k)
+        else:
+            step_s = latency(rows0 + k)
+            if lazy and p_first < LAZY_LOGITS_MAX_P:
+                step_s -= (1.0 - p_first) * max(0.0, latency(1 + k) - latency.early(1 + k))
+        rate = (1.0 + extra + exp) / step_s
         if rate > best_rate * 1.0001:
             best_k, best_rate, best_exp, best_s, best_p = k, rate, exp, step_s, p_first
     if best_k == 0:

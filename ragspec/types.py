@@ -169,8 +169,8 @@ class StepStats:
 class GenerationStats:
     """Counters and timings of one generation (times in seconds, counts in tokens).
 
-    ``num_forward_passes`` counts target forwards including the prefill; decode steps are
-    ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
+    ``num_forward_passes`` counts target forwards including the prefill (a chunked prefill
+    counts once); decode steps are ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
     step, bonus included (plain decoding gives 1.0). ``num_invalid_draft_tokens`` counts
     proposed draft nodes dropped before verification because a drafter returned token ids
     outside the vocabulary or a malformed tree (see :func:`ragspec.tree.drop_invalid_nodes`);
@@ -188,6 +188,12 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    """From the request's first step (its first prefill chunk) to its first token."""
+    queue_s: float = 0.0
+    """From :meth:`~ragspec.Engine.start` to the request's first step."""
+    num_prefill_chunks: int = 0
+    """Forwards its prompt took (chunked prefill: ceil(prompt / chunk)); counted in
+    ``num_forward_passes``, one of them as the prefill."""
     finish_reason: str = ""
     accepted_histogram: dict[int, int] = field(default_factory=dict)
     accepted_per_position: dict[int, int] = field(default_factory=dict)
@@ -231,6 +237,8 @@ class GenerationStats:
             "verify_s": self.verify_s,
             "total_s": self.total_s,
             "time_to_first_token_s": self.time_to_first_token_s,
+            "queue_s": self.queue_s,
+            "num_prefill_chunks": self.num_prefill_chunks,
             "tokens_per_s": self.tokens_per_s,
             "finish_reason": self.finish_reason,
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},

@@ -26,10 +26,17 @@ def make_char_tokenizer():
 
 
 def make_tiny_llama(
-    vocab_size: int = 96, seed: int = 0, eos_token_id=2, layers: int = 2, std: float = 0.5, head_dim=None
+    vocab_size: int = 96,
+    seed: int = 0,
+    eos_token_id=2,
+    layers: int = 2,
+    std: float = 0.5,
+    head_dim=None,
+    max_position_embeddings: int = 512,
 ):
     """A tiny random Llama (4 query / 2 key-value heads of ``head_dim``, default 8).
-    ``std=0.5`` gives varied greedy outputs (0.02 repeats one token)."""
+    ``std=0.5`` gives varied greedy outputs (0.02 repeats one token). The weights do not
+    depend on ``max_position_embeddings``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -40,7 +47,7 @@ def make_tiny_llama(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=eos_token_id,
         pad_token_id=0,

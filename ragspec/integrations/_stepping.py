@@ -8,18 +8,129 @@ worker), the first one to exit its ``with`` block turns the mode off under the o
 next forward then mixes inference tensors (their KV cache) with autograd and fails. Running
 every ``next()`` / ``close()`` inside our own ``inference_mode`` makes each resumption see
 the mode on, whatever the other generators did.
+
+:class:`BatchStepper` steps all the requests open on one engine together, from whichever
+thread asks for a chunk (LangChain's ``batch`` / ``abatch`` and concurrent calls): one
+``engine.step`` (one verification forward) per round for all of them.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ragspec.types import StreamChunk
 
-__all__ = ["step", "close", "document_texts", "merge_stop"]
+__all__ = ["step", "close", "document_texts", "merge_stop", "BatchStepper", "Slot"]
+
+
+class Slot:
+    """One request open on a :class:`BatchStepper`: its chunks not read yet."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.chunks: collections.deque[StreamChunk] = collections.deque()
+        self.finished = False  # its final chunk is in ``chunks`` (or was read)
+        self.closed = False
+        self.error: Optional[BaseException] = None
+
+
+class BatchStepper:
+    """Steps every open request of one engine together, whoever asks.
+
+    A caller opens its request (:meth:`open`) and reads chunks (:meth:`next`); a reader
+    with no chunk waiting either runs the next ``engine.step`` over *all* open requests
+    (when no step is running: it becomes that round's leader) or waits for the running one.
+    Chunks of the others are queued on their slots. Requests opened while a step runs join
+    the next one. Each request's output is its solo output (the engine's batched step
+    guarantees it). Thread-safe; every step runs in ``torch.inference_mode``.
+
+    Args:
+        engine: the :class:`ragspec.Engine` whose requests are stepped.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._open: list[Slot] = []
+        self._stepping = False
+        self.steps = 0
+        self.max_batch = 0
+        """Most requests stepped together so far (for tests and logs)."""
+
+    def open(self, make_request: Callable[[], Any]) -> Slot:
+        """Make a request (``make_request()``: ``engine.request(...)``, no forward) and open
+        it. Raises what ``make_request`` raises."""
+        with torch.inference_mode():
+            slot = Slot(make_request())
+        with self._cv:
+            self._open.append(slot)
+        return slot
+
+    def next(self, slot: Slot) -> Optional[StreamChunk]:
+        """The slot's next chunk (None after its final one), stepping all open requests
+        as needed.
+
+        Raises:
+            Exception: the engine's step failed (every request of that step gets it).
+        """
+        while True:
+            with self._cv:
+                while True:
+                    if slot.chunks:
+                        return slot.chunks.popleft()
+                    if slot.error is not None:
+                        raise slot.error
+                    if slot.finished or slot.closed:
+                        return None
+                    if not self._stepping:
+                        break
+                    self._cv.wait()
+                batch = [s for s in self._open if not s.finished]
+                self._stepping = True
+            self._step(batch)
+
+    def _step(self, batch: list[Slot]) -> None:
+        """One engine step over ``batch`` (this thread is the round's leader)."""
+        error: Optional[BaseException] = None
+        chunks: list[StreamChunk] = []
+        try:
+            with torch.inference_mode():
+                chunks = self.engine.step([s.request for s in batch])
+        except Exception as e:  # delivered to every request of the step
+            error = e
+        finally:
+            with self._cv:
+                self._stepping = False
+                self.steps += 1
+                self.max_batch = max(self.max_batch, len(batch))
+                for i, s in enumerate(batch):
+                    if error is not None:
+                        s.error, s.finished = error, True
+                    else:
+                        chunk = chunks[i]
+                        if not s.closed and (chunk.text or chunk.token_ids or chunk.finish_reason):
+                            s.chunks.append(chunk)
+                        s.finished = chunk.finish_reason is not None
+                # finished requests and closed ones (cancelled: never stepped again) leave
+                self._open = [s for s in self._open if not (s.finished or s.closed)]
+                self._cv.notify_all()
+
+    def close(self, slot: Slot) -> None:
+        """Stop reading ``slot``: an unfinished request is cancelled (ended at the next
+        step, without a forward; dropped now when no step holds it)."""
+        with self._cv:
+            slot.closed = True
+            slot.chunks.clear()
+            if slot.finished:
+                return
+            slot.request.cancel()
+            if not self._stepping and slot in self._open:
+                self._open.remove(slot)
+                slot.finished = True
 
 
 def step(iterator: Iterator[StreamChunk], lock: Optional[threading.Lock] = None) -> Optional[StreamChunk]:

@@ -47,6 +47,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_active=args.max_active,
+        max_step_tokens=args.max_step_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         max_draft_tokens=args.max_draft_tokens,
         adaptive=False if args.fixed_draft else None,
         speculative=False if args.no_speculation else None,
@@ -149,6 +151,15 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)"
     )
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved step by step (default 8)")
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=None,
+        help="token budget per step: prefill chunks + verification rows (default 512)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens", type=int, default=None, help="prompt tokens prefilled per step (default 256; 0 = off)"
+    )
     p.add_argument(
         "--default-max-tokens",
         type=int,

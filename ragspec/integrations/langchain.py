@@ -16,9 +16,14 @@ Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new
 (alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``seed``, ``speculative``,
 ``documents``. Anything else raises ``TypeError``.
 
-Threads and async: one engine step runs at a time per wrapper (a lock around each step), so
-``batch`` / ``abatch`` interleave their generations step by step; every step runs in a
-worker thread for the async methods, which never block the event loop.
+Batches, threads and async: every generation open on a wrapper is stepped together with
+the others (:class:`~ragspec.integrations._stepping.BatchStepper`): one ``engine.step``, one
+verification forward, per round for all of them, prompts prefilled in chunks inside the
+same rounds. ``RagspecLLM.batch`` / ``abatch`` open all their prompts at once;
+``ChatRagspec.batch`` / ``abatch`` (LangChain runs its inputs concurrently) and any
+concurrent calls join the running rounds. Each output is what the same call gives alone.
+The async methods step in worker threads and never block the event loop; cancelling an
+async consumer ends its generation at the next step.
 """
 
 from __future__ import annotations
@@ -46,9 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from ragspec.errors import ConfigError
 from ragspec.types import GenerationStats, StreamChunk
 
-from ._stepping import close as _close
-from ._stepping import document_texts, merge_stop
-from ._stepping import step as _step
+from ._stepping import BatchStepper, Slot, document_texts, merge_stop
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +112,8 @@ class _RagspecParams(BaseModel):
     ``documents``)."""
 
     _engine: Any = PrivateAttr(default=None)
-    _lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _stepper: Any = PrivateAttr(default=None)
+    _stepper_lock: Any = PrivateAttr(default_factory=threading.Lock)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -139,59 +143,99 @@ class _RagspecParams(BaseModel):
             seed=kwargs.get("seed", self.seed),
         )
 
-    def _open(self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None) -> Iterator[StreamChunk]:
-        kw = self._engine_kwargs(stop, kwargs)
-        if cancel is not None:
-            kw["should_cancel"] = cancel.is_set
-        with self._lock:
-            return self.engine.stream(prompt, **kw)
+    @property
+    def stepper(self) -> BatchStepper:
+        """The stepper of this wrapper's generations (made on first use)."""
+        with self._stepper_lock:
+            if self._stepper is None or self._stepper.engine is not self.engine:
+                self._stepper = BatchStepper(self.engine)
+            return self._stepper
 
-    def _run(
-        self, prompt, stop, kwargs, cancel: Optional[threading.Event] = None
-    ) -> tuple[str, Optional[GenerationStats]]:
-        """Whole generation, step by step (other calls on this wrapper interleave)."""
-        it = self._open(prompt, stop, kwargs, cancel)
+    def _open(self, prompt, stop, kwargs) -> Slot:
+        kw = self._engine_kwargs(stop, kwargs)
+        engine = self.engine
+        return self.stepper.open(lambda: engine.request(prompt, **kw))
+
+    def _drain(self, slot: Slot) -> tuple[str, Optional[GenerationStats]]:
         parts: list[str] = []
         stats = None
+        stepper = self.stepper
         try:
-            while (chunk := _step(it, self._lock)) is not None:
+            while (chunk := stepper.next(slot)) is not None:
                 parts.append(chunk.text)
                 stats = chunk.stats or stats
         finally:
-            _close(it, self._lock)
+            stepper.close(slot)
         return "".join(parts), stats
 
-    def _iter(self, prompt, stop, kwargs) -> Iterator[StreamChunk]:
-        it = self._open(prompt, stop, kwargs)
+    def _run(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+        """Whole generation, stepped with every other open one."""
+        return self._drain(self._open(prompt, stop, kwargs))
+
+    def _run_many(self, prompts, stop, kwargs) -> list[tuple[str, Optional[GenerationStats]]]:
+        """All ``prompts`` opened first, then stepped together."""
+        slots: list[Slot] = []
         try:
-            while (chunk := _step(it, self._lock)) is not None:
+            for p in prompts:
+                slots.append(self._open(p, stop, kwargs))
+        except BaseException:
+            for slot in slots:
+                self.stepper.close(slot)
+            raise
+        return [self._drain(slot) for slot in slots]
+
+    def _iter(self, prompt, stop, kwargs) -> Iterator[StreamChunk]:
+        slot = self._open(prompt, stop, kwargs)
+        stepper = self.stepper
+        try:
+            while (chunk := stepper.next(slot)) is not None:
                 yield chunk
         finally:
-            _close(it, self._lock)
+            stepper.close(slot)
+
+    async def _aslot(self, slot: Slot) -> AsyncIterator[StreamChunk]:
+        """Chunks of ``slot``, each read in a worker thread; cancelling the consumer ends
+        the generation at the next step."""
+        stepper = self.stepper
+        try:
+            while (chunk := await asyncio.to_thread(stepper.next, slot)) is not None:
+                yield chunk
+        finally:
+            stepper.close(slot)
 
     async def _aiter(self, prompt, stop, kwargs) -> AsyncIterator[StreamChunk]:
-        """Steps run in a worker thread; cancelling the consumer ends the generation within
-        one step (``should_cancel`` is raised, the stream is closed in the background)."""
-        cancel = threading.Event()
-        it = await asyncio.to_thread(self._open, prompt, stop, kwargs, cancel)
-        finished = False
-        try:
-            while (chunk := await asyncio.to_thread(_step, it, self._lock)) is not None:
-                yield chunk
-            finished = True
-        finally:
-            if not finished:
-                cancel.set()
-                # a step may still be running in its thread: close after it, off the loop
-                asyncio.get_running_loop().run_in_executor(None, _close, it, self._lock)
+        slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
+        async for chunk in self._aslot(slot):
+            yield chunk
 
-    async def _arun(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+    async def _adrain(self, slot: Slot) -> tuple[str, Optional[GenerationStats]]:
         parts: list[str] = []
         stats = None
-        async for chunk in self._aiter(prompt, stop, kwargs):
+        async for chunk in self._aslot(slot):
             parts.append(chunk.text)
             stats = chunk.stats or stats
         return "".join(parts), stats
+
+    async def _arun(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+        slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
+        return await self._adrain(slot)
+
+    async def _arun_many(self, prompts, stop, kwargs) -> list[tuple[str, Optional[GenerationStats]]]:
+        """All ``prompts`` opened first (in a worker thread), then stepped together."""
+
+        def open_all() -> list[Slot]:
+            slots: list[Slot] = []
+            try:
+                for p in prompts:
+                    slots.append(self._open(p, stop, kwargs))
+            except BaseException:
+                for slot in slots:
+                    self.stepper.close(slot)
+                raise
+            return slots
+
+        slots = await asyncio.to_thread(open_all)
+        return list(await asyncio.gather(*(self._adrain(s) for s in slots)))
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -289,7 +333,7 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return self._result([self._run(self._prompt(p), stop, kwargs) for p in prompts])
+        return self._result(self._run_many([self._prompt(p) for p in prompts], stop, kwargs))
 
     async def _agenerate(
         self,
@@ -298,11 +342,8 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> LLMResult:
-        outs = []
-        for p in prompts:
-            ids = await asyncio.to_thread(self._prompt, p)
-            outs.append(await self._arun(ids, stop, kwargs))
-        return self._result(outs)
+        ids = await asyncio.to_thread(lambda: [self._prompt(p) for p in prompts])
+        return self._result(await self._arun_many(ids, stop, kwargs))
 
     def _gen_chunk(self, chunk: StreamChunk) -> GenerationChunk:
         info = stats_metadata(chunk.stats, self._display_name()) if chunk.stats is not None else None

@@ -22,6 +22,17 @@ Names (all prefixed ``ragspec_``; times in seconds):
     queue_depth, active_requests             gauges (read at scrape time): requests
                                              admitted and not generating yet (being read,
                                              prepared, or waiting), generations running
+    steps_total                              worker steps (one engine step each)
+    step_batch_size                          histogram: requests in a step (prefilling
+                                             and decoding); gauge last_step_batch_size
+    step_rows                                histogram: verification rows of a step
+                                             (roots + draft nodes of all requests); gauge
+                                             last_step_rows
+    step_prefill_tokens                      histogram: prompt tokens prefilled in a step
+                                             (chunked prefill)
+    step_seconds                             histogram: wall time of a step
+    queue_time_seconds                       histogram: submitted to the worker until
+                                             admitted to the active set (token budget)
 
 P50 / P95 / P99 come from the histograms, e.g.
 ``histogram_quantile(0.95, rate(ragspec_request_latency_seconds_bucket[5m]))``.
@@ -41,6 +52,11 @@ __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 32.0)
 _ACCEPTED_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+_ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+_PREFILL_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048)
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0)
+_QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
 class ServerMetrics:
@@ -115,6 +131,23 @@ class ServerMetrics:
             self.queue_depth.set_function(queue_depth)
         if active is not None:
             self.active.set_function(active)
+        self.steps = Counter(p + "steps", "Worker steps (one engine step each).", registry=r)
+        self.step_batch = Histogram(p + "step_batch_size", "Requests in one step.", buckets=_BATCH_BUCKETS, registry=r)
+        self.last_batch = Gauge(p + "last_step_batch_size", "Requests in the latest step.", registry=r)
+        self.step_rows = Histogram(
+            p + "step_rows", "Verification rows of one step (roots + draft nodes).", buckets=_ROWS_BUCKETS, registry=r
+        )
+        self.last_rows = Gauge(p + "last_step_rows", "Verification rows of the latest step.", registry=r)
+        self.step_prefill = Histogram(
+            p + "step_prefill_tokens", "Prompt tokens prefilled in one step.", buckets=_PREFILL_BUCKETS, registry=r
+        )
+        self.step_s = Histogram(p + "step_seconds", "Wall time of one step.", buckets=_STEP_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            p + "queue_time_seconds",
+            "Submitted to the worker until admitted to the active set.",
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._total_committed = 0
         self._total_steps = 0
@@ -141,6 +174,18 @@ class ServerMetrics:
             self._total_steps += stats.num_steps
             if self._total_steps:
                 self.mean_accepted.set(self._total_committed / self._total_steps)
+
+    def observe_step(self, report) -> None:
+        """One worker step (a :class:`~ragspec.engine.StepReport`; None is ignored)."""
+        if report is None:
+            return
+        self.steps.inc()
+        self.step_batch.observe(report.requests)
+        self.last_batch.set(report.requests)
+        self.step_rows.observe(report.rows)
+        self.last_rows.set(report.rows)
+        self.step_prefill.observe(report.prefill_tokens)
+        self.step_s.observe(report.seconds)
 
     def render(self) -> bytes:
         """The text exposition format."""

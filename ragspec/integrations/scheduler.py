@@ -17,6 +17,13 @@ event loop with ``loop.call_soon_threadsafe``. Admission is bounded: at most
 ``max_active + max_queue`` tickets and jobs are in the system; one more raises
 :class:`CapacityError` (the server answers 429). A cancelled job (client gone) is dropped
 before its next step, wherever it is (incoming, waiting or active).
+
+Admission to the active set is by count (``max_active``) and by a token budget per step
+(``max_step_tokens``): a waiting job starts only while the active jobs' next-step tokens
+(``Engine.step_tokens``: a prefill chunk, or root + most draft rows) plus its first prefill
+chunk fit the budget (one job always runs). Prompts are prefilled in chunks
+(``PolicyConfig.prefill_chunk_tokens``) inside the same steps as the others' decoding, and
+every active job advances at every step.
 """
 
 from __future__ import annotations
@@ -75,6 +82,8 @@ class Job:
     queue: asyncio.Queue
     id: int = 0
     submitted_s: float = field(default_factory=time.perf_counter)
+    activated_s: float = 0.0
+    """``time.perf_counter()`` when it joined the active set (0 before)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     engine: Any = None
     request: Any = None
@@ -96,6 +105,12 @@ class Scheduler:
         on_finish: called in the worker with ``(job, final_chunk)`` when a generation ends
             normally (metrics).
         on_cancel: called in the worker with ``(job)`` when a cancelled job is dropped.
+        max_step_tokens: token budget of one step (prefill chunk tokens + verification
+            rows of all active jobs) for admitting waiting jobs; None: count only.
+        on_step: called in the worker with ``(report)`` after each engine step
+            (:class:`~ragspec.engine.StepReport`; metrics).
+        on_activate: called in the worker with ``(job)`` when a job joins the active set
+            (its queue time is ``job.activated_s - job.submitted_s``).
     """
 
     def __init__(
@@ -105,11 +120,17 @@ class Scheduler:
         max_queue: int = 32,
         on_finish: Optional[Callable] = None,
         on_cancel: Optional[Callable] = None,
+        max_step_tokens: Optional[int] = 512,
+        on_step: Optional[Callable] = None,
+        on_activate: Optional[Callable] = None,
     ) -> None:
         self.max_active = max_active
         self.max_queue = max_queue
+        self.max_step_tokens = max_step_tokens
         self.on_finish = on_finish
         self.on_cancel = on_cancel
+        self.on_step = on_step
+        self.on_activate = on_activate
         self._cv = threading.Condition()
         self._incoming: collections.deque[Job] = collections.deque()
         self._num_jobs = 0
@@ -247,6 +268,7 @@ class Scheduler:
                     active.remove(job)
                     self._release(job)
                 continue
+            self._notify(self.on_step, getattr(jobs[0].engine, "last_step", None))
             for job, chunk in zip(jobs, chunks):
                 if chunk.text or chunk.token_ids or chunk.finish_reason:
                     self._deliver(job, CHUNK, chunk)
@@ -254,6 +276,27 @@ class Scheduler:
                     active.remove(job)
                     self._release(job)
                     self._notify(self.on_finish, job, chunk)
+
+    @staticmethod
+    def _tokens(job: Job) -> int:
+        """Tokens ``job`` puts through the model in its next step."""
+        counter = getattr(job.engine, "step_tokens", None)
+        return int(counter(job.request)) if counter is not None else 1
+
+    def _admit_waiting(self, waiting, active: list[Job]) -> None:
+        """Move waiting jobs to the active set, in order, while the count and the step's
+        token budget allow (at least one active job)."""
+        budget = self.max_step_tokens
+        used = sum(self._tokens(j) for j in active) if budget is not None else 0
+        while waiting and len(active) < self.max_active:
+            need = self._tokens(waiting[0]) if budget is not None else 0
+            if budget is not None and active and used + need > budget:
+                break
+            job = waiting.popleft()
+            job.activated_s = time.perf_counter()
+            active.append(job)
+            used += need
+            self._notify(self.on_activate, job)
 
     def _run(self) -> None:
         waiting: collections.deque[Job] = collections.deque()
@@ -277,8 +320,7 @@ class Scheduler:
                     else:
                         waiting.append(job)
                 self._sweep(waiting)
-                while waiting and len(active) < self.max_active:
-                    active.append(waiting.popleft())
+                self._admit_waiting(waiting, active)
                 self._num_active = len(active)
                 # a job whose client left is dropped before the step: cancellation within one step
                 self._sweep(active)

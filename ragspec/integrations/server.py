@@ -162,7 +162,11 @@ def _load_engine(settings: ServerSettings):
         settings.device,
         settings.dtype,
         eagle=settings.eagle,
-        policy=PolicyConfig(max_draft_tokens=settings.max_draft_tokens, adaptive=settings.adaptive),
+        policy=PolicyConfig(
+            max_draft_tokens=settings.max_draft_tokens,
+            adaptive=settings.adaptive,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        ),
         calibrate=settings.calibrate,
     )
 
@@ -298,6 +302,9 @@ def create_app(
             max_queue=settings.max_queue,
             on_finish=_on_finish,
             on_cancel=lambda job: metrics.cancelled.inc(),
+            max_step_tokens=settings.max_step_tokens,
+            on_step=metrics.observe_step,
+            on_activate=lambda job: metrics.queue_time.observe(job.activated_s - job.submitted_s),
         )
         scheduler.start()
         pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")

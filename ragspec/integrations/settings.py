@@ -30,6 +30,8 @@ ENV_VARS = {
     "RAGSPEC_API_KEY": "api_key",
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
+    "RAGSPEC_MAX_STEP_TOKENS": "max_step_tokens",
+    "RAGSPEC_PREFILL_CHUNK_TOKENS": "prefill_chunk_tokens",
     "RAGSPEC_MAX_BODY_BYTES": "max_body_bytes",
     "RAGSPEC_MAX_PROMPT_CHARS": "max_prompt_chars",
     "RAGSPEC_MAX_DOCUMENT_CHARS": "max_document_chars",
@@ -41,6 +43,8 @@ _INT_VARS = (
     "port",
     "max_queue",
     "max_active",
+    "max_step_tokens",
+    "prefill_chunk_tokens",
     "max_body_bytes",
     "max_prompt_chars",
     "max_document_chars",
@@ -112,6 +116,11 @@ class ServerSettings:
     """Generations interleaved step by step by the worker."""
     max_queue: int = 32
     """Requests waiting beyond the active ones; more get 429 with ``Retry-After``."""
+    max_step_tokens: int = 512
+    """Token budget of one worker step (prefill chunk tokens + verification rows of all
+    active generations): a waiting request starts only while it fits (one always runs)."""
+    prefill_chunk_tokens: int = 256
+    """Prompt tokens prefilled per step (chunked prefill; 0 = whole prompts at once)."""
     retry_after_s: int = 1
     """The ``Retry-After`` of a 429."""
     max_draft_tokens: int = 8
@@ -162,6 +171,10 @@ class ServerSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
+        if self.max_step_tokens < 1:
+            raise ConfigError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:

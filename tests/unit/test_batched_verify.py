@@ -287,3 +287,108 @@ def test_engine_step_gives_each_of_8_mixed_requests_its_solo_output(skinny, adap
     # greedy requests also equal transformers' greedy decoding of the same model
     ids = tok(prompts[2])["input_ids"]
     assert [t for c in got[2] for t in c.token_ids] == greedy_reference(target.model, ids, 12)
+
+
+# ---------------------------------------------------------------------------------------
+# issue 21's must-hold test: prompts of 5-900 tokens (chunked prefill), stop strings,
+# different max_new_tokens, two sampled, two with documents, one with a datastore, one
+# cancelled mid-way, one arriving while the others decode
+
+
+def _must_hold_requests(tok, solo_greedy):
+    """(prompt chars, start kwargs) of the 8 requests; the stop strings are cut from the
+    requests' own greedy texts (``solo_greedy(i, chars) -> text``), so that they match."""
+    stop1 = solo_greedy(1, 60)[12:15]
+    stop6 = solo_greedy(6, 900)[9:11]
+    return [
+        (5, dict(decode=DecodeConfig(max_new_tokens=30))),
+        (60, dict(decode=DecodeConfig(max_new_tokens=45, stop=(stop1,)))),
+        (520, dict(decode=DecodeConfig(max_new_tokens=12))),  # arrives late, prefilled in 3 chunks
+        (200, dict(decode=DecodeConfig(max_new_tokens=40), sampling=SamplingParams(temperature=0.9, seed=11))),
+        (
+            300,
+            dict(decode=DecodeConfig(max_new_tokens=35), sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=5)),
+        ),
+        (90, dict(decode=DecodeConfig(max_new_tokens=40), documents=[_text(250, 7)])),
+        (900, dict(decode=DecodeConfig(max_new_tokens=25, stop=(stop6,)), documents=[_text(120, 8), _text(80, 9)])),
+        (40, dict(decode=DecodeConfig(max_new_tokens=40))),  # cancelled after its 4th step
+    ]
+
+
+_DATASTORE_REQUEST = 0  # drafts from a datastore (an engine sharing the target)
+
+
+def test_issue21_must_hold_8_mixed_requests_5_to_900_tokens(skinny, tmp_path, monkeypatch):
+    from ragspec.datastore import Datastore, DatastoreDrafter, build_datastore
+
+    tok = make_char_tokenizer()
+    model = make_tiny_llama(layers=2, head_dim=32, eos_token_id=None, max_position_embeddings=1024)
+    target = _target(skinny, model)
+    engine = Engine(
+        target, tok, drafter=PromptLookupDrafter(PLDConfig()), policy=PolicyConfig(prefill_chunk_tokens=256)
+    )
+
+    def solo_greedy(i, chars):
+        return engine.generate(_text(chars, seed=i), max_new_tokens=30, chat=False).text
+
+    requests = _must_hold_requests(tok, solo_greedy)
+    prompts = [_text(n, seed=i) for i, (n, _) in enumerate(requests)]
+    # a corpus holding request 0's continuation (a random model's text is in no real one)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "d0.txt").write_text(prompts[0] + solo_greedy(0, 5))
+    (docs / "d1.txt").write_text(_text(400, 21))
+    build_datastore([docs], tmp_path / "ds", tok, progress=False)
+    ds_engine = engine.with_drafter(DatastoreDrafter(Datastore.open(tmp_path / "ds", tok)))
+    engine_of = {i: (ds_engine if i == _DATASTORE_REQUEST else engine) for i in range(8)}
+    lengths = [len(tok(p)["input_ids"]) for p in prompts]
+    assert min(lengths) == 5 and max(lengths) == 900
+
+    def alone(i):
+        req = engine_of[i].start(prompts[i], chat=False, **requests[i][1])
+        chunks, steps = [], 0
+        while not req.done:
+            if i == _CANCEL and steps == _CANCEL_AFTER:
+                req.cancel()
+            (chunk,) = engine_of[i].step([req])
+            chunks.append(chunk)
+            steps += 1
+        return chunks
+
+    solo = [alone(i) for i in range(8)]
+    count = _CountBatches(target, monkeypatch)
+    reqs = {i: engine_of[i].start(p, chat=False, **requests[i][1]) for i, p in enumerate(prompts) if i != _LATE}
+    got: dict[int, list] = {i: [] for i in range(8)}
+    steps = dict.fromkeys(range(8), 0)
+    prefill_per_step = []
+    rounds = 0
+    while any(not r.done for r in reqs.values()) or _LATE not in reqs:
+        if rounds == _LATE_ROUND:
+            reqs[_LATE] = engine.start(prompts[_LATE], chat=False, **requests[_LATE][1])
+        active = [i for i in sorted(reqs) if not reqs[i].done]
+        if steps[_CANCEL] == _CANCEL_AFTER and not reqs[_CANCEL].done:
+            reqs[_CANCEL].cancel()
+        # one engine steps them all (the server groups requests by target the same way)
+        for i, chunk in zip(active, engine.step([reqs[i] for i in active])):
+            got[i].append(chunk)
+            steps[i] += 1
+        prefill_per_step.append(engine.last_step.prefill_tokens)
+        rounds += 1
+    assert max(count.sizes) >= 6, "the requests were not verified together"
+    for i in range(8):
+        tokens = [t for c in got[i] for t in c.token_ids]
+        assert tokens == [t for c in solo[i] for t in c.token_ids], f"request {i}: tokens differ from its solo run"
+        assert "".join(c.text for c in got[i]) == "".join(c.text for c in solo[i])
+        assert got[i][-1].finish_reason == solo[i][-1].finish_reason
+    assert got[_CANCEL][-1].finish_reason == "cancelled"
+    assert got[1][-1].finish_reason == got[6][-1].finish_reason == "stop" and got[2][-1].finish_reason == "length"
+    assert got[6][-1].stats.num_prefill_chunks == 4 and got[_LATE][-1].stats.num_prefill_chunks == 3
+    # the late 520-token prompt came in chunks: no step prefilled more than the chunks of
+    # the requests still prefilling (at most one chunk each)
+    assert max(prefill_per_step[_LATE_ROUND:]) <= 256 * 2
+    assert got[_DATASTORE_REQUEST][-1].stats.num_drafted_tokens > 0  # the datastore drafted
+    assert sum(c.stats.num_accepted_tokens for c in (got[i][-1] for i in got)) > 0
+    # greedy requests also equal transformers' greedy decoding (the chunked prefill and
+    # the batch changed no token here)
+    ids = tok(prompts[_LATE])["input_ids"]
+    assert [t for c in got[_LATE] for t in c.token_ids] == greedy_reference(target.model, ids, 12)
