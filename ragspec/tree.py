@@ -16,12 +16,25 @@ from .types import DraftTree
 
 __all__ = [
     "tree_from_candidates",
+    "draft_from_candidates",
     "tree_attention_mask",
     "tree_position_ids",
     "path_to_node",
     "merge_trees",
     "drop_invalid_nodes",
 ]
+
+
+def draft_from_candidates(
+    candidates: Sequence[Sequence[int]], *, max_nodes: int, source: str = "draft", match_len: int = 0
+) -> DraftTree:
+    """A lookup's continuations as a draft: none -> the empty tree, one -> a chain, more ->
+    :func:`tree_from_candidates` (the n-gram drafters' common last step)."""
+    if not candidates:
+        return DraftTree.empty()
+    if len(candidates) == 1:
+        return DraftTree.chain(candidates[0], source=source, match_len=match_len)
+    return tree_from_candidates(candidates, max_nodes=max_nodes, source=source, match_len=match_len)
 
 
 def tree_from_candidates(

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
-from ragspec.tree import tree_from_candidates
+from ragspec.tree import draft_from_candidates
 from ragspec.types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -222,11 +222,7 @@ class _DocumentSession:
         if max_tokens <= 0:
             return DraftTree.empty()
         cands, n = self._index.lookup(max_tokens, self._eos)
-        if not cands:
-            return DraftTree.empty()
-        if len(cands) == 1:
-            return DraftTree.chain(cands[0], source=self._source, match_len=n)
-        return tree_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+        return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         return None

@@ -12,7 +12,7 @@ import logging
 from typing import Iterable, Sequence
 
 from ..config import PLDConfig
-from ..tree import tree_from_candidates
+from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
 from .base import DraftSession
 
@@ -181,11 +181,7 @@ class _PromptLookupSession:
         if max_tokens <= 0:
             return DraftTree.empty()
         cands, n = self._index.lookup(max_tokens, self._eos)
-        if not cands:
-            return DraftTree.empty()
-        if len(cands) == 1:
-            return DraftTree.chain(cands[0], source=self._source, match_len=n)
-        return tree_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+        return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         return None

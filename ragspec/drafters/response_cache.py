@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from ..errors import ConfigError, RagspecError
-from ..tree import tree_from_candidates
+from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
 from .base import DraftSession
 
@@ -322,11 +322,7 @@ class _ResponseCacheSession:
 
     def propose(self, max_tokens: int) -> DraftTree:
         cands, n = self._cache.lookup(self._ctx, max_tokens, self._eos)
-        if not cands:
-            return DraftTree.empty()
-        if len(cands) == 1:
-            return DraftTree.chain(cands[0], source=self._source, match_len=n)
-        return tree_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+        return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         return None
