@@ -54,6 +54,27 @@ def test_cyclic_continuation_when_match_reaches_the_end():
     assert n == 2 and cands == [[7, 8, 7, 8, 7]]
 
 
+def test_continues_where_it_copied_from_over_a_later_occurrence():
+    # "continue where you copied from": the output copies 5 6 10 11 12 13 from the prompt's
+    # start; the 4-gram 10 11 12 13 occurs again later (after 7, followed by 50), and the
+    # latest occurrence would win in the plain kernel; the copy source matches 6 tokens
+    # backwards against 4, so its continuation (14 15 ...) is proposed first
+    prompt = [5, 6, 10, 11, 12, 13, 14, 15, 7, 10, 11, 12, 13, 50, 51, 8]
+    generated = [5, 6, 10, 11, 12, 13]
+    assert ngram_match(prompt + generated, min_ngram=1, max_ngram=4, max_tokens=2) == ([50, 51], 4)
+    idx = NgramIndex(1, 4, max_positions=4)
+    idx.extend(prompt + generated)
+    cands, n = idx.lookup(3)
+    assert n == 6 and cands == [[14, 15, 7], [50, 51, 8]]
+    session = PromptLookupDrafter().start_request(prompt)
+    session.extend(generated)
+    tree = session.propose(8)
+    assert tree.match_len == 6 and tree.tokens[0].item() == 14 and tree.parents[0].item() == -1
+    # two steps later (14 15 accepted, 7 the bonus) it still follows the same source
+    session.extend([14, 15, 7])
+    assert session.propose(3).tokens.tolist()[:3] == [10, 11, 12]
+
+
 def test_draft_cut_at_eos():
     # the prompt has "5 6 <eos> 9 9": a draft after "5" must stop at the EOS (id 2)
     session = PromptLookupDrafter(PLDConfig(max_ngram=2)).start_request([5, 6, 2, 9, 9, 1, 5], eos_token_ids=[2])

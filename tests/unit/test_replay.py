@@ -18,6 +18,8 @@ from ragspec.replay import (
     record_generations,
     replay_drafter,
     replay_oracle,
+    replay_suffix_oracle,
+    suffix_oracle,
 )
 from ragspec_testing import ScriptedDrafter, make_tree
 
@@ -55,6 +57,33 @@ def test_replays_count_steps_and_classify_losses():
     assert wrong.losses["first_wrong"] >= 1
 
 
+def test_suffix_oracle_follows_the_best_occurrence_of_the_last_token():
+    # docstring example: 5 is followed by 1, 2 at 0 and by 1, 4 at 4
+    assert suffix_oracle([[5, 1, 2, 3, 5, 1, 4]], 5, [1, 4, 9], 8) == 2
+    assert suffix_oracle([[5, 1, 2, 3, 5, 1, 4]], 5, [1, 4, 9], 1) == 1  # capped by the budget
+    # 1 2 3 occurs, but never after 7: a copy that starts after an unseen pair is out of reach
+    assert suffix_oracle([[1, 2, 3]], 7, [1, 2, 3], 8) == 0
+    assert context_oracle([[1, 2, 3]], [1, 2, 3], 8) == 3
+
+
+def test_wrong_first_tokens_split_into_span_starts_and_ranking_losses():
+    # the output starts with a token the context never saw (9), then copies 1, 2, 3
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 1, 2, 3]
+    wrong = replay_drafter(ScriptedDrafter(lambda step, gen: [99]), prompt, out, budget=8)
+    # step 1, after 9: no occurrence of 9 is followed by 1 -> a span start, 3 tokens lost;
+    # steps 2 and 3, after 1 and after 2: the context has 1 -> 2 and 2 -> 3 -> ranking losses
+    assert wrong.steps == 3
+    assert wrong.losses["span_start"] == 1 and wrong.lost_tokens["span_start"] == 3
+    assert wrong.losses["first_wrong"] == 2 and wrong.lost_tokens["first_wrong"] == 3
+    # the suffix oracle: nothing after 9 (commits 1 alone), then 2, 3 copied after 1
+    suffix = replay_suffix_oracle(prompt, out, budget=8)
+    assert suffix.steps == 2 and suffix.tokens == 3
+    # prompt lookup reaches it: no draft after 9, then 2 3 (4 5 6 ...) after 1
+    pld = replay_drafter(PromptLookupDrafter(), prompt, out, budget=8)
+    assert pld.steps == 2 and pld.losses["no_draft"] == 1
+
+
 def test_replay_equals_the_engines_steps_when_every_draft_is_verified(no_eos_setup, char_tokenizer, single_thread):
     model, prompt, ref = no_eos_setup
     engine = Engine(
@@ -90,4 +119,5 @@ def test_cli_replays_a_recorded_file(tmp_path, no_eos_setup, char_tokenizer, sin
     assert "tokens per step" in text and "no_draft" in text
     table = json.loads(report.read_text())["table"]
     assert set(table) == {"rag", "qa", "all"} and table["all"]["prompts"] == 2
-    assert table["all"]["oracle"]["tokens_per_step"] >= 1.0
+    assert table["all"]["oracle"]["tokens_per_step"] >= table["all"]["suffix"]["tokens_per_step"] >= 1.0
+    assert "span_start" in table["all"]["pld"]["losses"]
