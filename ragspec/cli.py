@@ -294,6 +294,19 @@ def cmd_replay(args, rows) -> int:
     return 0
 
 
+def cmd_profile_step(args, rows) -> int:
+    from .step_profile import format_step_profile, profile_plain_step
+
+    engine = _engine(args, calibrate=False)
+    seen: dict[str, dict] = {}
+    for row in rows:
+        seen.setdefault(row["category"], row)
+    for cat, row in seen.items():
+        prof = profile_plain_step(engine, engine.encode_prompt(row["turns"][0], chat=True), steps=args.profile_step)
+        print(format_step_profile(f"{cat} #{row.get('question_id', '?')}", prof))
+    return 0
+
+
 def cmd_bench(args) -> int:
     if getattr(args, "concurrency", None):
         from .bench_concurrency import cmd_concurrency
@@ -307,6 +320,8 @@ def cmd_bench(args) -> int:
         raise ConfigError("no prompts selected")
     if args.replay:
         return cmd_replay(args, rows)
+    if args.profile_step:
+        return cmd_profile_step(args, rows)
     runners = []
     if args.compare:
         # before the model loads: a missing package or a non-GGUF model fails at once
@@ -492,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also time another decoder's plain greedy on the same GGUF, token ids and threads "
         "(llamacpp: llama-cpp-python, pip install 'ragspec[compare]'); repeatable",
+    )
+    b.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead of the bench: where the milliseconds of a plain decoding step go, STEPS steps "
+        "on the first prompt of each category (ragspec/step_profile.py)",
     )
     _add_model_args(b)
     # --concurrency: ragspec.bench_concurrency (N requests through the batched engine step)

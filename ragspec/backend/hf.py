@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["KVState", "HFTarget", "RowLogits"]
 
 
+# a filled native state extended by more rows than this (a later prefill chunk) goes through
+# transformers' forward (GEMMs) over the state's buffer; fewer: the native step, 16 rows a call
+NATIVE_EXTEND_GEMM_ROWS = 64
+
+
 def _growable_cache():
     """A new transformers ``DynamicCache`` whose layers grow in place (see ``_GrowableLayer``)."""
     return _growable_cache_class()()
@@ -120,6 +125,41 @@ def _growable_cache_class() -> type:
             self.layer_class_to_replicate = _GrowableLayer
 
     return _GrowableCache
+
+
+def _buffer_cache(buffer: torch.Tensor, length: int):
+    """A transformers ``DynamicCache`` over a native KV buffer ``[L, 2, H_kv, C, d]``
+    (:class:`~ragspec.backend.native.NativeKVState`) holding ``length`` positions: each
+    layer's ``update`` writes the new keys/values into the buffer at their positions and
+    returns views ``[1, H_kv, T, d]`` of it, so transformers' forward extends a native state
+    in place (no copy of the cached entries). The caller makes room first (``reserve``)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class _BufferLayer(DynamicLayer):
+        def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
+            super().__init__()
+            self._kbuf, self._vbuf = kbuf, vbuf  # [H_kv, C, d] each
+            self.device, self.dtype = kbuf.device, kbuf.dtype
+            self.keys, self.values = kbuf[None, :, :length], vbuf[None, :, :length]
+            self.is_initialized = True
+
+        def get_seq_length(self) -> int:
+            return int(self.keys.shape[-2])
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            past, q = int(self.keys.shape[-2]), int(key_states.shape[-2])
+            if past + q > self._kbuf.shape[-2]:
+                raise RuntimeError("native KV buffer too small for the new entries")
+            self._kbuf[:, past : past + q] = key_states[0]
+            self._vbuf[:, past : past + q] = value_states[0]
+            self.keys = self._kbuf[None, :, : past + q]
+            self.values = self._vbuf[None, :, : past + q]
+            return self.keys, self.values
+
+    cache = DynamicCache()
+    cache.layers = [_BufferLayer(buffer[i, 0], buffer[i, 1]) for i in range(int(buffer.shape[0]))]
+    return cache
 
 
 # decoders whose forward verify's batched path knows: attention layers only, masks built by
@@ -666,13 +706,26 @@ class HFTarget:
         """ids int64 [T] -> hidden [T, H]. An empty state and more than
         ``native_prefill_rows`` tokens: transformers' forward (multi-row GEMMs) into a
         transformers cache whose entries are then copied into the state's buffer; else the
-        native step over chunks of at most ``SKINNY_MAX_ROWS`` tokens (causal)."""
+        native step over chunks of at most ``SKINNY_MAX_ROWS`` tokens (causal). A filled state
+        and more than ``NATIVE_EXTEND_GEMM_ROWS`` tokens (a later chunk of a chunked prefill):
+        transformers' forward over a cache of views of the state's buffer
+        (:func:`_buffer_cache`), the same multi-row GEMMs as the first chunk."""
         native = self._native_decoder()
         t = int(ids.shape[0])
         if state.length == 0 and t > self.native_prefill_rows:
             tmp = KVState(cache=_growable_cache(), length=0)
             hidden = self._run(tmp, ids[None], None, None)  # [T, H]
             native.load_cache(state, tmp.cache, tmp.length)
+            return hidden
+        if state.length > 0 and t > max(self.native_prefill_rows, NATIVE_EXTEND_GEMM_ROWS):
+            # a later chunk of a chunked prefill: transformers' forward (multi-row GEMMs, as
+            # the first chunk) writing straight into the state's buffer, not 16-row steps
+            past = state.length
+            native.reserve(state, past + t)
+            tmp = KVState(cache=_buffer_cache(state.buffer, past), length=past)
+            pos = torch.arange(past, past + t, device=ids.device)[None]
+            hidden = self._run(tmp, ids[None], pos, None)  # [T, H]
+            state.length = past + t
             return hidden
         parts = []
         for a in range(0, t, SKINNY_MAX_ROWS):

@@ -181,6 +181,36 @@ def test_native_prefill_in_chunks_matches_transformers_prefill(kernels):
         assert chunked.length == 43
 
 
+def test_native_prefill_chunk_extension_is_slow_regression(kernels):
+    """Bug: a later chunk of a chunked prefill extended a filled native state 16 rows per
+    native call (the whole model streamed through the few-row kernel ~16 times per 256-token
+    chunk). Chunks over ``NATIVE_EXTEND_GEMM_ROWS`` rows now go through transformers'
+    forward writing into the state's own buffer: hidden states, KV entries and the next
+    decoding step match a whole-prompt prefill."""
+    from ragspec.backend.hf import NATIVE_EXTEND_GEMM_ROWS
+
+    nat = _target(kernels, _llama(), True)
+    first, rest = 30, NATIVE_EXTEND_GEMM_ROWS + 20
+    prompt = torch.randint(3, 96, (first + rest,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        whole = nat.new_state()
+        a = nat.prefill(whole, prompt, return_hidden=True)
+        parts = nat.new_state()
+        nat.prefill(parts, prompt[:first])
+        b = nat.prefill(parts, prompt[first:], return_hidden=True)
+        assert parts.length == whole.length == len(prompt)
+        torch.testing.assert_close(a.hidden[first:], b.hidden, rtol=1e-4, atol=1e-5)
+        assert int(a.logits.argmax()) == int(b.logits.argmax())
+        n = len(prompt)
+        torch.testing.assert_close(whole.buffer[..., :n, :], parts.buffer[..., :n, :], rtol=1e-4, atol=1e-5)
+        root = int(a.logits.argmax())
+        empty = make_tree([], [])
+        x = nat.verify_one(whole, root, empty)
+        y = nat.verify_one(parts, root, empty)
+        assert int(x.logits[0].argmax()) == int(y.logits[0].argmax())
+        torch.testing.assert_close(x.logits, y.logits, rtol=1e-4, atol=1e-4)
+
+
 def test_commit_compaction_equals_a_fresh_prefill_of_the_accepted_path(kernels):
     nat = _target(kernels, _llama(), True)
     prompt = torch.randint(3, 96, (25,), generator=torch.Generator().manual_seed(4)).tolist()
