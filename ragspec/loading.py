@@ -150,8 +150,8 @@ def load_engine(
         cache: ragspec's cache folder (default ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``).
         cpu_kernels: on a CPU with float32 weights, route the model's few-row linear
             layers and attention through ragspec's compiled kernels and, for a GGUF model,
-            read the weights it holds in Q4_1/Q8_0/Q5_0 blocks from those blocks (the same
-            output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
+            read the weights it holds in Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks from those blocks
+            (the same output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.

@@ -316,3 +316,26 @@ class _BranchingSession:
 
     def observe(self, tree, result):
         pass
+
+
+def random_k_blocks(rows: int, cols: int, kind: str, generator: torch.Generator, scale: float = 0.05):
+    """Random GGUF super-blocks of ``kind`` ("Q4_K" or "Q6_K"; gguf-py cannot quantize to
+    them) for a weight [rows, cols] (cols a multiple of 256) whose values are of size
+    ~``scale``: every packed byte random, the float16 d (and Q4_K's dmin) random finite
+    -> (raw uint8 numpy [rows, bytes per row], gguf-py's de-quantization float32 [rows, cols])."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = {"Q4_K": GGMLQuantizationType.Q4_K, "Q6_K": GGMLQuantizationType.Q6_K}[kind]
+    supers = rows * cols // 256
+    size = 144 if kind == "Q4_K" else 210
+    raw = torch.randint(0, 256, (supers, size), dtype=torch.uint8, generator=generator).numpy()
+    # |w| <= |d| * 63 * 15 + |dmin| * 63 * 15 for Q4_K, |d| * 128 * 32 for Q6_K; either sign,
+    # float16 subnormals included
+    d = (torch.randn(supers, 2, generator=generator) * scale / (1000 if kind == "Q4_K" else 4000)).half().numpy()
+    if kind == "Q4_K":  # d, dmin first
+        raw[:, 0:4] = d.view(np.uint8)
+    else:  # d last
+        raw[:, 208:210] = d[:, :1].view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))

@@ -529,13 +529,13 @@ class HFTarget:
 
     def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"]) -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
-        block formats (:mod:`ragspec.backend.quant`: Q4_1, Q8_0, Q5_0) for ragspec's few-row forwards,
-        through the compiled ``quant_linear`` kernel: the same output bit for bit as the
+        block formats (:mod:`ragspec.backend.quant`: Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) for
+        ragspec's few-row forwards, through the compiled ``quant_linear`` kernel: the same output bit for bit as the
         float32 kernel, a fifth of the bytes streamed per step (default model, 2-core CPU:
         decoder linears for one row 22-25 -> 14 ms, the output layer 5.3 -> 2.9 ms). Each
         weight is matched to the file by content and checked for exact equality; weights
         without an exact twin keep float32. Call before :meth:`prepack_linears`, with
-        ``path`` the GGUF the model was loaded from. Costs ~0.75-1.1 bytes of memory per
+        ``path`` the GGUF the model was loaded from. Costs ~0.75-1.25 bytes of memory per
         weight; the matches are cached beside the converted model (``<stem>.hf/``: the
         first load ~7 s, later ones well under a second). A no-op without ``kernel``, off
         CPU or for other dtypes than float32.

@@ -84,8 +84,8 @@ SKINNY_MAX_ROWS = 16
 # x float32 [R, I], weight float32 [O, I] (contiguous), bias float32 [O] or None -> [R, O]
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
-# x float32 [R, I], qs uint8 [O, I/2] (Q4_1) or int8 [O, I] (Q8_0), scales float32, format
-# code (ragspec.backend.quant.Q4_1 / Q8_0), bias float32 [O] or None -> [R, O]
+# x float32 [R, I], qs uint8 [O, I/2] (Q4_1) or int8 [O, I] (Q8_0, Q6_K), scales float32, format
+# code (ragspec.backend.quant.Q4_1 / Q8_0 / Q6_K), bias float32 [O] or None -> [R, O]
 QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]], torch.Tensor]
 
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]

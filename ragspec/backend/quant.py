@@ -15,9 +15,13 @@ Each weight of the loaded model is matched to a GGUF tensor by content, not by n
 transformers permutes the rows of some tensors while loading (the query and key
 projections of llama-family models), so the rows are paired by a hash of their bits and the
 pairing is checked with ``torch.equal`` against the loaded weight. A weight with no exact
-match keeps the float32 path. Read: Q4_1, Q8_0 and Q5_0 (kept as Q8_0: gemma3-270m's
-Q4_K_M file holds its output layer in Q8_0 and most of its decoder in Q5_0); others (Q4_K,
-Q6_K) keep float32.
+match keeps the float32 path. Read: Q4_1, Q8_0, Q5_0 (kept as Q8_0), Q4_K (kept as Q4_1) and
+Q6_K (unpacked to int8 with a scale per 16 weights): every 2-D tensor of the two shipped
+models (gemma3-270m's Q4_K_M file holds its output layer in Q8_0, most of its decoder in
+Q5_0, the rest in Q8_0, Q4_K and Q6_K: 127 of its 127 weights now read from blocks, 91
+before Q4_K/Q6_K; those 36 linears for one row 8.5-10 -> 2.7-4.8 ms per step on the AVX-512
+path, a plain step 111-125 -> 90 ms at best, on the 2-core CPU loaded by other jobs); other
+formats keep float32.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeight", "read_gguf_weights", "match_gguf_weights", "load_gguf_weights", "Q4_1", "Q8_0"]
+__all__ = ["GGUFWeight", "read_gguf_weights", "match_gguf_weights", "load_gguf_weights", "Q4_1", "Q8_0", "Q6_K"]
 
 Q4_1 = 0  # format codes of the compiled kernel's quant_linear
 Q8_0 = 1
-_BLOCK = 32  # weights per block in every format read
+Q6_K = 2  # (Q6_K's values unpacked: int8 weights, a float32 scale per 16)
+_BLOCK = 32  # weights per block of Q4_1 / Q8_0 (and per kernel step in every format)
+_SUB6 = 16  # weights per scale of Q6_K
+_SUPER = 256  # weights per super-block of the K formats (Q4_K, Q6_K)
 
 
 @dataclass(frozen=True)
@@ -48,10 +55,10 @@ class GGUFWeight:
 
     Attributes:
         qs: Q4_1: uint8 [O, I / 2] (per block of 32: byte j holds weight j in its low
-            nibble, j + 16 in its high one); Q8_0: int8 [O, I].
+            nibble, j + 16 in its high one); Q8_0, Q6_K: int8 [O, I].
         scales: float32, Q4_1: [O, I / 32, 2] (d, m: w = d * q + m); Q8_0: [O, I / 32] (d:
-            w = d * q).
-        fmt: :data:`Q4_1` or :data:`Q8_0`.
+            w = d * q); Q6_K: [O, I / 16] (d: w = d * q).
+        fmt: :data:`Q4_1`, :data:`Q8_0` or :data:`Q6_K`.
     """
 
     qs: torch.Tensor
@@ -60,13 +67,17 @@ class GGUFWeight:
 
     def well_formed(self) -> bool:
         """Whether the kernel takes these tensors: a known format, ``qs`` uint8 (Q4_1) or
-        int8 (Q8_0) [O, *], ``scales`` float32 of the matching shape, both contiguous."""
-        if self.fmt not in (Q4_1, Q8_0) or self.qs.dim() != 2 or not self.qs.is_contiguous():
+        int8 (Q8_0, Q6_K) [O, *], ``scales`` float32 of the matching shape, both contiguous."""
+        if self.fmt not in (Q4_1, Q8_0, Q6_K) or self.qs.dim() != 2 or not self.qs.is_contiguous():
             return False
         if self.qs.dtype != (torch.uint8 if self.fmt == Q4_1 else torch.int8):
             return False
         rows, cols = self.shape
-        scales = (rows, cols // _BLOCK, 2) if self.fmt == Q4_1 else (rows, cols // _BLOCK)
+        scales = {
+            Q4_1: (rows, cols // _BLOCK, 2),
+            Q8_0: (rows, cols // _BLOCK),
+            Q6_K: (rows, cols // _SUB6),
+        }[self.fmt]
         return (
             cols % _BLOCK == 0
             and self.scales.dtype == torch.float32
@@ -88,17 +99,36 @@ class GGUFWeight:
             nibbles = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [O, I / 32, 32]
             w = nibbles * self.scales[..., :1] + self.scales[..., 1:]  # d * q exact: one rounding
         else:
-            w = self.qs.view(rows, cols // _BLOCK, _BLOCK).float() * self.scales.unsqueeze(-1)
+            per = _SUB6 if self.fmt == Q6_K else _BLOCK
+            w = self.qs.view(rows, cols // per, per).float() * self.scales.unsqueeze(-1)
         return w.reshape(rows, cols)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, fmt: Union[int, str], cols: int) -> "GGUFWeight":
-        """From a GGUF tensor's raw bytes, uint8 [O, bytes per row] (Q4_1: 20 bytes per
-        block of 32, float16 d and m then the nibbles; Q8_0: 34, float16 d then 32 int8;
-        ``"Q5_0"``: 22, float16 d, 32 high bits, then the low nibbles, w = d * (q - 16),
-        kept as Q8_0 with q - 16 as the int8: 1.125 bytes a weight instead of 0.69, the
-        same values), ``cols`` = I weights per row."""
+        """From a GGUF tensor's raw bytes (llama.cpp's ``ggml-common.h`` layouts).
+
+        Args:
+            raw: uint8 [O, bytes per row].
+            fmt: the file's format: :data:`Q4_1` (20 bytes per block of 32: float16 d and m,
+                then the nibbles), :data:`Q8_0` (34: float16 d, then 32 int8), ``"Q5_0"``
+                (22: float16 d, 32 high bits, then the low nibbles, w = d * (q - 16); kept
+                as Q8_0 with q - 16 as the int8: 1.125 bytes a weight instead of 0.69, the
+                same values), ``"Q4_K"`` (144 per super-block of 256: float16 d and dmin,
+                12 bytes of 6-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles;
+                w = (d * sc) * q - dmin * m; kept as Q4_1 with d * sc and -(dmin * m) in
+                float32: 0.75 bytes a weight instead of 0.56) or ``"Q6_K"`` (210 per 256:
+                128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16
+                d; w = (d * sc) * (q - 32) per 16 weights; kept as :data:`Q6_K`, q - 32 as
+                int8 and d * sc in float32: 1.25 bytes a weight instead of 0.82).
+            cols: I, weights per row (a multiple of 32; of 256 for the K formats).
+
+        The scales are multiplied in float32 as gguf-py's ``dequantize`` does (products of a
+        float16 and a 6- or 8-bit integer, exact), so :meth:`dequantize` gives its values.
+        """
         rows = int(raw.shape[0])
+        if fmt in ("Q4_K", "Q6_K", Q6_K):
+            sup = np.asarray(raw).reshape(rows, cols // _SUPER, -1)  # [O, S, bytes per super-block]
+            return cls._from_q4_k(sup, cols) if fmt == "Q4_K" else cls._from_q6_k(sup, cols)
         blocks = np.asarray(raw).reshape(rows, cols // _BLOCK, -1)
         if fmt == "Q5_0":
             nibbles = blocks[..., 6:, None] >> np.array([0, 4], dtype=np.uint8)  # [O, B, 16, 2]
@@ -114,6 +144,41 @@ class GGUFWeight:
         qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols))
         return cls(qs, _half(blocks[..., 0:2]).contiguous(), Q8_0)
 
+    @classmethod
+    def _from_q4_k(cls, sup: np.ndarray, cols: int) -> "GGUFWeight":
+        """Q4_K super-blocks uint8 [O, S, 144] -> Q4_1 blocks (8 per super-block)."""
+        rows = int(sup.shape[0])
+        d, dmin = _half(sup[..., 0:2]).numpy(), _half(sup[..., 2:4]).numpy()  # [O, S]
+        packed = sup[..., 4:16].reshape(rows, -1, 3, 4)  # bytes 0-3: sc / high bits, 4-7: m / high bits, 8-11: low
+        lo, mi, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # [O, S, 8]
+        mins = np.concatenate([mi & 0x3F, (hi >> 4) | ((mi >> 2) & 0x30)], axis=-1)
+        scale = d[..., None] * sc.astype(np.float32)  # as gguf-py: d * sc, dmin * m in float32
+        offset = -(dmin[..., None] * mins.astype(np.float32))
+        scales = np.stack([scale, offset], axis=-1).reshape(rows, cols // _BLOCK, 2)
+        # 4 chunks of 32 bytes per super-block: byte j holds weight j of block 2c (low nibble)
+        # and weight j of block 2c + 1 (high)
+        nib = sup[..., 16:].reshape(rows, -1, 4, 1, _BLOCK) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        nib = (nib & 0x0F).reshape(rows, cols // _BLOCK, _BLOCK)  # [O, B, 32] weights in order
+        qs = nib[..., :16] | (nib[..., 16:] << 4)  # Q4_1's order: byte j = weight j, j + 16
+        return cls(torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, cols // 2)), torch.from_numpy(scales), Q4_1)
+
+    @classmethod
+    def _from_q6_k(cls, sup: np.ndarray, cols: int) -> "GGUFWeight":
+        """Q6_K super-blocks uint8 [O, S, 210] -> int8 [O, I] and a float32 scale per 16."""
+        rows = int(sup.shape[0])
+        # two halves of 128 weights: 64 bytes of nibbles (weights 0-63 low, 64-127 high) and
+        # 32 bytes of 2-bit pairs (weight 32k + j at bits 2k of byte j)
+        low = sup[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        high = sup[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 1, 4, 1
+        )
+        q = ((low & 0x0F).reshape(rows, -1, 256) | ((high & 0x03).reshape(rows, -1, 256) << 4)).astype(np.int8)
+        q = q - np.int8(32)  # [O, S, 256]
+        sc = np.ascontiguousarray(sup[..., 192:208]).view(np.int8).astype(np.float32)  # [O, S, 16]
+        scales = (_half(sup[..., 208:210]).numpy()[..., None] * sc).reshape(rows, cols // _SUB6)
+        return cls(torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(np.ascontiguousarray(scales)), Q6_K)
+
     def take_rows(self, index: torch.Tensor) -> "GGUFWeight":
         """The same weight with its rows reordered: row i of the result is row index[i]."""
         return GGUFWeight(self.qs[index].contiguous(), self.scales[index].contiguous(), self.fmt)
@@ -125,15 +190,21 @@ def _half(raw: np.ndarray) -> torch.Tensor:
 
 
 def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
-    """The 2-D Q4_1, Q8_0 and Q5_0 tensors of a GGUF file as :class:`GGUFWeight` (rows = the
-    file's ``ne1``, i.e. a linear layer's out-features); other tensors are skipped.
+    """The 2-D Q4_1, Q8_0, Q5_0, Q4_K and Q6_K tensors of a GGUF file as :class:`GGUFWeight`
+    (rows = the file's ``ne1``, i.e. a linear layer's out-features); other tensors are skipped.
 
     Raises:
         OSError, ValueError: the file cannot be read or parsed (gguf-py's errors).
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
-    formats = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q5_0: "Q5_0"}
+    formats = {
+        GGMLQuantizationType.Q4_1: Q4_1,
+        GGMLQuantizationType.Q8_0: Q8_0,
+        GGMLQuantizationType.Q5_0: "Q5_0",
+        GGMLQuantizationType.Q4_K: "Q4_K",
+        GGMLQuantizationType.Q6_K: "Q6_K",
+    }
     reader = GGUFReader(str(path))
     out: list[GGUFWeight] = []
     for tensor in reader.tensors:
@@ -141,9 +212,9 @@ def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
         if len(tensor.shape) != 2 or kind not in formats:
             continue
         cols, rows = (int(n) for n in tensor.shape)
-        if cols % _BLOCK:
-            continue
         fmt = formats[kind]
+        if cols % (_SUPER if fmt in ("Q4_K", "Q6_K") else _BLOCK):
+            continue
         out.append(GGUFWeight.from_blocks(np.asarray(tensor.data).reshape(rows, -1), fmt, cols))
     return out
 
@@ -205,7 +276,7 @@ def match_gguf_weights(candidates: list[GGUFWeight], weights: Mapping[str, torch
     return matched
 
 
-_CACHE_FORMAT = "ragspec-gguf-blocks-2"  # bump when the formats read change: older caches are rebuilt
+_CACHE_FORMAT = "ragspec-gguf-blocks-3"  # bump when the formats read change: older caches are rebuilt
 
 
 def _load_cached(cache: Path, weights: Mapping[str, torch.Tensor]) -> Optional[dict[str, GGUFWeight]]:

@@ -12,9 +12,17 @@ from test_kernels import _BUILDABLE
 
 from ragspec.backend.hf import HFTarget
 from ragspec.backend.kernels import load_quant_linear
-from ragspec.backend.quant import Q4_1, Q8_0, GGUFWeight, load_gguf_weights, match_gguf_weights, read_gguf_weights
+from ragspec.backend.quant import (
+    Q4_1,
+    Q6_K,
+    Q8_0,
+    GGUFWeight,
+    load_gguf_weights,
+    match_gguf_weights,
+    read_gguf_weights,
+)
 from ragspec.types import DraftTree
-from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
+from ragspec_testing import greedy_reference, make_tiny_llama, make_tree, random_k_blocks
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +67,27 @@ def test_quant_linear_equals_the_float32_kernel_bit_for_bit(kernels, fmt, out_fe
         assert torch.equal(quant(x, q.qs, q.scales, q.fmt, bias), skinny(x, deq, bias))
 
 
+@pytest.mark.parametrize("kind,fmt", [("Q4_K", Q4_1), ("Q6_K", Q6_K)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 256), (13, 1024), (640, 2048)])
+def test_k_formats_read_to_gguf_py_values_and_the_float32_kernel_bit_for_bit(
+    kernels, kind, fmt, out_features, in_features
+):
+    """Q4_K (kept as Q4_1) and Q6_K (int8, a scale per 16): the de-quantization is gguf-py's
+    exactly, and quant_linear equals skinny_linear over it bit for bit (gemma3-270m's
+    attention outputs and MLP down projections, in-features 1024 and 2048)."""
+    skinny, quant = kernels
+    gen = torch.Generator().manual_seed(out_features + in_features + len(kind))
+    raw, deq = random_k_blocks(out_features, in_features, kind, gen)
+    q = GGUFWeight.from_blocks(raw, kind, in_features)
+    assert q.fmt == fmt and q.well_formed() and q.shape == (out_features, in_features)
+    assert torch.equal(q.dequantize(), deq)  # gguf-py's values, exactly
+    bias = torch.randn(out_features, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17):
+        x = torch.randn(rows, in_features, generator=gen)
+        assert torch.equal(quant(x, q.qs, q.scales, q.fmt, None), skinny(x, deq, None)), rows
+        assert torch.equal(quant(x, q.qs, q.scales, q.fmt, bias), skinny(x, deq, bias)), rows
+
+
 def test_quant_linear_rejects_bad_shapes(kernels):
     _, quant = kernels
     raw, _ = _quantize(torch.randn(8, 64), Q4_1)
@@ -69,6 +98,10 @@ def test_quant_linear_rejects_bad_shapes(kernels):
         quant(torch.randn(1, 64), q.qs, q.scales, Q8_0, None)  # Q4_1 bytes read as Q8_0
     with pytest.raises(RuntimeError, match="fmt"):
         quant(torch.randn(1, 64), q.qs, q.scales, 7, None)
+    raw, _ = _quantize(torch.randn(8, 64), Q8_0)
+    q = GGUFWeight.from_blocks(raw, Q8_0, 64)
+    with pytest.raises(RuntimeError, match="scales shape"):
+        quant(torch.randn(1, 64), q.qs, q.scales, Q6_K, None)  # one scale per 32 read as one per 16
 
 
 def _quantized_tiny_model(path, *, permute: str, perturb: str, layers: int = 2):
@@ -113,6 +146,45 @@ def test_gguf_weights_are_matched_by_content_rows_permuted_or_not(tmp_path):
     assert matched["model.layers.0.self_attn.v_proj"].fmt == Q8_0  # Q5_0 in the file, read as int8
     for name, q in matched.items():  # every match, the permuted one included, is exact
         assert torch.equal(q.dequantize(), named[name].detach())
+
+
+def test_k_format_tensors_are_read_and_matched_rows_permuted_or_not(tmp_path):
+    """A GGUF holding Q4_K and Q6_K tensors (as gemma3-270m's Q4_K_M file: attention
+    outputs, MLP down projections): every one is read, matched exactly (rows shuffled in
+    the file or not), saved to and read back from the block cache."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path, cache = tmp_path / "k.gguf", tmp_path / "blocks.safetensors"
+    gen = torch.Generator().manual_seed(5)
+    writer = GGUFWriter(str(path), "llama")
+    weights: dict[str, torch.Tensor] = {}
+    for name, kind, (rows, cols) in [
+        ("o_proj", "Q4_K", (64, 512)),
+        ("o_proj_permuted", "Q4_K", (64, 512)),
+        ("down_proj", "Q6_K", (48, 768)),
+        ("down_proj_permuted", "Q6_K", (48, 768)),
+    ]:
+        raw, deq = random_k_blocks(rows, cols, kind, gen)
+        weights[name] = deq
+        if name.endswith("permuted"):
+            raw = raw[torch.randperm(rows, generator=gen).numpy()]
+        writer.add_tensor(name, raw, raw_dtype=getattr(GGMLQuantizationType, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert len(read_gguf_weights(path)) == 4
+    for _ in range(2):  # matched from the file, then read from the cache it wrote
+        matched = load_gguf_weights(path, weights, cache)
+        assert set(matched) == set(weights) and cache.is_file()
+        assert {n: q.fmt for n, q in matched.items()} == {
+            "o_proj": Q4_1,
+            "o_proj_permuted": Q4_1,
+            "down_proj": Q6_K,
+            "down_proj_permuted": Q6_K,
+        }
+        for name, q in matched.items():
+            assert q.well_formed() and torch.equal(q.dequantize(), weights[name])
 
 
 def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):

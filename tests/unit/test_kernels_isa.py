@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from test_kernels import _BUILDABLE
 
 from ragspec.backend import kernels
-from ragspec.backend.quant import Q4_1, Q8_0, GGUFWeight
+from ragspec.backend.quant import Q4_1, Q6_K, Q8_0, GGUFWeight
 
 
 def _has_avx512() -> bool:
@@ -55,9 +55,13 @@ def _random_blocks(out_features: int, in_features: int, fmt: int, gen: torch.Gen
     if fmt == Q4_1:
         qs = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=gen)
         scales = (torch.randn(out_features, blocks, 2, generator=gen) * 0.02).half().float()  # float16 as in a GGUF
-    else:
+    elif fmt == Q8_0:
         qs = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
         scales = (torch.randn(out_features, blocks, generator=gen) * 0.01).half().float()
+    else:  # Q6_K's values: q - 32 in [-32, 32), d * sc (float16 times int8) per 16 weights
+        qs = torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8, generator=gen)
+        sc = torch.randint(-128, 128, (out_features, in_features // 16), generator=gen).float()
+        scales = (torch.randn(out_features, 1, generator=gen) * 1e-4).half().float() * sc
     return GGUFWeight(qs, scales.contiguous(), fmt)
 
 
@@ -72,7 +76,7 @@ def test_skinny_linear_matches_f_linear_on_each_path(isa, module, rows, in_featu
     torch.testing.assert_close(module.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0, Q6_K])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (13, 32), (262, 576), (9, 1536)])
 def test_quant_linear_equals_skinny_bit_for_bit_on_each_path(isa, module, fmt, out_features, in_features):
     gen = torch.Generator().manual_seed(out_features * 7 + in_features + fmt)
@@ -87,7 +91,7 @@ def test_quant_linear_equals_skinny_bit_for_bit_on_each_path(isa, module, fmt, o
         torch.testing.assert_close(got, F.linear(x, deq), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [None, Q4_1, Q8_0])
+@pytest.mark.parametrize("fmt", [None, Q4_1, Q8_0, Q6_K])
 def test_each_row_is_computed_as_if_alone_on_each_path(isa, module, fmt):
     """A row's value does not depend on the other rows of the call (batched == solo)."""
     gen = torch.Generator().manual_seed(11)

@@ -19,7 +19,7 @@ from ragspec.backend.base import VerifyItem
 from ragspec.backend.hf import HFTarget, KVState
 from ragspec.backend.kernels import load_decoder_step, load_few_query_attention, load_quant_linear, load_skinny_linear
 from ragspec.backend.native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
-from ragspec.backend.quant import Q4_1, Q8_0
+from ragspec.backend.quant import Q4_1, Q6_K, Q8_0
 from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
@@ -32,6 +32,7 @@ from ragspec_testing import (
     make_tiny_llama,
     make_tree,
     oracle_plan,
+    random_k_blocks,
     wrong_plan,
 )
 
@@ -403,6 +404,76 @@ def test_native_step_over_gguf_blocks_is_bit_identical(kernels, tmp_path):
             assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
             ref.commit(sr, past, path)
             nat.commit(sn, past, path)
+
+
+def _k_quantized_llama(path):
+    """A tiny Llama with hidden size 256 (the K formats' super-block) whose linears are
+    random Q4_K / Q6_K blocks written to a GGUF at ``path`` (the same ones at every call):
+    q/k/v Q4_K (read as Q4_1: one fused group), o Q6_K, gate/up Q6_K (one fused group of
+    int8 with scales per 16), the output layer Q6_K; down (in-features 544) Q8_0."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    model = _llama(layers=2, hidden=256, heads=8, kv_heads=2, head_dim=32)
+    writer = GGUFWriter(str(path), "llama")
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if name.endswith("down_proj"):
+                kind = GGMLQuantizationType.Q8_0
+                raw = quants.quantize(module.weight.numpy().astype(np.float32), kind)
+                deq = torch.from_numpy(quants.dequantize(raw, kind).astype(np.float32))
+            else:
+                kind = (
+                    GGMLQuantizationType.Q4_K
+                    if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj")
+                    else GGMLQuantizationType.Q6_K
+                )
+                raw, deq = random_k_blocks(*module.weight.shape, kind.name, gen, scale=0.1)
+            module.weight.copy_(deq)
+            writer.add_tensor(name, raw, raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return model
+
+
+def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
+    """Q4_K and Q6_K weights (gemma3-270m's formats; here in a Llama) through the native
+    step, fused groups of either format included: bit for bit the kernel path's values."""
+    from ragspec.backend.native import _group
+
+    skinny, attention, step = kernels
+    path = tmp_path / "m.gguf"
+    targets = []
+    for native in (False, True):
+        t = HFTarget(_k_quantized_llama(path if not native else tmp_path / "copy.gguf"))
+        assert t.use_gguf_weights(path, load_quant_linear()) == 2 * 7 + 1
+        t.prepack_linears(skinny)
+        t.route_gqa_attention()
+        t.use_attention_kernel(attention)
+        assert t.use_native_step(step if native else None) == native
+        targets.append(t)
+    ref, nat = targets
+    assert nat.native_step.gguf_linears == 14
+    layer = nat.model.model.layers[0]
+    twins = nat._gguf_weights
+    qkv = _group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], twins)
+    gate_up = _group([layer.mlp.gate_proj, layer.mlp.up_proj], twins)
+    assert [g[3] for g in qkv] == [Q4_1] and [g[3] for g in gate_up] == [Q6_K]  # each one fused call
+    prompt = list(range(5, 40))
+    with torch.inference_mode():
+        sr, sn = ref.new_state(), nat.new_state()
+        ref.prefill(sr, prompt)
+        nat.prefill(sn, prompt)
+        for tree, path_ in _STEPS:
+            past = sr.length
+            a, b = ref.verify_one(sr, 7, tree, return_hidden=True), nat.verify_one(sn, 7, tree, return_hidden=True)
+            assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
+            ref.commit(sr, past, path_)
+            nat.commit(sn, past, path_)
 
 
 # ---------------------------------------------------------------------------------------

@@ -71,16 +71,20 @@ inline void rows_block(const float* w, const float* x, float* y, int64_t o, int6
 }  // namespace
 // ---------------------------------------------------------------------------------------
 // The same few-row linear layer over weights kept in a GGUF block format (llama.cpp's
-// ggml-quants: Q4_1 for the default model's decoder, Q8_0 for its output layer), streamed
-// at 0.75 / 1.125 bytes per weight instead of 4. Each group of 4 weight rows is de-quantized
-// into a small float32 buffer and multiplied by the code above, so the output is bit for
-// bit that of skinny_linear over the de-quantized float32 weight: the de-quantization is
-// exact in float32 (a float16 scale times a 4- or 8-bit integer needs at most 19 bits;
-// Q4_1's `d * q + m` is one rounding, as fmadd), the same arithmetic as gguf-py's
-// dequantize, which is how transformers loads a GGUF.
+// ggml-quants: Q4_1 for the default model's decoder, Q8_0 for its output layer; Q5_0 and
+// Q4_K are read into these two, Q6_K into format 2: int8 with a float32 scale per 16
+// weights), streamed at 0.75 / 1.125 / 1.25 bytes per weight instead of 4. Each group of 4
+// weight rows is de-quantized into a small float32 buffer and multiplied by the code above,
+// so the output is bit for bit that of skinny_linear over the de-quantized float32 weight:
+// the de-quantization is exact in float32 (a float16 scale times a 4- or 8-bit integer
+// needs at most 19 bits; Q4_K's and Q6_K's d * sc, a float16 times a 6- or 8-bit integer,
+// at most 18, and times a 4-bit q or 6-bit q - 32 at most 23; Q4_1's `d * q + m` is one
+// rounding, as fmadd), the same arithmetic as gguf-py's dequantize, which is how
+// transformers loads a GGUF.
 namespace {
 
-constexpr int64_t kQBlock = 32;  // weights per GGUF block (Q4_1, Q8_0)
+constexpr int64_t kQBlock = 32;  // weights per GGUF block (Q4_1, Q8_0), and per step of every format
+constexpr int64_t kQ6Block = 16;  // weights per scale of format 2 (Q6_K)
 
 // Q4_1 row: per block 16 bytes (byte j: element j in the low nibble, j + 16 in the high
 // one) and float32 (d, m) -> w[i] = d * q[i] + m
@@ -106,6 +110,17 @@ inline void dequant_q8_0(const int8_t* q, const float* dscale, float* w, int64_t
     for (int c = 0; c < 4; ++c) {
       const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kQBlock * blk + 8 * c));
       _mm256_storeu_ps(w + kQBlock * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    }
+  }
+}
+
+// format 2 (Q6_K's values) row: int8 and a float32 d per 16 -> w[i] = d * q[i]
+inline void dequant_q6_k(const int8_t* q, const float* dscale, float* w, int64_t I) {
+  for (int64_t blk = 0; blk < I / kQ6Block; ++blk) {
+    const __m256 d = _mm256_set1_ps(dscale[blk]);
+    for (int c = 0; c < 2; ++c) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kQ6Block * blk + 8 * c));
+      _mm256_storeu_ps(w + kQ6Block * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
     }
   }
 }
@@ -336,7 +351,7 @@ void skinny_row(const float* w, const float* x, float* y, int64_t o, int64_t R, 
 }
 
 // one block of 32 weights (number blk of a row) as two float32 vectors, the values of the
-// AVX2 de-quantization above: Q4_1 fmadd(d, q, m), Q8_0 d * q
+// AVX2 de-quantization above: Q4_1 fmadd(d, q, m), Q8_0 d * q, format 2 d * q per 16
 struct Q41 {
   static inline void load(const uint8_t* q, const float* s, int64_t blk, __m512& w0, __m512& w1) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * blk)));
@@ -351,6 +366,14 @@ struct Q80 {
     const __m128i* p = reinterpret_cast<const __m128i*>(q + kQBlock * blk);
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
+  }
+};
+
+struct Q6K {
+  static inline void load(const uint8_t* q, const float* s, int64_t blk, __m512& w0, __m512& w1) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q + kQBlock * blk);
+    w0 = _mm512_mul_ps(_mm512_set1_ps(s[2 * blk]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
+    w1 = _mm512_mul_ps(_mm512_set1_ps(s[2 * blk + 1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
   }
 };
 
@@ -413,12 +436,14 @@ inline void qblocks(const uint8_t* q, const float* s, int64_t qrow, int64_t srow
 void quant_blocks(int64_t fmt, const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const float* x, float* y,
                   int64_t b0, int64_t b1, int64_t R, int64_t I, int64_t O, float* buf) {
   if (fmt == 0) qblocks<Q41>(q, s, qrow, srow, x, y, b0, b1, R, I, O, buf);
-  else qblocks<Q80>(q, s, qrow, srow, x, y, b0, b1, R, I, O, buf);
+  else if (fmt == 1) qblocks<Q80>(q, s, qrow, srow, x, y, b0, b1, R, I, O, buf);
+  else qblocks<Q6K>(q, s, qrow, srow, x, y, b0, b1, R, I, O, buf);
 }
 void quant_row(int64_t fmt, const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const float* x, float* y,
                int64_t o, int64_t R, int64_t I, int64_t O, float* buf) {
   if (fmt == 0) dequant_row<Q41>(q + o * qrow, s + o * srow, buf, I);
-  else dequant_row<Q80>(q + o * qrow, s + o * srow, buf, I);
+  else if (fmt == 1) dequant_row<Q80>(q + o * qrow, s + o * srow, buf, I);
+  else dequant_row<Q6K>(q + o * qrow, s + o * srow, buf, I);
   rows_block<1>(buf, x, y, o, R, I, O);
 }
 
@@ -510,28 +535,31 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
 
 
 // x: float32 [R, I] (I a multiple of 32); qs: uint8 [O, I / 2] (fmt 0, Q4_1) or int8 [O, I]
-// (fmt 1, Q8_0); scales: float32 [O, I / 32, 2] (Q4_1: d, m) or [O, I / 32] (Q8_0: d);
-// bias float32 [O] or empty -> float32 [R, O], equal to skinny_linear(x, dequantized, bias).
+// (fmt 1, Q8_0; fmt 2, Q6_K's values); scales: float32 [O, I / 32, 2] (Q4_1: d, m), [O, I / 32]
+// (Q8_0: d) or [O, I / 16] (fmt 2: d per 16 weights); bias float32 [O] or empty -> float32
+// [R, O], equal to skinny_linear(x, dequantized, bias).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt,
                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(fmt == 0 || fmt == 1, "quant_linear: fmt must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(fmt == 0 || fmt == 1 || fmt == 2, "quant_linear: fmt must be 0 (Q4_1), 1 (Q8_0) or 2 (Q6_K)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be float32 [R, I]");
   const int64_t R = x.size(0), I = x.size(1), O = qs.size(0);
   TORCH_CHECK(I % kQBlock == 0, "quant_linear: in-features must be a multiple of 32");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == 0 ? I / 2 : I) &&
                   qs.scalar_type() == (fmt == 0 ? at::kByte : at::kChar), "quant_linear: qs shape or dtype");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == O * (I / kQBlock) * (fmt == 0 ? 2 : 1), "quant_linear: scales shape or dtype");
+  const int64_t srow = fmt == 0 ? 2 * (I / kQBlock) : fmt == 1 ? I / kQBlock : I / kQ6Block;  // scales per row
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == O * srow,
+              "quant_linear: scales shape or dtype");
   x = x.contiguous();
   auto y = torch::empty({R, O}, x.options());
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t qrow = fmt == 0 ? I / 2 : I, srow = (I / kQBlock) * (fmt == 0 ? 2 : 1);
+  const int64_t qrow = fmt == 0 ? I / 2 : I;
   auto dequant = [&](int64_t o, float* w) {
     if (fmt == 0) dequant_q4_1(qp + o * qrow, sp + o * srow, w, I);
-    else dequant_q8_0(reinterpret_cast<const int8_t*>(qp + o * qrow), sp + o * srow, w, I);
+    else if (fmt == 1) dequant_q8_0(reinterpret_cast<const int8_t*>(qp + o * qrow), sp + o * srow, w, I);
+    else dequant_q6_k(reinterpret_cast<const int8_t*>(qp + o * qrow), sp + o * srow, w, I);
   };
   const int64_t blocks = O / 4;
   if (current_isa() == kIsaAvx512) {
@@ -635,7 +663,7 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "few-row float32 linear layer (AVX-512 or AVX2/FMA)");
-  m.def("quant_linear", &quant_linear, "few-row linear layer over Q4_1 / Q8_0 GGUF weights (AVX-512 or AVX2/FMA)");
+  m.def("quant_linear", &quant_linear, "few-row linear layer over Q4_1 / Q8_0 / Q6_K GGUF weights (AVX-512 or AVX2/FMA)");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels use now: 'avx512' or 'avx2'");
   m.def("set_cpu_isa", &set_cpu_isa, "switch the kernels to 'avx2', 'avx512' or 'auto'; returns the previous one");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX-512 or AVX2/FMA)");
