@@ -393,6 +393,12 @@ def test_native_step_over_gguf_blocks_is_bit_identical(kernels, tmp_path):
         targets.append(t)
     ref, nat = targets
     assert nat.native_step.gguf_linears == 14
+    _assert_steps_bit_identical(ref, nat)
+
+
+def _assert_steps_bit_identical(ref, nat):
+    """Prefill a 35-token prompt, then verify every tree of ``_STEPS`` on both targets:
+    hidden states and logits bit for bit equal, the same accepted paths committed."""
     prompt = list(range(5, 40))
     with torch.inference_mode():
         sr, sn = ref.new_state(), nat.new_state()
@@ -463,17 +469,7 @@ def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
     qkv = _group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], twins)
     gate_up = _group([layer.mlp.gate_proj, layer.mlp.up_proj], twins)
     assert [g[3] for g in qkv] == [Q4_1] and [g[3] for g in gate_up] == [Q6_K]  # each one fused call
-    prompt = list(range(5, 40))
-    with torch.inference_mode():
-        sr, sn = ref.new_state(), nat.new_state()
-        ref.prefill(sr, prompt)
-        nat.prefill(sn, prompt)
-        for tree, path_ in _STEPS:
-            past = sr.length
-            a, b = ref.verify_one(sr, 7, tree, return_hidden=True), nat.verify_one(sn, 7, tree, return_hidden=True)
-            assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
-            ref.commit(sr, past, path_)
-            nat.commit(sn, past, path_)
+    _assert_steps_bit_identical(ref, nat)
 
 
 # ---------------------------------------------------------------------------------------

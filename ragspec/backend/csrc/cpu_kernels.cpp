@@ -103,27 +103,20 @@ inline void dequant_q4_1(const uint8_t* q, const float* dm, float* w, int64_t I)
   }
 }
 
-// Q8_0 row: per block 32 int8 and a float32 d -> w[i] = d * q[i]
-inline void dequant_q8_0(const int8_t* q, const float* dscale, float* w, int64_t I) {
-  for (int64_t blk = 0; blk < I / kQBlock; ++blk) {
+// int8 row with a float32 d per B weights -> w[i] = d * q[i] (Q8_0: B = 32; format 2, Q6_K's
+// values: B = 16)
+template <int B>
+inline void dequant_int8(const int8_t* q, const float* dscale, float* w, int64_t I) {
+  for (int64_t blk = 0; blk < I / B; ++blk) {
     const __m256 d = _mm256_set1_ps(dscale[blk]);
-    for (int c = 0; c < 4; ++c) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kQBlock * blk + 8 * c));
-      _mm256_storeu_ps(w + kQBlock * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    for (int c = 0; c < B / 8; ++c) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + B * blk + 8 * c));
+      _mm256_storeu_ps(w + B * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
     }
   }
 }
-
-// format 2 (Q6_K's values) row: int8 and a float32 d per 16 -> w[i] = d * q[i]
-inline void dequant_q6_k(const int8_t* q, const float* dscale, float* w, int64_t I) {
-  for (int64_t blk = 0; blk < I / kQ6Block; ++blk) {
-    const __m256 d = _mm256_set1_ps(dscale[blk]);
-    for (int c = 0; c < 2; ++c) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kQ6Block * blk + 8 * c));
-      _mm256_storeu_ps(w + kQ6Block * blk + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
-    }
-  }
-}
+inline void dequant_q8_0(const int8_t* q, const float* dscale, float* w, int64_t I) { dequant_int8<32>(q, dscale, w, I); }
+inline void dequant_q6_k(const int8_t* q, const float* dscale, float* w, int64_t I) { dequant_int8<16>(q, dscale, w, I); }
 
 }  // namespace
 // ---------------------------------------------------------------------------------------
