@@ -131,6 +131,9 @@ class BenchRecord:
     "first_diff", "mean_accepted", "forward_passes"}."""
     compare: dict = field(default_factory=dict)
     """Runs of ``--compare`` runners: name -> :func:`ragspec.compare.compare_entry`."""
+    variants: dict = field(default_factory=dict)
+    """Runs of other ragspec engines (``--also-drafting``): name -> the same fields as
+    ``more_budgets``' entries."""
     plain_step_s: float = 0.0
     plain_steps: int = 0
     """Seconds of ragspec's forwards in steps that verified no draft, and how many (0 when
@@ -239,6 +242,7 @@ def run_bench(
     keep_steps: bool = False,
     documents_for=None,
     compare: Sequence = (),
+    variants: Optional[dict] = None,
 ) -> list[BenchRecord]:
     """Run the benchmark over ``rows``; see the module docstring.
 
@@ -265,6 +269,9 @@ def run_bench(
             is prepared (loaded) once before timing and runs every prompt interleaved with
             the other methods; ragspec's per-step figures are then recorded for its
             plain-step time.
+        variants: other engines over the same model (name -> :class:`ragspec.Engine`, e.g.
+            another drafting mode, :func:`ragspec.loading.with_drafting`), each run as one
+            more interleaved method at the engine's own budget (``rec.variants``).
 
     Returns:
         one BenchRecord per prompt (times in seconds).
@@ -310,10 +317,10 @@ def run_bench(
             )
         if name in runners:
             return _timed(device, lambda: runners[name].generate(ids, new_tokens, eos))
-        budget = int(name.split("@")[1])
+        eng = others[name] if name in others else engines[int(name.split("@")[1])]
         return _timed(
             device,
-            lambda: engines[budget].generate(
+            lambda: eng.generate(
                 ids,
                 max_new_tokens=new_tokens,
                 chat=False,
@@ -325,7 +332,8 @@ def run_bench(
         )
 
     methods = ["baseline"] + (["static"] if static_baseline else []) + (["hf_pld"] if hf_pld else [])
-    methods += [f"ragspec@{b}" for b in budgets] + list(runners)
+    others = {f"ragspec:{n}": e for n, e in (variants or {}).items()}
+    methods += [f"ragspec@{b}" for b in budgets] + list(others) + list(runners)
     if warmup and rows:
         docs = documents_for(rows[0]) if documents_for else None
         for name in list(methods):
@@ -363,14 +371,10 @@ def run_bench(
             rec.compare[r.name] = compare_entry(run_, run_s, base_toks)
         for b in budgets[1:]:
             o, o_s = results[f"ragspec@{b}"]
-            rec.more_budgets[str(b)] = {
-                "s": o_s,
-                "tokens": len(o.token_ids),
-                "identical": (o.token_ids == base_toks) if not sampling else False,
-                "first_diff": _first_diff(o.token_ids, base_toks) if not sampling else -1,
-                "mean_accepted": o.stats.mean_accepted_tokens,
-                "forward_passes": o.stats.num_forward_passes,
-            }
+            rec.more_budgets[str(b)] = _other_run(o, o_s, base_toks, sampling)
+        for key in others:
+            o, o_s = results[key]
+            rec.variants[key.split(":", 1)[1]] = _other_run(o, o_s, base_toks, sampling)
         if not rec.identical and not sampling:
             logger.warning(
                 "question %s: ragspec differs from greedy at token %d (a float tie between near-equal logits "
@@ -382,6 +386,32 @@ def run_bench(
         if progress:
             progress(i, rec)
     return records
+
+
+def _other_run(out, seconds: float, base_toks: Sequence[int], sampling: bool) -> dict:
+    """One more ragspec run of a prompt (another budget, another engine) against the
+    baseline's tokens."""
+    return {
+        "s": seconds,
+        "tokens": len(out.token_ids),
+        "identical": (out.token_ids == base_toks) if not sampling else False,
+        "first_diff": _first_diff(out.token_ids, base_toks) if not sampling else -1,
+        "mean_accepted": out.stats.mean_accepted_tokens,
+        "forward_passes": out.stats.num_forward_passes,
+    }
+
+
+def _summarize_runs(runs: Sequence[dict], base_tps: float) -> dict:
+    """tok/s, speedup, mean accepted tokens per step and identity of ``_other_run`` s."""
+    tps = sum(m["tokens"] for m in runs) / max(1e-9, sum(m["s"] for m in runs))
+    steps = sum(m["forward_passes"] - 1 for m in runs)
+    return {
+        "tok_s": tps,
+        "speedup": tps / base_tps if base_tps else 0.0,
+        "mean_accepted": sum(m["tokens"] - 1 for m in runs) / max(1, steps),
+        "identical": sum(bool(m["identical"]) for m in runs),
+        "first_diffs": sorted(m["first_diff"] for m in runs if not m["identical"] and m["first_diff"] >= 0),
+    }
 
 
 def static_compiled(model) -> bool:
@@ -435,16 +465,11 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
             table[g]["static_identical"] = sum(bool(r.static_identical) for r in static)
         budgets = sorted({b for r in rs for b in r.more_budgets}, key=int)
         for b in budgets:
-            runs = [(r, r.more_budgets[b]) for r in rs if b in r.more_budgets]
-            tps = sum(m["tokens"] for _, m in runs) / max(1e-9, sum(m["s"] for _, m in runs))
-            msteps = sum(m["forward_passes"] - 1 for _, m in runs)
-            table[g][f"ragspec@{b}"] = {
-                "tok_s": tps,
-                "speedup": tps / base_tps if base_tps else 0.0,
-                "mean_accepted": sum(m["tokens"] - 1 for _, m in runs) / max(1, msteps),
-                "identical": sum(bool(m["identical"]) for _, m in runs),
-                "first_diffs": sorted(m["first_diff"] for _, m in runs if not m["identical"] and m["first_diff"] >= 0),
-            }
+            table[g][f"ragspec@{b}"] = _summarize_runs([r.more_budgets[b] for r in rs if b in r.more_budgets], base_tps)
+        for name in dict.fromkeys(n for r in rs for n in r.variants):
+            table[g][f"ragspec:{name}"] = _summarize_runs(
+                [r.variants[name] for r in rs if name in r.variants], base_tps
+            )
         if any(r.compare for r in rs):
             table[g]["compare"] = summarize_compare(rs)
     return table
@@ -464,6 +489,7 @@ def format_table(table: dict, sampling: bool = False) -> str:
     any_row = next(iter(table.values()), {})
     static = "static_tok_s" in any_row
     budgets = [k for k in any_row if k.startswith("ragspec@")]
+    variants = [k for k in any_row if k.startswith("ragspec:")]
     main = f"ragspec@{any_row.get('max_draft_tokens')}" if budgets and any_row.get("max_draft_tokens") else "ragspec"
     head = f"{'category':<15}{'n':>4}{'base tok/s':>12}"
     if static:
@@ -472,6 +498,8 @@ def format_table(table: dict, sampling: bool = False) -> str:
     for b in budgets:
         head += f"{b + ' tok/s':>{len(b) + 7}}"
     head += f"{'accepted':>10}{'acc.rate':>10}{'identical':>14}"
+    for v in variants:
+        head += f"{v + ' tok/s':>{len(v) + 7}}{'accepted':>10}{'identical':>14}"
     lines = [head, "-" * len(head)]
     for g, t in table.items():
         pld = f"{t['hf_pld_tok_s']:.1f}" if t["hf_pld_tok_s"] else "-"
@@ -483,6 +511,13 @@ def format_table(table: dict, sampling: bool = False) -> str:
         for b in budgets:
             line += f"{t[b]['tok_s'] if b in t else 0.0:>{len(b) + 7}.1f}"
         line += f"{t['mean_accepted']:>10.2f}{t['acceptance_rate']:>10.2f}{ident:>14}"
+        for v in variants:
+            m = t.get(v)
+            if m is None:
+                line += f"{'-':>{len(v) + 7}}{'-':>10}{'-':>14}"
+                continue
+            v_ident = "n/a" if sampling else format_identity(m["identical"], t["prompts"], m["first_diffs"])
+            line += f"{m['tok_s']:>{len(v) + 7}.1f}{m['mean_accepted']:>10.2f}{v_ident:>14}"
         lines.append(line)
     more = format_compare_table(table)
     return "\n".join(lines) + (f"\n\n{more}" if more else "")

@@ -50,6 +50,13 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
             default=os.environ.get("RAGSPEC_EAGLE") or "auto",  # empty = unset, as for the server
             help="EAGLE draft head directory; 'auto' (default): the head shipped for the model, if any; 'none': no head",
         )
+        p.add_argument(
+            "--drafting",
+            choices=("merged", "select"),
+            default="merged",
+            help="with a head: 'merged' (default) one draft tree from retrieval, the head and retrieval's copies "
+            "after the head's tokens; 'select' one source per step (the behaviour before issue 22)",
+        )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +78,7 @@ def _engine(args, calibrate: bool = True):
         eagle=getattr(args, "eagle", None),
         policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
         calibrate=calibrate,
+        drafting=getattr(args, "drafting", None) or "merged",
     )
 
 
@@ -334,7 +342,7 @@ def cmd_bench(args) -> int:
         gguf = resolve_model(args.model).gguf_file
         threads = args.threads or __import__("torch").get_num_threads()
         runners = [compare.open_runner(n, gguf=gguf, threads=threads) for n in dict.fromkeys(args.compare)]
-    engine = _engine(args)
+    engine = _engine(args, calibrate=not args.no_calibrate)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
         f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}, "
@@ -349,14 +357,25 @@ def cmd_bench(args) -> int:
 
     def progress(i, r):
         others = "".join(f"{n} {c['tokens'] / c['s']:6.1f} tok/s  " for n, c in r.compare.items())
+        others += "".join(
+            f"{n} {v['tokens'] / v['s']:6.1f} tok/s accepted {v['mean_accepted']:.2f}"
+            f"{'' if v['identical'] or args.temperature > 0 else ' DIFFERS'}  "
+            for n, v in r.variants.items()
+        )
         print(
             f"  [{i + 1}/{len(rows)}] {r.category:<14} base {r.baseline_tokens / r.baseline_s:6.1f} tok/s  "
-            f"ragspec {r.ragspec_tokens / r.ragspec_s:6.1f} tok/s  {others}accepted {r.mean_accepted:.2f}  "
+            f"ragspec {r.ragspec_tokens / r.ragspec_s:6.1f} tok/s accepted {r.mean_accepted:.2f}  {others}"
             f"{'identical' if r.identical else ('sampled' if args.temperature > 0 else 'DIFFERS at %d' % r.first_diff)}",
             file=sys.stderr,
         )
 
     budgets = [int(b) for b in args.draft_budgets.split(",") if b.strip()] if args.draft_budgets else []
+    variants = {}
+    if args.also_drafting:
+        from .loading import with_drafting
+
+        for mode in dict.fromkeys(m.strip() for m in args.also_drafting.split(",") if m.strip()):
+            variants[mode] = with_drafting(engine, mode)
     try:
         records = bench.run_bench(
             engine,
@@ -370,6 +389,7 @@ def cmd_bench(args) -> int:
             progress=progress,
             keep_steps=bool(args.json),
             compare=runners,
+            variants=variants,
         )
         compare_settings = compare.runner_settings(runners) if runners else {}
     finally:
@@ -394,6 +414,8 @@ def cmd_bench(args) -> int:
                         "temperature": args.temperature,
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
+                        "drafting": engine.parts.drafting,
+                        "also_drafting": list(variants),
                         "cpu_kernel": engine.target.skinny is not None,
                         "gguf_weights": engine.target.gguf_weights,
                         "threads": __import__("torch").get_num_threads(),
@@ -402,6 +424,7 @@ def cmd_bench(args) -> int:
                         "static_baseline": args.static_baseline,
                         "static_compiled": bench.static_compiled(engine.model),
                         "warmup": args.warmup,
+                        "latency_calibrated": not args.no_calibrate,
                         "compare": compare_settings,
                         "torch": __import__("torch").__version__,
                         "transformers": __import__("transformers").__version__,
@@ -489,6 +512,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-budgets",
         default=None,
         help="comma-separated draft budgets to run ragspec at, e.g. 8,32 (default: --max-draft-tokens)",
+    )
+    b.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip the start-up latency measurement: the cost model uses the reference CPU's table (refined "
+        "online by one scale factor, which cancels in its choice), so draft sizes do not follow this "
+        "machine's load",
+    )
+    b.add_argument(
+        "--also-drafting",
+        default=None,
+        help="comma-separated drafting modes (merged, select) to run beside --drafting's, interleaved, as more "
+        "ragspec columns: tokens/s, accepted tokens per step, identity",
     )
     b.add_argument(
         "--warmup", action="store_true", help="run every method once before timing (CUDA: kernels, compilation)"

@@ -78,6 +78,8 @@ class DrafterParts:
         eagle_path: folder the head was loaded from, or None.
         response_cache: the cache of this model's earlier responses drafted from
             (:mod:`ragspec.drafters.response_cache`), or None.
+        drafting: how retrieval and the head share a step (``ragspec.loading.DRAFTING_MODES``:
+            "merged", one tree from all sources; "select", one source per step).
     """
 
     pld: Optional["PLDConfig"] = None
@@ -85,6 +87,7 @@ class DrafterParts:
     eagle: Optional["EagleDrafter"] = None
     eagle_path: Optional[str] = None
     response_cache: Optional["ResponseCache"] = None
+    drafting: str = "merged"
 
 
 @dataclass(eq=False)
@@ -799,7 +802,10 @@ class Engine:
                     num_committed=kept,
                     draft_s=draft_s,
                     verify_s=verify_s,
-                    source=tree.sources[0] if tree.sources else "",
+                    source="+".join(dict.fromkeys(tree.sources)),
                     predicted_accepted=predicted,
+                    accepted_source="+".join(dict.fromkeys(tree.sources[i] for i in res.accepted_nodes))
+                    if tree.sources
+                    else "",
                 )
             )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from .config import PLDConfig, PolicyConfig
 from .drafters.base import CompositeDrafter, Drafter
+from .drafters.merged import MergedDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from .drafters.selecting import SelectingDrafter
@@ -30,7 +31,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_engine", "load_target", "load_eagle", "compose_drafter", "with_datastore", "with_response_cache"]
+__all__ = [
+    "DRAFTING_MODES",
+    "load_engine",
+    "load_target",
+    "load_eagle",
+    "compose_drafter",
+    "with_datastore",
+    "with_response_cache",
+    "with_drafting",
+]
+
+DRAFTING_MODES = ("merged", "select")
+"""How retrieval and an EAGLE head share a step: ``"merged"`` (default), one tree from
+all sources, retrieval's copies also hung under the head's tokens
+(:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
+(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22)."""
 
 
 def load_target(
@@ -92,11 +108,17 @@ def compose_drafter(
     datastores: Sequence["Datastore"] = (),
     eagle: Optional["EagleDrafter"] = None,
     response_cache: Optional[ResponseCache] = None,
+    drafting: str = "merged",
 ) -> Optional[Drafter]:
     """Retrieval (prompt lookup, then each datastore, then the response cache: the longest
-    suffix match wins) and, with a head, the selection between retrieval and the head
-    (:class:`~ragspec.drafters.selecting.SelectingDrafter`). None when there is nothing to
-    draft with."""
+    suffix match wins) and, with a head, retrieval and the head together as ``drafting``
+    says (:data:`DRAFTING_MODES`). None when there is nothing to draft with.
+
+    Raises:
+        ConfigError: an unknown ``drafting``.
+    """
+    if drafting not in DRAFTING_MODES:
+        raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
     retrieval: list[Drafter] = [PromptLookupDrafter(pld)] if pld is not None else []
     if datastores:
         from .datastore import DatastoreDrafter
@@ -113,9 +135,12 @@ def compose_drafter(
         return base
     if base is None:
         return eagle
-    # retrieval when its match is worth more than the head's draft (calibrated per
-    # request), the head otherwise
-    return SelectingDrafter(base, eagle)
+    if drafting == "select":
+        # retrieval when its match is worth more than the head's draft (calibrated per
+        # request), the head otherwise
+        return SelectingDrafter(base, eagle)
+    # one tree: retrieval's, the head's, and retrieval's copies after the head's tokens
+    return MergedDrafter(base, eagle)
 
 
 def load_engine(
@@ -130,6 +155,7 @@ def load_engine(
     calibrate: bool = True,
     cache: Optional[Union[str, Path]] = None,
     cpu_kernels: Optional[bool] = None,
+    drafting: str = "merged",
 ) -> Engine:
     """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
     an EAGLE head when given.
@@ -152,15 +178,19 @@ def load_engine(
             layers and attention through ragspec's compiled kernels and, for a GGUF model,
             read the weights it holds in Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks from those blocks
             (the same output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
+        drafting: how retrieval and the head share a step (:data:`DRAFTING_MODES`).
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
         DatastoreError: the datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
+        ConfigError: an unknown ``drafting``.
     """
     from . import models
 
+    if drafting not in DRAFTING_MODES:
+        raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels)
     stores = []
     if datastore:
@@ -172,13 +202,17 @@ def load_engine(
     return Engine(
         target,
         tokenizer,
-        drafter=compose_drafter(pld, stores, eagle_drafter),
+        drafter=compose_drafter(pld, stores, eagle_drafter, drafting=drafting),
         policy=policy,
         latency=latency,
         eos_token_ids=models.eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
         parts=DrafterParts(
-            pld=pld, datastore=stores[0] if stores else None, eagle=eagle_drafter, eagle_path=eagle_path
+            pld=pld,
+            datastore=stores[0] if stores else None,
+            eagle=eagle_drafter,
+            eagle_path=eagle_path,
+            drafting=drafting,
         ),
     )
 
@@ -189,7 +223,7 @@ def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
     model is loaded."""
     parts = engine.parts
     drafter = compose_drafter(
-        parts.pld, [datastore] if datastore is not None else [], parts.eagle, parts.response_cache
+        parts.pld, [datastore] if datastore is not None else [], parts.eagle, parts.response_cache, parts.drafting
     )
     return engine.with_drafter(drafter, dataclasses.replace(parts, datastore=datastore))
 
@@ -211,5 +245,22 @@ def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engin
             drafter = CompositeDrafter([engine.drafter, own])
     else:
         stores = [parts.datastore] if parts.datastore is not None else []
-        drafter = compose_drafter(parts.pld, stores, parts.eagle, cache)
+        drafter = compose_drafter(parts.pld, stores, parts.eagle, cache, parts.drafting)
     return engine.with_drafter(drafter, dataclasses.replace(parts, response_cache=cache))
+
+
+def with_drafting(engine: Engine, drafting: str) -> Engine:
+    """An engine over the same model, backend and drafter parts as ``engine`` (one composed
+    by :func:`load_engine`), retrieval and the head sharing each step as ``drafting`` says
+    (:data:`DRAFTING_MODES`). No model is loaded.
+
+    Raises:
+        ConfigError: an unknown ``drafting``, or an engine whose drafter was not composed
+            here.
+    """
+    parts = engine.parts
+    if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
+        raise ConfigError("this engine's drafter was not composed by ragspec.loading: no parts to recompose")
+    stores = [parts.datastore] if parts.datastore is not None else []
+    drafter = compose_drafter(parts.pld, stores, parts.eagle, parts.response_cache, drafting)
+    return engine.with_drafter(drafter, dataclasses.replace(parts, drafting=drafting))

@@ -35,6 +35,7 @@ __all__ = [
     "LatencyTable",
     "measure_latency",
     "AcceptanceModel",
+    "run_depths",
     "AcceptedPerStep",
     "StepTimer",
     "choose_draft",
@@ -382,6 +383,12 @@ class AcceptanceModel:
     Starts from priors (``prior_first`` for depth 0, ``prior_next`` deeper, each worth
     ``prior_weight`` pseudo-trials) and learns from each verified draft. One model per
     request: what the target accepts depends on the prompt.
+
+    A node's match length is its own (``DraftTree.match_lens``: a merged tree's nodes come
+    from several lookups), and its depth is counted within its *run*: the nodes of its
+    source directly above it (:func:`run_depths`). In a single-source tree that is the
+    depth; a lookup continuation hung under an EAGLE head's token starts at run depth 0,
+    a first copied token like a retrieval draft's first, not the continuation of a copy.
     """
 
     MAX_DEPTH = 4
@@ -421,17 +428,21 @@ class AcceptanceModel:
             self._stats[key] = b
         return b
 
+    def prob(self, source: str, match_len: int, run_depth: int, score: float = 1.0) -> float:
+        """Conditional acceptance probability of one node (its parent accepted): the
+        calibrated rate of (source, match bucket, run depth) times the drafter's own
+        ``score`` (clipped to [0, 1])."""
+        p = self._beta(self._key(source, match_len, run_depth)).mean
+        return min(1.0, p * min(1.0, max(0.0, score)))
+
     def node_probs(self, tree: DraftTree) -> list[float]:
         """Conditional acceptance probability of each node of ``tree`` (its parent accepted).
 
         The drafter's own ``scores`` (branch shares, draft probabilities) multiply in for
         nodes with siblings."""
-        probs = []
         scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
-        for i, (d, src) in enumerate(zip(tree.depth.tolist(), tree.sources or ("draft",) * tree.num_nodes)):
-            p = self._beta(self._key(src, tree.match_len, d)).mean
-            probs.append(min(1.0, p * min(1.0, max(0.0, scores[i]))))
-        return probs
+        sources = tree.sources or ("draft",) * tree.num_nodes
+        return [self.prob(src, m, d, sc) for src, m, d, sc in zip(sources, tree.match_lens(), run_depths(tree), scores)]
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Count, for each node whose parent was accepted, whether it was accepted too."""
@@ -440,13 +451,14 @@ class AcceptanceModel:
         parents = tree.parents.tolist()
         accepted = set(result.accepted_nodes)
         reached = accepted | {-1}
-        depth = tree.depth.tolist()
+        depth = run_depths(tree)
+        lens = tree.match_lens()
         scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
         for i in range(tree.num_nodes):
             if parents[i] not in reached:
                 continue
             src = tree.sources[i] if tree.sources else "draft"
-            b = self._beta(self._key(src, tree.match_len, depth[i]))
+            b = self._beta(self._key(src, lens[i], depth[i]))
             # a trial weighs the drafter's own score: the mean is then accepted / sum of
             # scores, the factor that calibrates scores (node_probs = mean * score). With
             # unit trials, k siblings (EAGLE top-k, candidate branches) would divide the
@@ -454,6 +466,21 @@ class AcceptanceModel:
             b.trials += min(1.0, max(1e-3, scores[i]))
             if i in accepted:
                 b.success += 1
+
+
+def run_depths(tree: DraftTree) -> list[int]:
+    """Depth of each node within its source's run: 0 when its parent is the root or has
+    another source, else its parent's + 1 (the depth itself in a single-source tree).
+
+    Example: sources (eagle, eagle, prompt@head, prompt@head), parents [-1, 0, 1, 2] ->
+    [0, 1, 0, 1].
+    """
+    parents = tree.parents.tolist()
+    sources = tree.sources or ("draft",) * tree.num_nodes
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        out.append(0 if p < 0 or sources[p] != sources[i] else out[p] + 1)
+    return out
 
 
 class AcceptedPerStep:
@@ -610,4 +637,5 @@ def _subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
         # verify it as a deterministic draft (still lossless; see ragspec.sampling)
         draft_probs=None,
         match_len=tree.match_len,
+        node_match_len=None if tree.node_match_len is None else tree.node_match_len[idx],
     )

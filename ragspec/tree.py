@@ -20,6 +20,7 @@ __all__ = [
     "tree_attention_mask",
     "tree_position_ids",
     "path_to_node",
+    "follow_path",
     "merge_trees",
     "drop_invalid_nodes",
 ]
@@ -127,13 +128,15 @@ def tree_from_candidates(
 
 def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
     """Merge several trees into one trie (shared prefixes become one node), keeping the
-    nodes of earlier trees first. Scores and sources of the first tree holding a node win.
+    nodes of earlier trees first. Scores, sources and match lengths of the first tree
+    holding a node win; each node keeps its own tree's match length (``node_match_len``).
     Draft probabilities are dropped (a merged tree is verified as deterministic)."""
     tok: list[int] = []
     par: list[int] = []
     dep: list[int] = []
     src: list[str] = []
     sc: list[float] = []
+    ml: list[int] = []
     index: dict[tuple[int, int], int] = {}
     match_len = 0
     for tree in trees:
@@ -142,6 +145,7 @@ def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
         match_len = max(match_len, tree.match_len)
         mapping: dict[int, Optional[int]] = {}
         scores = tree.scores.tolist() if tree.scores is not None else [1.0] * tree.num_nodes
+        lens = tree.match_lens()
         for i, (t, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
             new_parent = mapping[p] if p != -1 else -1
             if new_parent is None:
@@ -161,6 +165,7 @@ def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
             dep.append(0 if new_parent == -1 else dep[new_parent] + 1)
             src.append(tree.sources[i] if i < len(tree.sources) else "draft")
             sc.append(scores[i])
+            ml.append(lens[i])
     if not tok:
         return DraftTree.empty()
     # nodes are appended after their parents, so the order is topological already
@@ -172,6 +177,7 @@ def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
         torch.tensor(sc, dtype=torch.float32),
         None,
         match_len,
+        None if all(m == match_len for m in ml) else torch.tensor(ml, dtype=torch.long),
     )
 
 
@@ -207,6 +213,24 @@ def tree_position_ids(tree: DraftTree, root_position: int, device: Optional[torc
     pos = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.to(torch.long) + 1]) + root_position
     pos = pos[None]  # [1, N+1]
     return pos.to(device) if device is not None else pos
+
+
+def follow_path(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
+    """Node indices of the longest root path of ``tree`` whose tokens are a prefix of
+    ``tokens``: what greedy verification accepts when the target's choices are ``tokens``.
+
+    Example: tokens [5, 6, 7] with parents [-1, 0, -1] (5 then 6; 7) and tokens [5, 6, 9]
+    -> [0, 1].
+    """
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, path = -1, []
+    for t in tokens:
+        nxt = next((i for i, p in enumerate(parents) if p == node and toks[i] == t), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
 
 
 def path_to_node(tree: DraftTree, node: int) -> list[int]:
@@ -273,6 +297,7 @@ def drop_invalid_nodes(tree: DraftTree, vocab_size: int) -> tuple[DraftTree, int
             scores=None if tree.scores is None or tree.scores.shape[0] != n else tree.scores[idx],
             draft_probs=None if tree.draft_probs is None else tree.draft_probs[idx],
             match_len=tree.match_len,
+            node_match_len=None if tree.node_match_len is None else tree.node_match_len[idx],
         ),
         dropped,
     )

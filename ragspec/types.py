@@ -34,6 +34,10 @@ class DraftTree:
             None for deterministic drafts (prompt lookup, datastore).
         match_len: length in tokens of the context suffix the draft was matched on (0 when
             not a lookup draft); a feature of the acceptance model.
+        node_match_len: int64 [N] or None: the suffix-match length of each node, for trees
+            whose nodes come from several lookups (a merged tree: retrieval's own matches,
+            lookups seeded by the EAGLE head's tokens, the head's nodes at 0); None: every
+            node's is ``match_len``.
 
     An empty tree (N = 0) is valid: the step degrades to plain decoding.
     """
@@ -45,6 +49,7 @@ class DraftTree:
     scores: Optional[torch.Tensor] = None
     draft_probs: Optional[torch.Tensor] = None
     match_len: int = 0
+    node_match_len: Optional[torch.Tensor] = None
 
     @property
     def num_nodes(self) -> int:
@@ -75,6 +80,13 @@ class DraftTree:
             match_len=match_len,
         )
 
+    def match_lens(self) -> list[int]:
+        """The suffix-match length of each node (``node_match_len``, else ``match_len``
+        for every node): N ints."""
+        if self.node_match_len is not None:
+            return [int(m) for m in self.node_match_len.tolist()]
+        return [int(self.match_len)] * self.num_nodes
+
     @property
     def is_chain(self) -> bool:
         n = self.num_nodes
@@ -97,6 +109,7 @@ class DraftTree:
             scores=None if self.scores is None else self.scores[:k],
             draft_probs=None if self.draft_probs is None else self.draft_probs[:k],
             match_len=self.match_len,
+            node_match_len=None if self.node_match_len is None else self.node_match_len[:k],
         )
 
 
@@ -151,7 +164,12 @@ class VerifyResult:
 
 @dataclass
 class StepStats:
-    """One decode step (one target forward pass)."""
+    """One decode step (one target forward pass).
+
+    ``source``: the verified tree's sources, distinct, in node order, joined by "+"
+    ("eagle"; a merged tree's "prompt+eagle+prompt@head"); ``accepted_source``: the same
+    over the accepted path ("" when nothing was accepted).
+    """
 
     num_drafted: int
     num_accepted: int
@@ -160,6 +178,7 @@ class StepStats:
     verify_s: float
     source: str = ""
     predicted_accepted: float = 0.0
+    accepted_source: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -56,13 +56,22 @@ class _DatastoreSession:
             del self._context[:-keep]
 
     def propose(self, max_tokens: int) -> DraftTree:
+        return self._propose(self._context[-self._drafter.max_match :], max_tokens)
+
+    def propose_after(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree:
+        """The draft that would follow the context extended by ``token_ids`` (not
+        committed; nothing changes): its nodes hang below the last of them."""
+        suffix = (self._context + [int(t) for t in token_ids])[-self._drafter.max_match :]
+        return self._propose(suffix, max_tokens)
+
+    def _propose(self, suffix: list[int], max_tokens: int) -> DraftTree:
         d = self._drafter
         budget = min(d.max_nodes, max_tokens)
         if budget <= 0:
             return DraftTree.empty()
         kwargs = {"prefer": self._prefer} if self._prefer is not None else {}
         conts = d.datastore.continuations(
-            self._context[-d.max_match :], max_len=min(d.max_len, budget), max_candidates=d.max_candidates, **kwargs
+            suffix, max_len=min(d.max_len, budget), max_candidates=d.max_candidates, **kwargs
         )
         if not conts:
             return DraftTree.empty()

@@ -4,12 +4,16 @@
   :class:`CompositeDrafter`;
 * :mod:`ragspec.drafters.prompt_lookup`: n-gram matching over the prompt, documents and
   output;
-* :mod:`ragspec.drafters.selecting`: retrieval first, the EAGLE head otherwise.
+* :mod:`ragspec.drafters.selecting`: retrieval first, the EAGLE head otherwise (one source
+  per step);
+* :mod:`ragspec.drafters.merged`: retrieval, the head and retrieval seeded by the head's
+  tokens in one tree (the default with a head).
 
 Datastore drafts are :mod:`ragspec.datastore`; the EAGLE head's :mod:`ragspec.eagle`.
 """
 
 from .base import CompositeDrafter, Drafter, DraftSession, reproducible_drafter
+from .merged import MergedDrafter
 from .prompt_lookup import NgramIndex, PromptLookupDrafter, ngram_match
 from .selecting import SelectingDrafter
 
@@ -17,6 +21,7 @@ __all__ = [
     "CompositeDrafter",
     "Drafter",
     "DraftSession",
+    "MergedDrafter",
     "NgramIndex",
     "PromptLookupDrafter",
     "SelectingDrafter",

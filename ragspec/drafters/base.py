@@ -34,6 +34,12 @@ class DraftSession(Protocol):
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Feedback: what the target accepted of the last proposal."""
 
+    # Optional: a session that defines ``propose_after(token_ids, max_tokens)`` proposes the
+    # tree that would follow the context extended by ``token_ids`` (tokens not committed,
+    # e.g. an EAGLE head's draft tokens; the session is left unchanged), hanging below the
+    # last of them. Lookup drafters define it; the merged drafter
+    # (ragspec.drafters.merged) hangs their copies under the head's tokens with it.
+    #
     # Optional: a session that defines ``finish(token_ids, reason, text)`` is told once, when
     # its request ends, every token it generated, the finish reason ("stop", "length",
     # "cancelled") and the text (a response cache learns from it).
@@ -89,6 +95,13 @@ class _CompositeSession:
                     s.extend_hidden(hidden)
 
             self.extend_hidden = extend_hidden
+        seekers = [s for s in sessions if hasattr(s, "propose_after")]
+        if seekers:
+
+            def propose_after(token_ids: Sequence[int], max_tokens: int) -> DraftTree:
+                return self._combine([s.propose_after(token_ids, max_tokens) for s in seekers], max_tokens)
+
+            self.propose_after = propose_after
         finishers = [s for s in sessions if hasattr(s, "finish")]
         if finishers:
 
@@ -103,7 +116,10 @@ class _CompositeSession:
             s.extend(token_ids)
 
     def propose(self, max_tokens: int) -> DraftTree:
-        trees = [s.propose(max_tokens) for s in self._sessions]
+        return self._combine([s.propose(max_tokens) for s in self._sessions], max_tokens)
+
+    def _combine(self, trees: list[DraftTree], max_tokens: int) -> DraftTree:
+        """The children's trees as one, by the composite's mode."""
         trees = [t for t in trees if t.num_nodes]
         if not trees:
             return DraftTree.empty()

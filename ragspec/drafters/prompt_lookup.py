@@ -102,18 +102,21 @@ class NgramIndex:
     def context(self) -> list[int]:
         return self._seqs[0]
 
-    def _match_length(self, seq: int, start: int, limit: int) -> int:
-        """Length of the common suffix of the live context and ``seq[:start]`` (at most
-        ``limit``): how deep into a copied span the context is."""
-        ctx = self._seqs[0]
+    def _match_length(self, seq: int, start: int, limit: int, live: Sequence[int]) -> int:
+        """Length of the common suffix of ``live`` (the live context's end) and
+        ``seq[:start]`` (at most ``limit``): how deep into a copied span the context is."""
         s = self._seqs[seq]
         n = 0
-        while n < limit and n < start and n < len(ctx) and s[start - 1 - n] == ctx[len(ctx) - 1 - n]:
+        while n < limit and n < start and n < len(live) and s[start - 1 - n] == live[len(live) - 1 - n]:
             n += 1
         return n
 
     def lookup(
-        self, max_tokens: int, stop_ids: frozenset[int] = frozenset(), max_match: int = 32
+        self,
+        max_tokens: int,
+        stop_ids: frozenset[int] = frozenset(),
+        max_match: int = 32,
+        after: Sequence[int] = (),
     ) -> tuple[list[list[int]], int]:
         """Continuations of the longest matching suffix of the live context.
 
@@ -122,30 +125,49 @@ class NgramIndex:
         and the longest wins, the latest on ties. A long match means the output is in the
         middle of copying a span, where drafts are far more often accepted.
 
+        ``after``: tokens that follow the live context *as if* they had been committed (a
+        draft's first tokens, e.g. the EAGLE head's): the lookup is the one the context
+        extended by them would get, and the index is left unchanged. Occurrences are
+        searched in the committed text only. Example: context [7, 8, 9, 5, 1], after
+        [7, 8]: the suffix [7, 8] occurred at 0..1, followed by [9, 5, ...].
+
         Returns:
             (candidates, match_len): up to ``max_positions`` distinct continuations, best
             first, each at most ``max_tokens`` long and cut after the first token in
             ``stop_ids``; ([], 0) when no suffix matches.
         """
         ctx = self._seqs[0]
-        for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
-            slot = self._table.get(tuple(ctx[len(ctx) - n :]))
+        extra = [int(t) for t in after]
+        # the live end: the committed context, or its tail followed by ``after``
+        live = ctx if not extra else ctx[max(0, len(ctx) - max(self.max_ngram, max_match)) :] + extra
+        virtual_len = len(ctx) + len(extra)  # length of the context with ``after`` committed
+
+        def live_at(i: int) -> int:
+            """Token i of the context with ``after`` committed."""
+            return ctx[i] if i < len(ctx) else extra[i - len(ctx)]
+
+        for n in range(min(self.max_ngram, len(live)), self.min_ngram - 1, -1):
+            slot = self._table.get(tuple(live[len(live) - n :]))
             if not slot:
                 continue
             cands: list[list[int]] = []
             ranked = sorted(
-                ((self._match_length(seq, start, max_match), i, seq, start) for i, (seq, start) in enumerate(slot)),
+                (
+                    (self._match_length(seq, start, max_match, live), i, seq, start)
+                    for i, (seq, start) in enumerate(slot)
+                ),
                 reverse=True,
             )
             n = max(n, ranked[0][0])
             for _, _, seq, start in ranked:
                 s = self._seqs[seq]
-                cont = s[start : start + max_tokens]
-                if seq == 0 and len(cont) < max_tokens:
-                    # the match runs into the live end: the text repeats with period
-                    # len(ctx) - start, so keep copying cyclically
-                    period = len(ctx) - start
-                    cont = [s[start + (j % period)] for j in range(max_tokens)]
+                if seq != 0:
+                    cont = s[start : start + max_tokens]
+                else:
+                    # the match may run into the live end: the text then repeats with period
+                    # virtual_len - start, so keep copying cyclically
+                    period = virtual_len - start
+                    cont = [live_at(start + (j % period)) for j in range(max_tokens)]
                 if stop_ids:
                     for j, tok in enumerate(cont):
                         if tok in stop_ids:
@@ -181,6 +203,14 @@ class _PromptLookupSession:
         if max_tokens <= 0:
             return DraftTree.empty()
         cands, n = self._index.lookup(max_tokens, self._eos)
+        return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+
+    def propose_after(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree:
+        """The draft that would follow the context extended by ``token_ids`` (not
+        committed; nothing changes): its nodes hang below the last of them."""
+        if max_tokens <= 0:
+            return DraftTree.empty()
+        cands, n = self._index.lookup(max_tokens, self._eos, after=token_ids)
         return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:

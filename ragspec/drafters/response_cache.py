@@ -324,6 +324,12 @@ class _ResponseCacheSession:
         cands, n = self._cache.lookup(self._ctx, max_tokens, self._eos)
         return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
+    def propose_after(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree:
+        """The draft that would follow the context extended by ``token_ids`` (not
+        committed; nothing changes): its nodes hang below the last of them."""
+        cands, n = self._cache.lookup(self._ctx + [int(t) for t in token_ids], max_tokens, self._eos)
+        return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
+
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         return None
 

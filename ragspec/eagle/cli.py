@@ -90,7 +90,7 @@ def cmd_eagle_info(args) -> int:
 
 
 def _make_drafter(kind: str, args, target, spec, pld):
-    from ..drafters import CompositeDrafter, SelectingDrafter
+    from ..drafters import CompositeDrafter, MergedDrafter, SelectingDrafter
     from ..loading import load_eagle
     from .drafter import EagleTreeConfig
 
@@ -103,15 +103,18 @@ def _make_drafter(kind: str, args, target, spec, pld):
         return eagle
     if kind == "both":
         return SelectingDrafter(pld, eagle, min_match=args.min_match)
+    if kind == "merged":
+        return MergedDrafter(pld, eagle)
     if kind == "longest_match":
         return CompositeDrafter([pld, eagle], mode="longest_match")
-    raise ConfigError(f"unknown drafter set {kind!r} (head, pld, both, longest_match)")
+    raise ConfigError(f"unknown drafter set {kind!r} (head, pld, both, merged, longest_match)")
 
 
 def cmd_eagle_bench(args) -> int:
     """``ragspec bench`` for several drafter sets at once: the head alone, prompt lookup
-    alone, both (retrieval first when its match is long, the head otherwise), or the
-    lead's ``longest_match`` composite. For each prompt, plain ``model.generate`` greedy
+    alone, both (retrieval first when its match is long, the head otherwise), merged (one
+    tree from both, :class:`~ragspec.drafters.merged.MergedDrafter`), or the lead's
+    ``longest_match`` composite. For each prompt, plain ``model.generate`` greedy
     runs once and every drafter set once, in rotating order, so that the load of a shared
     machine falls on all of them alike."""
     import copy
@@ -245,7 +248,8 @@ def add_eagle_commands(subparsers) -> None:
         "--drafters",
         default="pld,head,both",
         help="comma-separated drafter sets: pld, head, both (retrieval if its match >= --min-match, else the "
-        "head), longest_match (CompositeDrafter's rule)",
+        "head), merged (one tree: retrieval, the head, retrieval's copies after the head's tokens), "
+        "longest_match (CompositeDrafter's rule)",
     )
     b.add_argument("--min-match", type=int, default=3, help="'both': retrieval wins from this match length")
     b.add_argument(

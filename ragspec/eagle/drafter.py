@@ -168,11 +168,13 @@ class EagleSession:
         self._num_features += int(hidden.shape[0])
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
-        if tree.sources and tree.sources[0] == "eagle":
+        # the head's nodes in the verified tree (all of it, or part of a merged tree)
+        mine = [d for d, s in zip(tree.depth.tolist(), tree.sources) if s == "eagle"]
+        if mine:
             self._unverified = False
             self._declined = 0
             # levels of the head's tree the engine's cost model kept (it verifies a cut)
-            levels = int(tree.depth.max()) + 1
+            levels = max(mine) + 1
             old = self._kept_levels
             self._kept_levels = float(levels) if old is None else 0.8 * old + 0.2 * levels
 

@@ -33,19 +33,30 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
     whole 48-token request and the check "the head's drafts were verified" failed. The
     default engine is checked as loaded; the head's drafts are then checked through the
     same head with the selection's timing off (retrieval when its match is long enough,
-    the head otherwise), which does not depend on the machine's load."""
-    from ragspec.drafters import SelectingDrafter
+    the head otherwise), which does not depend on the machine's load.
+
+    Since issue 22 the default merges retrieval and the head into one tree
+    (``MergedDrafter``, its head gate timed the same way: the head's nodes are checked
+    through its untimed form); the old selection (``drafting="select"``) is checked too."""
+    from ragspec.drafters import MergedDrafter
     from ragspec.eagle import SHIPPED_HEADS
+    from ragspec.loading import with_drafting
 
     assert real_engine.eagle is not None
     assert real_engine.eagle_path == str(SHIPPED_HEADS / "smollm2-135m-instruct")
-    assert isinstance(real_engine.drafter, SelectingDrafter)
+    assert isinstance(real_engine.drafter, MergedDrafter)
     row = next(r for r in dev_rows if r["category"] == "translation")
     ids = real_engine.encode_prompt(row["turns"][0])
     ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
     out = real_engine.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
-    untimed = real_engine.with_drafter(real_engine.drafter.reproducible())  # the fixed rule, no timing
+    untimed = real_engine.with_drafter(real_engine.drafter.reproducible())
+    out = untimed.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
+    assert out.token_ids == ref
+    assert any("eagle" in s.source.split("+") for s in out.stats.steps)  # the head's nodes were verified
+    select = with_drafting(real_engine, "select")
+    assert select.generate(ids, max_new_tokens=48, chat=False).token_ids == ref
+    untimed = select.with_drafter(select.drafter.reproducible())  # the fixed rule, no timing
     out = untimed.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
     assert any(s.source == "eagle" and s.num_drafted > 0 for s in out.stats.steps)

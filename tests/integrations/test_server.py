@@ -503,7 +503,7 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
 
     from ragspec.config import PLDConfig
     from ragspec.datastore import DatastoreDrafter, build_datastore
-    from ragspec.drafters import CompositeDrafter, SelectingDrafter
+    from ragspec.drafters import CompositeDrafter, MergedDrafter
     from ragspec.eagle import EagleDrafter, EagleHead
     from ragspec.engine import DrafterParts, Engine
     from ragspec.integrations.server import _datastore_engines
@@ -523,7 +523,7 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
         parts=DrafterParts(pld=PLDConfig(), eagle=eagle),
     )
     variant = _datastore_engines(engine, ServerSettings(datastores=(("notes", str(tmp_path / "ds")),)))["notes"]
-    assert isinstance(variant.drafter, SelectingDrafter) and variant.drafter.eagle is eagle
+    assert isinstance(variant.drafter, MergedDrafter) and variant.drafter.eagle is eagle
     assert isinstance(variant.drafter.retrieval, CompositeDrafter)
     assert any(isinstance(d, DatastoreDrafter) for d in variant.drafter.retrieval.drafters)
     want = tiny_engine.generate("the cat sat", max_new_tokens=16, chat=False).token_ids

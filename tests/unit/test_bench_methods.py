@@ -101,3 +101,20 @@ def test_a_static_baseline_failing_its_warm_up_is_dropped_not_fatal(char_tokeniz
     assert records[0].identical and records[0].static_s is None
     assert "static-cache generate failed" in caplog.text
     assert "static_tok_s" not in bench.summarize(records)["all"]
+
+
+def test_bench_runs_other_engines_as_variants(char_tokenizer, single_thread):
+    # --also-drafting: another engine over the same model runs interleaved; its tokens/s,
+    # accepted tokens per step and identity get columns of their own
+    engine = _engine(char_tokenizer)
+    plain = engine.with_drafter(None)
+    rows = [{"question_id": i, "category": c, "turns": [PROMPT]} for i, c in enumerate(["rag", "qa"])]
+    records = run_bench(engine, rows, max_new_tokens=12, hf_pld=False, variants={"plain": plain})
+    for r in records:
+        v = r.variants["plain"]
+        assert v["identical"] and v["tokens"] == 12 and v["s"] > 0
+        assert v["mean_accepted"] == 1.0  # no drafts: one token per step
+    table = summarize(records)
+    assert table["all"]["ragspec:plain"]["identical"] == 2 and table["all"]["ragspec:plain"]["mean_accepted"] == 1.0
+    head, *_, last = format_table(table).splitlines()
+    assert "ragspec:plain tok/s" in head and last.split()[-1] == "2/2" and last.split()[-2] == "1.00"

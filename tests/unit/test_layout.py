@@ -44,6 +44,7 @@ DRAFTER_CLASSES = {
     "CompositeDrafter",
     "PromptLookupDrafter",
     "SelectingDrafter",
+    "MergedDrafter",
     "EagleDrafter",
     "DatastoreDrafter",
 }
