@@ -272,10 +272,10 @@ class _Pool:
             parents=torch.tensor([new[self.par[i]] if self.par[i] >= 0 else -1 for i in chosen], dtype=torch.long),
             depth=full.depth[idx],
             sources=tuple(self.src[i] for i in chosen),
-            scores=full.scores[idx],
+            scores=None if full.scores is None else full.scores[idx],
             draft_probs=None,
             match_len=match_len,
-            node_match_len=full.node_match_len[idx],
+            node_match_len=None if full.node_match_len is None else full.node_match_len[idx],
         )
         return tree, [self.head[i] for i in chosen]
 
