@@ -322,6 +322,8 @@ def cmd_bench(args) -> int:
         return cmd_concurrency(args)
     from . import bench, compare
 
+    if getattr(args, "profile_step", 0) < 0:
+        raise ConfigError(f"--profile-step must be a number of steps >= 1 (0: no profile), got {args.profile_step}")
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     rows = bench.load_prompts(args.data, cats, args.limit)
     if not rows:
@@ -550,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="STEPS",
         help="instead of the bench: where the milliseconds of a plain decoding step go, STEPS steps "
-        "on the first prompt of each category (ragspec/step_profile.py)",
+        "on the first prompt of each category (ragspec/step_profile.py); 0 (default): the bench itself",
     )
     _add_model_args(b)
     # --concurrency: ragspec.bench_concurrency (N requests through the batched engine step)
