@@ -37,6 +37,7 @@ from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import Engine
 from ragspec.policy import AcceptanceModel
 from ragspec.types import DraftTree
+from ragspec_testing import make_tiny_llama
 
 V = 12
 PROMPT = [3, 7, 1, 9, 4, 3, 7]  # repeats: prompt lookup has copies to propose
@@ -44,25 +45,9 @@ NUM_TOKENS = 3
 
 
 def _tiny_llama(seed: int = 3):
-    """A tiny random Llama over V tokens (hidden 32, 2 layers), as test_eagle_sampling's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    """A tiny random Llama over V tokens (hidden 32, 2 layers): test_eagle_sampling's model
+    (the same weights: ``make_tiny_llama`` with its seed and initializer range)."""
+    return make_tiny_llama(vocab_size=V, seed=seed, eos_token_id=None, std=0.3, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
