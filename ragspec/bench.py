@@ -375,6 +375,14 @@ def run_bench(
         for key in others:
             o, o_s = results[key]
             rec.variants[key.split(":", 1)[1]] = _other_run(o, o_s, base_toks, sampling)
+        for key in others:
+            # a variant "X@0" is X's engine with drafting off: X's speculative output
+            # against its own plain decoding (the property of --numerics fast)
+            name = key.split(":", 1)[1]
+            if name.endswith("@0") and name[:-2] in rec.variants:
+                rec.variants[name[:-2]]["plain_identical"] = (
+                    results[f"ragspec:{name[:-2]}"][0].token_ids == results[key][0].token_ids
+                )
         if not rec.identical and not sampling:
             logger.warning(
                 "question %s: ragspec differs from greedy at token %d (a float tie between near-equal logits "
@@ -405,13 +413,17 @@ def _summarize_runs(runs: Sequence[dict], base_tps: float) -> dict:
     """tok/s, speedup, mean accepted tokens per step and identity of ``_other_run`` s."""
     tps = sum(m["tokens"] for m in runs) / max(1e-9, sum(m["s"] for m in runs))
     steps = sum(m["forward_passes"] - 1 for m in runs)
-    return {
+    out = {
         "tok_s": tps,
         "speedup": tps / base_tps if base_tps else 0.0,
         "mean_accepted": sum(m["tokens"] - 1 for m in runs) / max(1, steps),
         "identical": sum(bool(m["identical"]) for m in runs),
         "first_diffs": sorted(m["first_diff"] for m in runs if not m["identical"] and m["first_diff"] >= 0),
     }
+    if any("plain_identical" in m for m in runs):
+        # speculative output equal to the same engine's plain decoding (variant "X@0")
+        out["plain_identical"] = sum(bool(m.get("plain_identical")) for m in runs)
+    return out
 
 
 def static_compiled(model) -> bool:
@@ -519,6 +531,12 @@ def format_table(table: dict, sampling: bool = False) -> str:
             v_ident = "n/a" if sampling else format_identity(m["identical"], t["prompts"], m["first_diffs"])
             line += f"{m['tok_s']:>{len(v) + 7}.1f}{m['mean_accepted']:>10.2f}{v_ident:>14}"
         lines.append(line)
+    for v in variants:
+        checked = [(g, t[v]) for g, t in table.items() if "plain_identical" in t.get(v, {})]
+        if checked:
+            ok = sum(m["plain_identical"] for _, m in checked)
+            n = sum(table[g]["prompts"] for g, _ in checked)
+            lines.append(f"{v}: speculative output == its own plain decoding ({v}@0) on {ok}/{n} prompts")
     more = format_compare_table(table)
     return "\n".join(lines) + (f"\n\n{more}" if more else "")
 

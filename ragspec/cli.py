@@ -8,6 +8,7 @@ too (``ragspec: internal error: ...``, exit 1), its traceback logged only with `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,14 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
         "--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)"
     )
     p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument(
+        "--numerics",
+        choices=("exact", "fast"),
+        default=os.environ.get("RAGSPEC_NUMERICS") or "exact",
+        help="'exact' (default): float32, greedy output token-identical to transformers; 'fast' (opt-in, CPU with "
+        "AVX-512 VNNI, GGUF model): int8 activations in the GGUF-block linears, as llama.cpp; speculative == plain "
+        "decoding bit for bit within the mode, output may differ from transformers'",
+    )
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     if datastore:
         p.add_argument(
@@ -79,6 +88,7 @@ def _engine(args, calibrate: bool = True):
         policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
         calibrate=calibrate,
         drafting=getattr(args, "drafting", None) or "merged",
+        numerics=getattr(args, "numerics", None) or "exact",
     )
 
 
@@ -378,6 +388,28 @@ def cmd_bench(args) -> int:
 
         for mode in dict.fromkeys(m.strip() for m in args.also_drafting.split(",") if m.strip()):
             variants[mode] = with_drafting(engine, mode)
+    if args.also_numerics:
+        from .loading import load_engine
+
+        for mode in dict.fromkeys(m.strip() for m in args.also_numerics.split(",") if m.strip()):
+            if mode == getattr(args, "numerics", "exact"):
+                continue
+            other = load_engine(
+                args.model,
+                device=args.device,
+                dtype=args.dtype,
+                datastore=getattr(args, "datastore", None),
+                eagle=getattr(args, "eagle", None),
+                policy=engine.policy,
+                calibrate=not args.no_calibrate,
+                drafting=getattr(args, "drafting", None) or "merged",
+                numerics=mode,
+            )
+            variants[mode] = other
+            # the same engine with drafting off: its speculative output against its own plain decoding
+            variants[f"{mode}@0"] = other.with_drafter(
+                other.drafter, policy=dataclasses.replace(other.policy, max_draft_tokens=0)
+            )
     try:
         records = bench.run_bench(
             engine,
@@ -400,8 +432,6 @@ def cmd_bench(args) -> int:
     table = bench.summarize(records)
     print(bench.format_table(table, sampling=args.temperature > 0))
     if args.json:
-        import dataclasses
-
         Path(args.json).write_text(
             json.dumps(
                 {
@@ -417,7 +447,13 @@ def cmd_bench(args) -> int:
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
                         "drafting": engine.parts.drafting,
-                        "also_drafting": list(variants),
+                        "also_drafting": [
+                            v
+                            for v in variants
+                            if v not in (args.also_numerics or "").split(",") and not v.endswith("@0")
+                        ],
+                        "numerics": getattr(engine.target, "numerics", "exact"),
+                        "also_numerics": args.also_numerics,
                         "cpu_kernel": engine.target.skinny is not None,
                         "gguf_weights": engine.target.gguf_weights,
                         "threads": __import__("torch").get_num_threads(),
@@ -527,6 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated drafting modes (merged, select) to run beside --drafting's, interleaved, as more "
         "ragspec columns: tokens/s, accepted tokens per step, identity",
+    )
+    b.add_argument(
+        "--also-numerics",
+        default=None,
+        help="comma-separated target numerics (fast) to run beside --numerics', interleaved: one more ragspec "
+        "column per mode and one with its drafting off (MODE@0), so the table shows the mode's speed, its "
+        "identity to transformers greedy and its speculative output against its own plain decoding",
     )
     b.add_argument(
         "--warmup", action="store_true", help="run every method once before timing (CUDA: kernels, compilation)"

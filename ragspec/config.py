@@ -7,7 +7,13 @@ from typing import Optional
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "DecodeConfig", "PLDConfig", "PolicyConfig"]
+__all__ = ["SamplingParams", "DecodeConfig", "PLDConfig", "PolicyConfig", "NUMERICS"]
+
+NUMERICS = ("exact", "fast")
+"""The target's arithmetic (``--numerics``): ``exact`` (default) float32 over the model's
+weights, greedy output token-identical to transformers'; ``fast`` (opt-in, CPU with AVX-512
+VNNI) int8 activations in the GGUF-block linears, speculative == plain decoding bit for bit
+within the mode (see :meth:`ragspec.backend.hf.HFTarget.use_gguf_weights`)."""
 
 
 @dataclass(frozen=True)

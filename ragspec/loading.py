@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from .config import PLDConfig, PolicyConfig
+from .config import NUMERICS, PLDConfig, PolicyConfig
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
@@ -56,10 +56,13 @@ def load_target(
     *,
     cache: Optional[Union[str, Path]] = None,
     cpu_kernels: Optional[bool] = None,
+    numerics: str = "exact",
 ) -> tuple["HFTarget", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
     the transformers backend, with its speed-ups installed
     (:meth:`~ragspec.backend.hf.HFTarget.speed_up`).
+
+    ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
     Returns:
         (target, tokenizer, model spec).
@@ -67,6 +70,8 @@ def load_target(
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
+        ConfigError: ``numerics="fast"`` where it cannot be served (not a GGUF model, no
+            compiled kernel, a CPU without AVX-512 VNNI).
     """
     from . import models
     from .backend.hf import HFTarget
@@ -74,7 +79,9 @@ def load_target(
     spec = models.resolve_model(model, cache=Path(cache) if cache else None)
     hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
     target = HFTarget(hf_model)
-    target.speed_up(cpu_kernels, cache=cache, gguf=spec.gguf_file)
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    target.speed_up(cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
     return target, tokenizer, spec
 
 
@@ -156,6 +163,7 @@ def load_engine(
     cache: Optional[Union[str, Path]] = None,
     cpu_kernels: Optional[bool] = None,
     drafting: str = "merged",
+    numerics: str = "exact",
 ) -> Engine:
     """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
     an EAGLE head when given.
@@ -179,19 +187,24 @@ def load_engine(
             read the weights it holds in Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks from those blocks
             (the same output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
         drafting: how retrieval and the head share a step (:data:`DRAFTING_MODES`).
+        numerics: the target's arithmetic, ``"exact"`` (default: float32, greedy output
+            token-identical to transformers') or ``"fast"`` (opt-in: int8 activations in
+            the GGUF-block linears on a CPU with AVX-512 VNNI; speculative == plain within
+            the mode; :data:`ragspec.config.NUMERICS`).
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
         DatastoreError: the datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
-        ConfigError: an unknown ``drafting``.
+        ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
+            where it cannot be served.
     """
     from . import models
 
     if drafting not in DRAFTING_MODES:
         raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
-    target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels)
+    target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
     stores = []
     if datastore:
         from .datastore import Datastore

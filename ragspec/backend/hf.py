@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
+from ..config import NUMERICS
 from ..errors import ConfigError
 from ..tree import tree_attention_mask, tree_position_ids
 from ..types import DraftTree
@@ -309,6 +310,7 @@ class HFTarget:
         self._gguf: dict[int, GGUFLinear] = {}  # weight data_ptr -> GGUF-block twin, see use_gguf_weights
         self._gguf_weights: dict[int, "GGUFWeight"] = {}  # the same twins' blocks (for the native step)
         self._native: Optional[NativeDecoder] = None  # the fused decoder step, see use_native_step
+        self.numerics = "exact"  # "fast": GGUF-block linears with int8 activations, see use_gguf_weights
         # prompts of more tokens than this on an empty state prefill through transformers'
         # forward (multi-row GEMMs: 700 tokens of the default model in ~0.8 s on the 2-core
         # CPU, natively in chunks of 16 ~1.5 s), shorter ones and extensions of a filled
@@ -395,6 +397,7 @@ class HFTarget:
         cpu_kernels: Optional[bool] = None,
         cache: Optional[Union[str, os.PathLike]] = None,
         gguf: Optional[Union[str, os.PathLike]] = None,
+        numerics: str = "exact",
     ) -> None:
         """Make this model's own forwards fast (the model is ragspec's from here on): few-row
         linear layers (decoding, verification) through the compiled kernel or pre-packed
@@ -414,6 +417,13 @@ class HFTarget:
             gguf: the GGUF file the model was loaded from: with the compiled kernel, the
                 linear weights it holds exactly are read from its blocks
                 (:meth:`use_gguf_weights`; the same output bit for bit, fewer bytes per step).
+            numerics: ``"exact"`` (default: float32 arithmetic, the values above) or
+                ``"fast"`` (opt-in: the GGUF-block linears with int8 activations, see
+                :meth:`use_gguf_weights`).
+
+        Raises:
+            ConfigError: ``numerics`` is unknown, or ``"fast"`` cannot be served here (no
+                GGUF file, no compiled kernel, a CPU without AVX-512 VNNI).
         """
         from .kernels import (
             cpu_kernels_enabled,
@@ -428,8 +438,14 @@ class HFTarget:
         wanted = cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled()
         if self.device.type == "cpu" and self.dtype == torch.float32 and wanted:
             skinny = load_skinny_linear(cache_dir)
+        if numerics not in NUMERICS:
+            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        if numerics == "fast" and (skinny is None or gguf is None):
+            raise ConfigError(
+                "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
+            )
         if skinny is not None and gguf is not None:
-            self.use_gguf_weights(gguf, load_quant_linear(cache_dir))
+            self.use_gguf_weights(gguf, load_quant_linear(cache_dir), numerics=numerics)
         self.prepack_linears(skinny)
         self.route_gqa_attention()
         if skinny is not None:
@@ -527,7 +543,7 @@ class HFTarget:
         )
         return n
 
-    def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"]) -> int:
+    def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"], numerics: str = "exact") -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
         block formats (:mod:`ragspec.backend.quant`: Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) for
         ragspec's few-row forwards, through the compiled ``quant_linear`` kernel: the same output bit for bit as the
@@ -540,9 +556,22 @@ class HFTarget:
         first load ~7 s, later ones well under a second). A no-op without ``kernel``, off
         CPU or for other dtypes than float32.
 
+        ``numerics="fast"`` (opt-in, ``--numerics fast``) keeps the Q4_1 and Q8_0 weights in
+        the kernel's fast formats (:meth:`~ragspec.backend.quant.GGUFWeight.to_fast`): their
+        linears quantize each activation row to int8 per block of 32 and sum integer dot
+        products (AVX-512 VNNI), as llama.cpp does, but every row alone, so a verification
+        forward still gives each row what a one-row step gives it (speculative == plain
+        decoding within the mode, bit for bit); its values differ from float32 by the
+        activations' rounding (~0.5% of a linear's output), so greedy output can differ from
+        transformers'. Other formats (Q6_K) keep float32 arithmetic.
+
         Returns:
             the number of weights served from GGUF blocks (0 where the file cannot be read:
             a warning says why, the float32 weights serve).
+
+        Raises:
+            ConfigError: ``numerics="fast"`` on a CPU without AVX-512 VNNI (or with AVX-512
+                masked off), or where the file cannot be read.
         """
         if kernel is None or self.device.type != "cpu" or self.dtype != torch.float32 or self.packed_linears:
             return len(self._gguf)
@@ -557,10 +586,22 @@ class HFTarget:
         try:
             matched = load_gguf_weights(path, weights, cache)
         except Exception as e:  # gguf-py raises many types on a file it cannot parse
+            if numerics == "fast":
+                raise ConfigError(f"--numerics fast: cannot read GGUF blocks from {path} ({type(e).__name__}: {e})")
             logger.warning(
                 "cannot read GGUF blocks from %s (%s: %s); float32 weights are used", path, type(e).__name__, e
             )
             return 0
+        if numerics == "fast":
+            from .kernels import fast_numerics_supported
+
+            if not fast_numerics_supported():
+                raise ConfigError(
+                    "--numerics fast needs AVX-512 VNNI (and AVX-512 not masked off by RAGSPEC_CPU_ISA=avx2); "
+                    "this CPU runs --numerics exact only"
+                )
+            matched = {name: q.to_fast() for name, q in matched.items()}
+            self.numerics = "fast"
         self._gguf = {weights[name].data_ptr(): bind_gguf_linear(kernel, q) for name, q in matched.items()}
         self._gguf_weights = {weights[name].data_ptr(): q for name, q in matched.items()}
         logger.debug("%d of %d linear weights served from GGUF blocks of %s", len(matched), len(weights), path)

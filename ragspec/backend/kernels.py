@@ -70,6 +70,7 @@ __all__ = [
     "load_quant_linear",
     "load_few_query_attention",
     "load_decoder_step",
+    "fast_numerics_supported",
     "kernel_dir",
     "cpu_kernels_enabled",
     "cpu_isa",
@@ -258,6 +259,15 @@ def set_cpu_isa(name: str, cache_dir: Optional[Path] = None) -> str:
     if module is None:
         raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
     return str(module.set_cpu_isa(name))
+
+
+def fast_numerics_supported(cache_dir: Optional[Path] = None) -> bool:
+    """Whether ``quant_linear``'s fast-numerics formats (int8 activations, AVX-512 VNNI; see
+    :meth:`ragspec.backend.quant.GGUFWeight.to_fast`) run here: the kernels are available,
+    the CPU has AVX-512 F/BW/VL/DQ and VNNI, and AVX-512 is not masked off
+    (``RAGSPEC_CPU_ISA=avx2``, :func:`set_cpu_isa`)."""
+    module = _load_module(cache_dir)
+    return module is not None and bool(module.fast_numerics_supported())
 
 
 def load_decoder_step(cache_dir: Optional[Path] = None) -> Optional[type]:

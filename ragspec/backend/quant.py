@@ -39,11 +39,24 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeight", "read_gguf_weights", "match_gguf_weights", "load_gguf_weights", "Q4_1", "Q8_0", "Q6_K"]
+__all__ = [
+    "GGUFWeight",
+    "read_gguf_weights",
+    "match_gguf_weights",
+    "load_gguf_weights",
+    "fast_order",
+    "Q4_1",
+    "Q8_0",
+    "Q6_K",
+    "Q4_1_FAST",
+    "Q8_0_FAST",
+]
 
 Q4_1 = 0  # format codes of the compiled kernel's quant_linear
 Q8_0 = 1
 Q6_K = 2  # (Q6_K's values unpacked: int8 weights, a float32 scale per 16)
+Q4_1_FAST = 3  # fast numerics (int8 activations, VNNI): Q4_1's codes in the kernel's order
+Q8_0_FAST = 4  # fast numerics: Q8_0's codes + 128 as uint8 in the kernel's order
 _BLOCK = 32  # weights per block of Q4_1 / Q8_0 (and per kernel step in every format)
 _SUB6 = 16  # weights per scale of Q6_K
 _SUPER = 256  # weights per super-block of the K formats (Q4_K, Q6_K)
@@ -66,20 +79,24 @@ class GGUFWeight:
     fmt: int
 
     def well_formed(self) -> bool:
-        """Whether the kernel takes these tensors: a known format, ``qs`` uint8 (Q4_1) or
-        int8 (Q8_0, Q6_K) [O, *], ``scales`` float32 of the matching shape, both contiguous."""
-        if self.fmt not in (Q4_1, Q8_0, Q6_K) or self.qs.dim() != 2 or not self.qs.is_contiguous():
+        """Whether the kernel takes these tensors: a known format, ``qs`` uint8 (Q4_1 and
+        the fast formats) or int8 (Q8_0, Q6_K) [O, *], ``scales`` float32 of the matching
+        shape, both contiguous."""
+        if self.fmt not in (Q4_1, Q8_0, Q6_K, Q4_1_FAST, Q8_0_FAST) or self.qs.dim() != 2:
             return False
-        if self.qs.dtype != (torch.uint8 if self.fmt == Q4_1 else torch.int8):
+        if not self.qs.is_contiguous() or self.qs.dtype != (torch.int8 if self.fmt in (Q8_0, Q6_K) else torch.uint8):
             return False
         rows, cols = self.shape
         scales = {
             Q4_1: (rows, cols // _BLOCK, 2),
             Q8_0: (rows, cols // _BLOCK),
             Q6_K: (rows, cols // _SUB6),
+            Q4_1_FAST: (rows, 2, cols // _BLOCK),
+            Q8_0_FAST: (rows, cols // _BLOCK),
         }[self.fmt]
         return (
             cols % _BLOCK == 0
+            and (self.fmt not in (Q4_1_FAST, Q8_0_FAST) or (cols // _BLOCK) % 2 == 0)
             and self.scales.dtype == torch.float32
             and self.scales.is_contiguous()
             and tuple(self.scales.shape) == scales
@@ -89,11 +106,58 @@ class GGUFWeight:
     def shape(self) -> tuple[int, int]:
         """(out_features, in_features)."""
         rows = int(self.qs.shape[0])
-        return rows, int(self.qs.shape[1]) * (2 if self.fmt == Q4_1 else 1)
+        return rows, int(self.qs.shape[1]) * (2 if self.fmt in (Q4_1, Q4_1_FAST) else 1)
+
+    @property
+    def fast(self) -> bool:
+        """Whether this weight is in a fast-numerics format (:meth:`to_fast`)."""
+        return self.fmt in (Q4_1_FAST, Q8_0_FAST)
+
+    def to_fast(self) -> "GGUFWeight":
+        """The same weight for the kernel's fast numerics (``--numerics fast``): Q4_1 as
+        format :data:`Q4_1_FAST`, Q8_0 as :data:`Q8_0_FAST` (the same codes and scales,
+        reordered for AVX-512 VNNI dot products with int8 activations; see
+        ``csrc/cpu_kernels.cpp``). Weights it cannot take (Q6_K, an odd number of blocks per
+        row, already fast) are returned unchanged and keep their exact float32 arithmetic.
+        """
+        rows, cols = self.shape
+        if self.fmt not in (Q4_1, Q8_0) or (cols // _BLOCK) % 2:
+            return self
+        order = torch.from_numpy(fast_order(cols))
+        if self.fmt == Q8_0:
+            codes = (self.qs.to(torch.int16) + 128).to(torch.uint8)[:, order]
+            return GGUFWeight(codes.contiguous(), self.scales.contiguous(), Q8_0_FAST)
+        q = self.qs.view(rows, cols // _BLOCK, 16)
+        codes = torch.cat([q & 0x0F, q >> 4], dim=-1).reshape(rows, cols)[:, order]  # [O, I] kernel order
+        packed = []
+        for start, size in _fast_groups(cols):
+            chunk = 64 if size == 2 * _BLOCK else 128  # codes per packed run
+            g = codes[:, start : start + size].reshape(rows, -1, 2, chunk // 2)
+            packed.append((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, -1))
+        scales = self.scales.permute(0, 2, 1).contiguous()  # [O, 2, I / 32]: d row, m row
+        return GGUFWeight(torch.cat(packed, dim=1).contiguous(), scales, Q4_1_FAST)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [O, I], the values gguf-py's ``dequantize`` gives (and so transformers)."""
         rows, cols = self.shape
+        if self.fast:
+            order = torch.from_numpy(fast_order(cols))
+            if self.fmt == Q8_0_FAST:
+                codes = torch.empty_like(self.qs)
+                codes[:, order] = self.qs
+                q = (codes.to(torch.int16) - 128).to(torch.int8)
+                return GGUFWeight(q.contiguous(), self.scales, Q8_0).dequantize()
+            parts = []
+            for start, size in _fast_groups(cols):
+                chunk = 64 if size == 2 * _BLOCK else 128
+                g = self.qs[:, start // 2 : (start + size) // 2].reshape(rows, -1, 1, chunk // 2)
+                parts.append(torch.cat([g & 0x0F, g >> 4], dim=2).reshape(rows, -1))
+            kernel_order = torch.cat(parts, dim=1)
+            codes = torch.empty_like(kernel_order)
+            codes[:, order] = kernel_order  # natural order
+            blocks = codes.view(rows, cols // _BLOCK, _BLOCK)
+            qs = (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, cols // 2).contiguous()
+            return GGUFWeight(qs, self.scales.permute(0, 2, 1).contiguous(), Q4_1).dequantize()
         if self.fmt == Q4_1:
             q = self.qs.view(rows, cols // _BLOCK, 16)
             nibbles = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [O, I / 32, 32]
@@ -182,6 +246,40 @@ class GGUFWeight:
     def take_rows(self, index: torch.Tensor) -> "GGUFWeight":
         """The same weight with its rows reordered: row i of the result is row index[i]."""
         return GGUFWeight(self.qs[index].contiguous(), self.scales[index].contiguous(), self.fmt)
+
+
+def _fast_groups(cols: int) -> list[tuple[int, int]]:
+    """(first weight, weights) of each group of blocks of the fast layout: groups of 16
+    blocks of 32, then one each of 8, 4, 2 for the rest (an even number of blocks)."""
+    groups, blk, nb = [], 0, cols // _BLOCK
+    while blk < nb:
+        left = nb - blk
+        g = 16 if left >= 16 else 8 if left >= 8 else 4 if left >= 4 else 2
+        groups.append((blk * _BLOCK, g * _BLOCK))
+        blk += g
+    return groups
+
+
+def fast_order(cols: int) -> np.ndarray:
+    """int64 [cols]: for each position of a row in the fast-numerics layout
+    (``csrc/cpu_kernels.cpp``, ``kvnni``), the weight's index in the row. Within a group of
+    G blocks, position t * 64 + k * 4 + b (step t < G / 2, 32-bit lane k < 16, byte b < 4)
+    holds weight t * 4L + (k % L) * 4 + b of the group's block k / L (L = 16 / G).
+
+    Raises:
+        ValueError: ``cols`` is not a multiple of 64 (an even number of blocks of 32).
+    """
+    if cols % (2 * _BLOCK):
+        raise ValueError(f"fast numerics need rows of an even number of 32-weight blocks, got {cols} weights")
+    order = np.empty(cols, dtype=np.int64)
+    for start, size in _fast_groups(cols):
+        g = size // _BLOCK
+        lanes = 16 // g
+        t = np.arange(g // 2)[:, None, None]
+        k = np.arange(16)[None, :, None]
+        b = np.arange(4)[None, None, :]
+        order[start : start + size] = (start + (k // lanes) * _BLOCK + t * 4 * lanes + (k % lanes) * 4 + b).reshape(-1)
+    return order
 
 
 def _half(raw: np.ndarray) -> torch.Tensor:

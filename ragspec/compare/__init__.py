@@ -178,6 +178,17 @@ def summarize_compare(records: Sequence["BenchRecord"]) -> dict:
         }
         entry["ratio"] = _ratio(rs_tok_s, tok_s)
         entry["decode_ratio"] = _ratio(entry["ragspec_decode_tok_s"], entry["decode_tok_s"])
+        # the other ragspec engines of the run (--also-numerics, --also-drafting) against
+        # the same runner: variant -> tok/s ratio
+        variants = sorted({v for r in rs for v in r.variants})
+        entry["variant_ratios"] = {
+            v: _ratio(
+                sum(r.variants[v]["tokens"] for r in rs if v in r.variants)
+                / max(1e-9, sum(r.variants[v]["s"] for r in rs if v in r.variants)),
+                tok_s,
+            )
+            for v in variants
+        }
         out[name] = entry
     return out
 
@@ -233,6 +244,15 @@ def format_compare_table(table: dict) -> str:
                 format_identity(c["identical"], c["prompts"], c["first_diffs"]),
             ]
             lines.append("".join(f"{x:{a}{w}}" for x, (_, _, a), w in zip(cells, cols, widths)))
+        ratios = [
+            (g, t["compare"][name].get("variant_ratios") or {})
+            for g, t in table.items()
+            if name in t.get("compare", {})
+        ]
+        for v in sorted({v for _, r in ratios for v in r}):
+            lines.append(
+                f"ragspec:{v}/{name}: " + ", ".join(f"{g} {_num(r.get(v), '.2f')}x" for g, r in ratios if v in r)
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

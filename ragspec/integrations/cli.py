@@ -44,6 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         dtype=args.dtype,
         datastores=datastores,
         eagle=args.eagle,
+        numerics=args.numerics,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_active=args.max_active,
@@ -145,6 +146,13 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--eagle",
         default=None,
         help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
+    )
+    p.add_argument(
+        "--numerics",
+        choices=("exact", "fast"),
+        default=None,
+        help="'exact' (default): float32, token-identical to transformers greedy; 'fast': int8 activations "
+        "(AVX-512 VNNI), speculative == plain within the mode (RAGSPEC_NUMERICS)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
     p.add_argument(

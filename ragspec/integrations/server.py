@@ -168,6 +168,7 @@ def _load_engine(settings: ServerSettings):
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
         ),
         calibrate=settings.calibrate,
+        numerics=settings.numerics,
     )
 
 

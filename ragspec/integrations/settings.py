@@ -27,6 +27,7 @@ ENV_VARS = {
     "RAGSPEC_DTYPE": "dtype",
     "RAGSPEC_DATASTORES": "datastores",
     "RAGSPEC_EAGLE": "eagle",
+    "RAGSPEC_NUMERICS": "numerics",
     "RAGSPEC_API_KEY": "api_key",
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
@@ -110,6 +111,10 @@ class ServerSettings:
     path. The first is the default of requests that name none."""
     eagle: Optional[str] = "auto"
     """EAGLE draft head directory; "auto": the head shipped for the model, if any; "none": no head."""
+    numerics: str = "exact"
+    """The target's arithmetic: "exact" (float32, greedy output token-identical to
+    transformers') or "fast" (opt-in: int8 activations, AVX-512 VNNI; see
+    :data:`ragspec.config.NUMERICS`)."""
     api_key: Optional[str] = None
     """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
     max_active: int = 8
@@ -169,6 +174,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.numerics not in ("exact", "fast"):
+            raise ConfigError(f"numerics must be 'exact' or 'fast', got {self.numerics!r}")
         if self.max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
         if self.max_step_tokens < 1:

@@ -172,76 +172,91 @@ struct AttnArgs {
   float* part;       // [Hkv, nb, R, d]: block's exp-weighted value sum
   int64_t G, Q, S, nb, qsH, qsQ, ksH, ksS, vsH, vsS;
   float scale;
+  int64_t past;             // S - Q: the cached keys before the call's new rows
+  const int64_t* chain;     // [Q, S - past]: row i's visible new slots in order (chain_len[i] of them)
+  const int64_t* chain_len; // [Q]
 };
 
-// one work item: key/value head h, key block b, every query row of the head's group
+// one work item: key/value head h, key block b, every query row of the head's group.
+//
+// Keys are taken in each row's *logical* order: the cached positions 0 .. past - 1 (past = S
+// - Q) at their own slots, then the row's own chain of new slots (those its mask shows:
+// for a draft tree, the root and the node's ancestors, in depth order), so key t of a
+// row's sequence is at logical position t, the position it would have after the accepted
+// path is compacted. Blocks, 8-key groups and lanes follow logical positions, and a key
+// absent from a row (masked, or past its chain) adds exact zeros: a row's result has the
+// same bits wherever its tree put its ancestors and however many rows the call has, so a
+// verification gives each accepted row exactly what a one-row step at its position gives.
 template <int ND>
 void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
   constexpr int64_t d = 8 * ND;
   const int64_t R = a.G * a.Q;
-  const int64_t j0 = b * kKeyBlock, n = std::min(a.S, j0 + kKeyBlock) - j0;
-  const float* kb = a.k + h * a.ksH + j0 * a.ksS;
-  const float* vb = a.v + h * a.vsH + j0 * a.vsS;
+  const int64_t j0 = b * kKeyBlock;
+  int64_t slot[kKeyBlock];  // physical slot of each logical key of the block, -1: absent
+  const float* kh = a.k + h * a.ksH;
+  const float* vh = a.v + h * a.vsH;
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / a.Q, i = r % a.Q;
-    const float* qrow = a.q + (h * a.G + g) * a.qsH + i * a.qsQ;
-    __m256 qv[ND];
-    for (int c = 0; c < ND; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qrow + 8 * c), _mm256_set1_ps(a.scale));
-    // scores, 8 keys at a time
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      // dimension chunk outer, key inner: 8 independent FMA chains
-      const float* k0 = kb + j * a.ksS;
-      __m256 acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0 + t * a.ksS));
-      for (int c = 1; c < ND; ++c)
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + t * a.ksS + 8 * c), acc[t]);
-      _mm256_storeu_ps(score + j, hsum8(acc));
-    }
-    for (; j < n; ++j) {
-      const float* krow = kb + j * a.ksS;
-      __m256 s = _mm256_mul_ps(qv[0], _mm256_loadu_ps(krow));
-      for (int c = 1; c < ND; ++c) s = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krow + 8 * c), s);
-      score[j] = hsum(s);
-    }
-    float mx = -INFINITY;
-    const bool* mrow = a.mask ? a.mask + i * a.S + j0 : nullptr;
-    for (int64_t t = 0; t < n; ++t) {
-      if (mrow && !mrow[t]) score[t] = -INFINITY;
-      mx = score[t] > mx ? score[t] : mx;
-    }
     float* st = a.stats + ((h * a.nb + b) * R + r) * 2;
     float* pr = a.part + ((h * a.nb + b) * R + r) * d;
-    if (mx == -INFINITY) {  // every key of this block hidden from this row
+    const int64_t n = std::min(a.past + a.chain_len[i], j0 + kKeyBlock) - j0;  // logical keys in this block
+    const bool* mrow = a.mask ? a.mask + i * a.S : nullptr;
+    bool any = false;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t jl = j0 + t;
+      slot[t] = jl < a.past ? ((mrow && !mrow[jl]) ? -1 : jl) : a.chain[i * (a.S - a.past) + (jl - a.past)];
+      any = any || slot[t] >= 0;
+    }
+    if (!any) {  // every key of this block hidden from this row (or none left)
       st[0] = -INFINITY;
       st[1] = 0.f;
       std::fill(pr, pr + d, 0.f);
       continue;
     }
-    // p = exp(s - max), hidden keys exactly 0
-    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+    const float* qrow = a.q + (h * a.G + g) * a.qsH + i * a.qsQ;
+    __m256 qv[ND];
+    for (int c = 0; c < ND; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qrow + 8 * c), _mm256_set1_ps(a.scale));
+    // scores, 8 logical keys at a time (dimension chunk outer, key inner: 8 independent
+    // FMA chains); absent keys -inf
+    const int64_t n8 = (n + 7) / 8 * 8;
+    for (int64_t j = 0; j < n8; j += 8) {
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) {
+        const int64_t sl = j + t < n ? slot[j + t] : -1;
+        if (sl < 0) {
+          acc[t] = _mm256_setzero_ps();
+          continue;
+        }
+        const float* krow = kh + sl * a.ksS;
+        acc[t] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(krow));
+        for (int c = 1; c < ND; ++c) acc[t] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krow + 8 * c), acc[t]);
+      }
+      _mm256_storeu_ps(score + j, hsum8(acc));
+      for (int t = 0; t < 8; ++t)
+        if (j + t >= n || slot[j + t] < 0) score[j + t] = -INFINITY;
+    }
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = score[t] > mx ? score[t] : mx;
+    // p = exp(s - max), absent keys exactly 0
+    const __m256 vmx = _mm256_set1_ps(mx);
     __m256 lsum = _mm256_setzero_ps();
-    j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (int64_t j = 0; j < n8; j += 8) {
       const __m256 s = _mm256_loadu_ps(score + j);
       const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(s, vmx)));
       _mm256_storeu_ps(score + j, e);
       lsum = _mm256_add_ps(lsum, e);
     }
-    float l = hsum(lsum);
-    for (; j < n; ++j) {
-      score[j] = score[j] == -INFINITY ? 0.f : std::exp(score[j] - mx);
-      l += score[j];
-    }
     __m256 acc[ND];
     for (int c = 0; c < ND; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
+      if (slot[t] < 0) continue;
       const __m256 p = _mm256_set1_ps(score[t]);
-      const float* vrow = vb + t * a.vsS;
+      const float* vrow = vh + slot[t] * a.vsS;
       for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * c), acc[c]);
     }
     st[0] = mx;
-    st[1] = l;
+    st[1] = hsum(lsum);
     for (int c = 0; c < ND; ++c) _mm256_storeu_ps(pr + 8 * c, acc[c]);
   }
 }
@@ -535,16 +550,228 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
 }
 
 
+// ---------------------------------------------------------------------------------------
+// Fast numerics (``--numerics fast``, opt-in): the linear layers over GGUF blocks with the
+// activations quantized to int8, per row and per block of 32 (d = max|x| / 127, q =
+// round(x / d)), and integer dot products (AVX-512 VNNI vpdpbusd: unsigned weight bytes x
+// signed activation bytes, 4 products summed per 32-bit lane), as llama.cpp computes Q4_1 x
+// Q8_1 blocks; but each activation row is quantized alone and every (weight row, activation
+// row) pair sums in the same order whatever the call's row count, so a verification forward
+// gives each row exactly what a one-row step gives it (speculative == plain, bit for bit, in
+// this mode too). Not bit-equal to float32: the activation's rounding is ~0.4% of a block's
+// largest value.
+//
+// Layout (ragspec/backend/quant.py, GGUFWeight.to_fast): a row's blocks are taken in groups
+// of G = 16 blocks (then one each of 8, 4, 2 for the rest; the block count must be even).
+// Within a group, 32-bit lane k of the accumulator belongs to block k / L (L = 16 / G lanes a
+// block) and step t (of S = G / 2) feeds it the block's weights t * 4L + (k % L) * 4 .. + 3:
+// after the S steps each lane holds an integer partial sum of its own block, and one
+// conversion and fused multiply-add per group scales all 16 lanes. Format 3 (Q4_1): the
+// unsigned 4-bit codes in this order, packed per 128 (64 bytes: code p in the low nibble of
+// byte p, code 64 + p in the high one; a 2-block group: 32 bytes, p and 32 + p), scales float32
+// [O, 2, I / 32] (d row, then m row): w = d * q + m. Format 4 (Q8_0): the codes + 128 as
+// uint8 in this order, scales float32 [O, I / 32]: w = d * (u - 128).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
+namespace kvnni {
+
+inline int group_blocks(int64_t left) { return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 2; }
+
+// activation rows x float32 [R, I] -> qa int8 [R, I] (the layout above), sa float32 [R, nb]
+// (each block's d), ms float32 [R, nb] (d * sum of the block's codes, for the m term)
+void quantize_rows(const float* x, int64_t R, int64_t I, int8_t* qa, float* sa, float* ms) {
+  const int64_t nb = I / kQBlock;
+  alignas(64) int8_t nat[kQBlock];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * I;
+    int8_t* qr = qa + r * I;
+    int64_t g0 = 0;
+    while (g0 < nb) {
+      const int G = group_blocks(nb - g0), L = 16 / G, S = G / 2;
+      int32_t* words = reinterpret_cast<int32_t*>(qr + kQBlock * g0);
+      for (int j = 0; j < G; ++j) {
+        const int64_t blk = g0 + j;
+        const __m512 v0 = _mm512_loadu_ps(xr + kQBlock * blk), v1 = _mm512_loadu_ps(xr + kQBlock * blk + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat), _mm512_cvtsepi32_epi8(q0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat + 16), _mm512_cvtsepi32_epi8(q1));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        sa[r * nb + blk] = d;
+        ms[r * nb + blk] = d * static_cast<float>(sum);
+        // the block's 8 words of 4 codes to their places: word w = t * L + l goes to lane
+        // (j * L + l) of step t
+        const int32_t* nw = reinterpret_cast<const int32_t*>(nat);
+        for (int w = 0; w < 8; ++w) words[(w / L) * 16 + j * L + (w % L)] = nw[w];
+      }
+      (void)S;
+      g0 += G;
+    }
+  }
+}
+
+struct ActRows {
+  const int8_t* qa;
+  const float* sa;
+  const float* ms;
+  int64_t I, nb;
+};
+
+// one group of G blocks of one weight row (codes at qg, d and m per block at dg / mg) x NX
+// activation rows r0 .. r0 + NX - 1, accumulated into acc
+template <int FMT, int G, int NX>
+inline void vgroup(const uint8_t* qg, const float* dg, const float* mg, const ActRows& a, int64_t r0, int64_t g0,
+                   __m512* acc) {
+  constexpr int S = G / 2, L = 16 / G;
+  __m512i isum[NX];
+  for (int b = 0; b < NX; ++b) isum[b] = _mm512_setzero_si512();
+  const int64_t off = kQBlock * g0;  // byte offset of the group in an activation row
+  if (FMT == 3) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (G == 2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg));
+      const __m256i lo = _mm256_and_si256(v, _mm512_castsi512_si256(m4));
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm512_castsi512_si256(m4));
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      for (int b = 0; b < NX; ++b)
+        isum[b] = _mm512_dpbusd_epi32(isum[b], w, _mm512_loadu_si512(a.qa + (r0 + b) * a.I + off));
+    } else {
+      for (int c = 0; c < S / 2; ++c) {
+        const __m512i v = _mm512_loadu_si512(qg + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int b = 0; b < NX; ++b) {
+          const int8_t* xa = a.qa + (r0 + b) * a.I + off + 128 * c;
+          isum[b] = _mm512_dpbusd_epi32(isum[b], lo, _mm512_loadu_si512(xa));
+          isum[b] = _mm512_dpbusd_epi32(isum[b], hi, _mm512_loadu_si512(xa + 64));
+        }
+      }
+    }
+  } else {
+    for (int t = 0; t < S; ++t) {
+      const __m512i w = _mm512_loadu_si512(qg + 64 * t);
+      for (int b = 0; b < NX; ++b)
+        isum[b] = _mm512_dpbusd_epi32(isum[b], w, _mm512_loadu_si512(a.qa + (r0 + b) * a.I + off + 64 * t));
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << G) - 1);
+  const __m512i lanes = _mm512_set_epi32(15 / L, 14 / L, 13 / L, 12 / L, 11 / L, 10 / L, 9 / L, 8 / L, 7 / L, 6 / L,
+                                         5 / L, 4 / L, 3 / L, 2 / L, 1 / L, 0);
+  const __m512 d = _mm512_maskz_loadu_ps(mask, dg);  // block-indexed
+  const __m512 m = FMT == 3 ? _mm512_maskz_loadu_ps(mask, mg) : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+  const __m512 dl = G == 16 ? d : _mm512_permutexvar_ps(lanes, d);  // lane-indexed
+  for (int b = 0; b < NX; ++b) {
+    const float* sa = a.sa + (r0 + b) * a.nb + g0;
+    const __m512 s = _mm512_maskz_loadu_ps(mask, sa);
+    const __m512 sl = G == 16 ? s : _mm512_permutexvar_ps(lanes, s);
+    acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[b]), _mm512_mul_ps(dl, sl), acc[b]);
+    acc[b] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, a.ms + (r0 + b) * a.nb + g0), acc[b]);
+  }
+}
+
+// weight row o (codes q, scales s) x activation rows r0 .. r0 + NX - 1 -> y[r, o]
+template <int FMT, int NX>
+inline void vrow_rows(const uint8_t* q, const float* s, const ActRows& a, float* y, int64_t o, int64_t r0, int64_t O) {
+  __m512 acc[NX];
+  for (int b = 0; b < NX; ++b) acc[b] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  const float* d = s;
+  const float* m = FMT == 3 ? s + nb : nullptr;
+  int64_t g0 = 0;
+  while (g0 < nb) {
+    const int G = group_blocks(nb - g0);
+    const uint8_t* qg = q + (FMT == 3 ? 16 : 32) * g0;
+    const float* mg = m ? m + g0 : nullptr;
+    switch (G) {
+      case 16: vgroup<FMT, 16, NX>(qg, d + g0, mg, a, r0, g0, acc); break;
+      case 8: vgroup<FMT, 8, NX>(qg, d + g0, mg, a, r0, g0, acc); break;
+      case 4: vgroup<FMT, 4, NX>(qg, d + g0, mg, a, r0, g0, acc); break;
+      default: vgroup<FMT, 2, NX>(qg, d + g0, mg, a, r0, g0, acc); break;
+    }
+    g0 += G;
+  }
+  for (int b = 0; b < NX; ++b) y[(r0 + b) * O + o] = _mm512_reduce_add_ps(acc[b]);
+}
+
+template <int FMT>
+void vrows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const ActRows& a, float* y, int64_t o0,
+           int64_t o1, int64_t R, int64_t O) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qo = q + o * qrow;
+    const float* so = s + o * srow;
+    int64_t r = 0;
+    for (; r + 8 <= R; r += 8) vrow_rows<FMT, 8>(qo, so, a, y, o, r, O);
+    switch (R - r) {
+      case 7: vrow_rows<FMT, 7>(qo, so, a, y, o, r, O); break;
+      case 6: vrow_rows<FMT, 6>(qo, so, a, y, o, r, O); break;
+      case 5: vrow_rows<FMT, 5>(qo, so, a, y, o, r, O); break;
+      case 4: vrow_rows<FMT, 4>(qo, so, a, y, o, r, O); break;
+      case 3: vrow_rows<FMT, 3>(qo, so, a, y, o, r, O); break;
+      case 2: vrow_rows<FMT, 2>(qo, so, a, y, o, r, O); break;
+      case 1: vrow_rows<FMT, 1>(qo, so, a, y, o, r, O); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace kvnni
+#pragma GCC pop_options
+
+namespace {
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && cpu_has_avx512();
+}
+}  // namespace
+
+// whether this CPU runs the fast-numerics formats (3, 4): AVX-512 F/BW/VL/DQ and VNNI, and
+// AVX-512 not masked off (RAGSPEC_CPU_ISA=avx2 / set_cpu_isa("avx2"))
+bool fast_numerics_supported() { return cpu_has_vnni() && current_isa() == kIsaAvx512; }
+
+namespace {
+torch::Tensor quant_linear_fast(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
+                                int64_t fmt, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(fast_numerics_supported(),
+              "quant_linear: formats 3 and 4 (fast numerics) need AVX-512 VNNI, which this CPU lacks or is masked off");
+  const int64_t R = x.size(0), I = x.size(1), O = qs.size(0), nb = I / kQBlock;
+  TORCH_CHECK(nb % 2 == 0, "quant_linear: fast numerics need an even number of 32-weight blocks per row");
+  const int64_t qrow = fmt == 3 ? I / 2 : I, srow = fmt == 3 ? 2 * nb : nb;
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == qrow && qs.scalar_type() == at::kByte,
+              "quant_linear: qs shape or dtype (fast formats: uint8)");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == O * srow,
+              "quant_linear: scales shape or dtype");
+  auto xc = x.contiguous();
+  auto y = torch::empty({R, O}, xc.options());
+  std::vector<int8_t> qa(R * I);
+  std::vector<float> sa(R * nb), ms(R * nb);
+  kvnni::quantize_rows(xc.data_ptr<float>(), R, I, qa.data(), sa.data(), ms.data());
+  const kvnni::ActRows a{qa.data(), sa.data(), ms.data(), I, nb};
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, O, 64, [&](int64_t o0, int64_t o1) {
+    if (fmt == 3) kvnni::vrows<3>(qp, sp, qrow, srow, a, yp, o0, o1, R, O);
+    else kvnni::vrows<4>(qp, sp, qrow, srow, a, yp, o0, o1, R, O);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+}  // namespace
+
+
 // x: float32 [R, I] (I a multiple of 32); qs: uint8 [O, I / 2] (fmt 0, Q4_1) or int8 [O, I]
 // (fmt 1, Q8_0; fmt 2, Q6_K's values); scales: float32 [O, I / 32, 2] (Q4_1: d, m), [O, I / 32]
 // (Q8_0: d) or [O, I / 16] (fmt 2: d per 16 weights); bias float32 [O] or empty -> float32
 // [R, O], equal to skinny_linear(x, dequantized, bias).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt,
                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(fmt == 0 || fmt == 1 || fmt == 2, "quant_linear: fmt must be 0 (Q4_1), 1 (Q8_0) or 2 (Q6_K)");
+  TORCH_CHECK(fmt >= 0 && fmt <= 4,
+              "quant_linear: fmt must be 0 (Q4_1), 1 (Q8_0), 2 (Q6_K), 3 or 4 (Q4_1 / Q8_0 for fast numerics)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be float32 [R, I]");
   const int64_t R = x.size(0), I = x.size(1), O = qs.size(0);
   TORCH_CHECK(I % kQBlock == 0, "quant_linear: in-features must be a multiple of 32");
+  if (fmt >= 3) return quant_linear_fast(x, qs, scales, fmt, bias);
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == 0 ? I / 2 : I) &&
                   qs.scalar_type() == (fmt == 0 ? at::kByte : at::kChar), "quant_linear: qs shape or dtype");
   const int64_t srow = fmt == 0 ? 2 * (I / kQBlock) : fmt == 1 ? I / kQBlock : I / kQ6Block;  // scales per row
@@ -617,10 +844,21 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
   auto stats = torch::empty({Hkv, nb, R, 2}, query.options());
   auto part = torch::empty({Hkv, nb, R, d}, query.options());
   auto out = torch::empty({1, Q, Hq, d}, query.options());
+  // each row's new slots (the last Q, or all S keys when fewer) that it attends, in order:
+  // its logical keys past .. past + chain_len - 1
+  const int64_t past = std::max<int64_t>(0, S - Q), fresh = S - past;
+  std::vector<int64_t> chain(Q * fresh), chain_len(Q);
+  const bool* mp = m2.defined() ? m2.data_ptr<bool>() : nullptr;
+  for (int64_t i = 0; i < Q; ++i) {
+    int64_t c = 0;
+    for (int64_t u = 0; u < fresh; ++u)
+      if (!mp || mp[i * S + past + u]) chain[i * fresh + c++] = past + u;
+    chain_len[i] = c;
+  }
   AttnArgs a{query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
-             m2.defined() ? m2.data_ptr<bool>() : nullptr, stats.data_ptr<float>(), part.data_ptr<float>(),
+             mp, stats.data_ptr<float>(), part.data_ptr<float>(),
              G, Q, S, nb, query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1),
-             value.stride(2), static_cast<float>(scale)};
+             value.stride(2), static_cast<float>(scale), past, chain.data(), chain_len.data()};
   // (the same 8-lane code on the AVX-512 path: a 16-lane port measured 5-12% slower at 700
   // cached keys, d = 64, 1-16 queries, the 8-key score blocks' reductions outweighing it)
   at::parallel_for(0, Hkv * nb, 1, [&](int64_t i0, int64_t i1) {
@@ -664,6 +902,8 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "few-row float32 linear layer (AVX-512 or AVX2/FMA)");
   m.def("quant_linear", &quant_linear, "few-row linear layer over Q4_1 / Q8_0 / Q6_K GGUF weights (AVX-512 or AVX2/FMA)");
+  m.def("fast_numerics_supported", &fast_numerics_supported,
+        "whether quant_linear's fast-numerics formats (3, 4: int8 activations, AVX-512 VNNI) run on this CPU now");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels use now: 'avx512' or 'avx2'");
   m.def("set_cpu_isa", &set_cpu_isa, "switch the kernels to 'avx2', 'avx512' or 'auto'; returns the previous one");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX-512 or AVX2/FMA)");
