@@ -1,0 +1,265 @@
+"""Fast numerics (issue 18 item 4, ``--numerics fast``): the GGUF-block linears with int8
+activations (per row and block of 32) and AVX-512 VNNI integer dot products
+(csrc/cpu_kernels.cpp ``kvnni``, :meth:`ragspec.backend.quant.GGUFWeight.to_fast`).
+
+Checked: the layout (a permutation, the weights round-trip bit for bit); the kernel against a
+float64 emulation of the same quantization (1e-5: only the float accumulation order
+differs) and against float32 (the activations' rounding, ~0.5%); each output row bit for bit
+its one-row call; the mode refused where VNNI is unavailable or masked off; and the
+property the mode promises over llama.cpp: a verification forward gives every accepted row
+exactly the bits a one-row step gives it, so speculative greedy output equals plain
+decoding within the mode. Also the attention regression this needed (exact mode too): a
+tree's rows bit for bit equal to one-row steps over the compacted path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_native_step import _STEPS, _llama, _quantized_llama, _target, kernels  # noqa: F401
+
+from ragspec.backend import kernels as kernel_lib
+from ragspec.backend.hf import HFTarget
+from ragspec.backend.kernels import load_quant_linear
+from ragspec.backend.quant import Q4_1, Q4_1_FAST, Q6_K, Q8_0, Q8_0_FAST, GGUFWeight, fast_order
+from ragspec.config import PLDConfig, PolicyConfig
+from ragspec.drafters import PromptLookupDrafter
+from ragspec.engine import Engine
+from ragspec.errors import ConfigError
+from ragspec.types import DraftTree
+from ragspec_testing import ScriptedDrafter, make_char_tokenizer, make_tree, oracle_plan, wrong_plan
+
+
+@pytest.fixture(scope="module")
+def fast(kernels):  # noqa: F811
+    if not kernel_lib.fast_numerics_supported():
+        pytest.skip("this CPU lacks AVX-512 VNNI: --numerics fast is refused here (tested below)")
+    return load_quant_linear()
+
+
+def _random_weight(fmt: int, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == Q4_1:
+        qs = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
+        scales = torch.stack(
+            [torch.rand(rows, cols // 32, generator=gen) * 0.05, torch.randn(rows, cols // 32, generator=gen) * 0.1],
+            dim=-1,
+        )
+        return GGUFWeight(qs, scales.contiguous(), Q4_1)
+    qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
+    return GGUFWeight(qs, torch.rand(rows, cols // 32, generator=gen) * 0.01, Q8_0)
+
+
+@pytest.mark.parametrize("cols", [64, 128, 576, 640, 1536, 1216])
+def test_fast_order_is_a_permutation_of_each_row(cols):
+    order = fast_order(cols)
+    assert sorted(order.tolist()) == list(range(cols))
+    # a group of 16 blocks: lane k of step t holds weights 4t .. 4t + 3 of block k
+    if cols >= 512:
+        assert order[:8].tolist() == [0, 1, 2, 3, 32, 33, 34, 35]
+        assert order[64:68].tolist() == [4, 5, 6, 7]
+
+
+def test_fast_order_refuses_an_odd_number_of_blocks():
+    with pytest.raises(ValueError, match="even number"):
+        fast_order(96)
+
+
+@pytest.mark.parametrize("fmt,fast_fmt", [(Q4_1, Q4_1_FAST), (Q8_0, Q8_0_FAST)])
+@pytest.mark.parametrize("cols", [64, 576, 1216])
+def test_to_fast_keeps_every_weight_bit_for_bit(fmt, fast_fmt, cols):
+    w = _random_weight(fmt, 7, cols)
+    f = w.to_fast()
+    assert f.fmt == fast_fmt and f.fast and f.well_formed() and f.shape == w.shape
+    assert torch.equal(f.dequantize(), w.dequantize())
+    assert torch.equal(f.take_rows(torch.tensor([3, 1])).dequantize(), w.dequantize()[[3, 1]])
+
+
+def test_to_fast_leaves_what_it_cannot_take_exact():
+    odd = _random_weight(Q4_1, 3, 96)  # 3 blocks per row
+    assert odd.to_fast() is odd
+    q6 = GGUFWeight(torch.zeros(2, 64, dtype=torch.int8), torch.ones(2, 4), Q6_K)
+    assert q6.to_fast() is q6
+
+
+def _emulated(w: GGUFWeight, x: torch.Tensor) -> torch.Tensor:
+    """float64 emulation of the fast kernel: x quantized per row and block of 32 (d =
+    max|x| / 127, q = round-half-even(x / d) in float32), exact integer block sums."""
+    rows, cols = w.shape
+    xb = x.view(x.shape[0], cols // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-127, 127).double()  # torch.round: half to even, as cvtps
+    d = (amax / 127.0).double()
+    if w.fmt == Q4_1:
+        b = w.qs.view(rows, cols // 32, 16)
+        codes = torch.cat([b & 0x0F, b >> 4], dim=-1).double()
+        dw, mw = w.scales[..., 0].double(), w.scales[..., 1].double()
+    else:
+        codes = w.qs.view(rows, cols // 32, 32).double()
+        dw, mw = w.scales.double(), torch.zeros_like(w.scales, dtype=torch.float64)
+    dots = torch.einsum("rbk,obk->rob", q, codes)  # [R, O, B] exact integers
+    sums = q.sum(-1)  # [R, B]
+    return (dots * dw[None] * d[:, None, :, 0] + mw[None] * (d[..., 0] * sums)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("cols", [64, 128, 576, 1216])
+def test_fast_kernel_is_the_int8_scheme_and_each_row_its_own(fast, fmt, cols):
+    w = _random_weight(fmt, 45, cols, seed=cols)
+    f = w.to_fast()
+    x = torch.randn(19, cols, generator=torch.Generator().manual_seed(1))
+    x[3] = 0.0  # an all-zero row: scale 0, output 0 (no division by zero)
+    y = fast(x, f.qs, f.scales, f.fmt, None)
+    emulated = _emulated(w, x)
+    torch.testing.assert_close(y.double(), emulated, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(y[3]) == 0
+    exact = x.double() @ w.dequantize().double().T
+    rel = ((y.double() - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 2e-2  # the activations' rounding: visible, and small
+    for r in range(19):  # every row alone, and every prefix, bit for bit
+        assert torch.equal(fast(x[r : r + 1], f.qs, f.scales, f.fmt, None), y[r : r + 1]), r
+    for n in (2, 8, 9, 16):
+        assert torch.equal(fast(x[:n], f.qs, f.scales, f.fmt, None), y[:n]), n
+    bias = torch.randn(45)
+    assert torch.equal(fast(x, f.qs, f.scales, f.fmt, bias), y + bias)
+
+
+def test_fast_numerics_are_refused_where_avx512_is_masked_off(kernels, tmp_path):  # noqa: F811
+    path = tmp_path / "m.gguf"
+    model = _quantized_llama(path)
+    prev = kernel_lib.set_cpu_isa("avx2")
+    try:
+        assert not kernel_lib.fast_numerics_supported()
+        target = HFTarget(model)
+        with pytest.raises(ConfigError, match="AVX-512 VNNI"):
+            target.use_gguf_weights(path, load_quant_linear(), numerics="fast")
+        f = _random_weight(Q4_1, 4, 64).to_fast()
+        with pytest.raises(RuntimeError, match="VNNI"):
+            load_quant_linear()(torch.randn(1, 64), f.qs, f.scales, f.fmt, None)
+    finally:
+        kernel_lib.set_cpu_isa(prev)
+    with pytest.raises(ConfigError, match="numerics must be"):
+        HFTarget(model).speed_up(numerics="approximate")
+    with pytest.raises(ConfigError, match="needs a GGUF model"):
+        HFTarget(model).speed_up(numerics="fast")  # no GGUF file given
+
+
+def _fast_target(kernels, tmp_path, name="m.gguf") -> HFTarget:  # noqa: F811
+    skinny, attention, step = kernels
+    path = tmp_path / name
+    target = HFTarget(_quantized_llama(path))
+    assert target.use_gguf_weights(path, load_quant_linear(), numerics="fast") == 2 * 7 + 1
+    assert target.numerics == "fast"
+    target.prepack_linears(skinny)
+    assert target.route_gqa_attention()
+    assert target.use_attention_kernel(attention)
+    assert target.use_native_step(step)
+    return target
+
+
+def _assert_verify_rows_equal_one_row_steps(target: HFTarget) -> None:
+    """Every tree of ``_STEPS`` verified on one state and, on another with the same history,
+    the root and the accepted path as one-row steps: each accepted row's logits bit for
+    bit equal (the KV of the accepted path then equal too: the states go on together)."""
+    prompt = list(range(5, 40))
+    with torch.inference_mode():
+        tree_state, step_state = target.new_state(), target.new_state()
+        target.prefill(tree_state, prompt)
+        target.prefill(step_state, prompt)
+        for root, (tree, path) in zip((7, 9, 11, 13, 15), _STEPS):
+            past = tree_state.length
+            verified = target.verify_one(tree_state, root, tree, return_hidden=True)
+            target.commit(tree_state, past, path)
+            for row, token in zip([0] + [1 + p for p in path], [root] + [int(tree.tokens[p]) for p in path]):
+                before = step_state.length
+                one = target.verify_one(step_state, token, DraftTree.empty(), return_hidden=True)
+                target.commit(step_state, before, [])
+                assert torch.equal(verified.hidden[row], one.hidden[0]), (tree.tokens.tolist(), row)
+                assert torch.equal(verified.logits[row], one.logits[0]), (tree.tokens.tolist(), row)
+
+
+def test_tree_rows_differ_from_one_row_steps_regression(kernels):  # noqa: F811
+    """Exact mode: few_query_attention summed a row's keys in the order of their buffer slots
+    (a tree's nodes sit wherever the tree put them, one-row steps see the compacted path)
+    and its last 1-7 keys of a block through other arithmetic than full groups of 8, so a
+    verified row differed from the one-row step at its position by ~1e-5 (harmless for
+    float32 greedy, fatal for int8 activations). Now keys go in each row's logical order."""
+    _assert_verify_rows_equal_one_row_steps(_target(kernels, _llama(), native=True))
+    _assert_verify_rows_equal_one_row_steps(_target(kernels, _llama(), native=False))
+
+
+def test_attention_of_a_tree_row_equals_one_query_over_its_compacted_path(kernels):  # noqa: F811
+    _, attention, _ = kernels
+    gen = torch.Generator().manual_seed(3)
+    past, heads, kv_heads, d = 61, 4, 2, 32  # the tree straddles the 64-key block boundary
+    tree = make_tree(list(range(9)), [-1, 0, 0, 1, 2, 4, -1, 6, 3])
+    rows = 1 + len(tree.tokens)
+    keys = torch.randn(1, kv_heads, past + rows, d, generator=gen)
+    values = torch.randn(1, kv_heads, past + rows, d, generator=gen)
+    queries = torch.randn(1, heads, rows, d, generator=gen)
+    parents = [-1] + [int(p) + 1 for p in tree.parents]  # row 0 = the root
+    mask = torch.zeros(1, 1, rows, past + rows, dtype=torch.bool)
+    mask[..., :past] = True
+    for r in range(rows):
+        a = r
+        while a >= 0:
+            mask[0, 0, r, past + a] = True
+            a = parents[a]
+    out = attention(queries, keys, values, mask, d**-0.5)  # [1, rows, heads, d]
+    for r in range(rows):
+        chain, a = [], r
+        while a >= 0:
+            chain.append(past + a)
+            a = parents[a]
+        idx = torch.tensor(list(range(past)) + chain[::-1])
+        one = attention(queries[:, :, r : r + 1], keys[:, :, idx], values[:, :, idx], None, d**-0.5)
+        assert torch.equal(out[:, r], one[:, 0]), r
+
+
+def test_fast_verification_rows_equal_one_row_steps_bit_for_bit(fast, kernels, tmp_path):  # noqa: F811
+    _assert_verify_rows_equal_one_row_steps(_fast_target(kernels, tmp_path))
+
+
+def test_fast_speculative_greedy_equals_fast_plain_decoding(fast, kernels, tmp_path):  # noqa: F811
+    tok = make_char_tokenizer()
+    target = _fast_target(kernels, tmp_path)
+    prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
+    plain = Engine(target, tok, drafter=None, eos_token_ids=[]).generate(prompt, max_new_tokens=60, chat=False)
+    assert plain.stats.num_drafted_tokens == 0
+    ref = list(plain.token_ids)
+    pld = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[])
+    out = pld.generate(prompt, max_new_tokens=60, chat=False)
+    assert out.stats.num_drafted_tokens > 0
+    assert list(out.token_ids) == ref
+    # every draft verified (no cost model): accepted 8-token chains and rejected ones
+    for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
+        engine = Engine(
+            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
+        )
+        out = engine.generate(prompt, max_new_tokens=60, chat=False)
+        assert out.stats.num_drafted_tokens > 0
+        assert list(out.token_ids) == ref
+
+
+def test_fast_and_exact_numerics_differ_only_by_the_activations_rounding(fast, kernels, tmp_path):  # noqa: F811
+    skinny, attention, step = kernels
+    exact = HFTarget(_quantized_llama(tmp_path / "e2.gguf"))
+    exact.use_gguf_weights(tmp_path / "e2.gguf", load_quant_linear())
+    exact.prepack_linears(skinny)
+    exact.route_gqa_attention()
+    exact.use_attention_kernel(attention)
+    exact.use_native_step(step)
+    fast_t = _fast_target(kernels, tmp_path, "f.gguf")
+    assert exact.numerics == "exact"
+    prompt = list(range(5, 30))
+    with torch.inference_mode():
+        se, sf = exact.new_state(), fast_t.new_state()
+        exact.prefill(se, prompt)
+        fast_t.prefill(sf, prompt)
+        a = exact.verify_one(se, 7, DraftTree.chain([3, 4, 5]), return_hidden=True)
+        b = fast_t.verify_one(sf, 7, DraftTree.chain([3, 4, 5]), return_hidden=True)
+    assert not torch.equal(a.hidden, b.hidden)
+    rel = ((a.hidden - b.hidden).norm() / a.hidden.norm()).item()
+    assert rel < 0.05, rel
+    assert np.isfinite(b.logits.numpy()).all()
