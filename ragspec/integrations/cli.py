@@ -147,13 +147,6 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
     )
-    p.add_argument(
-        "--numerics",
-        choices=("exact", "fast"),
-        default=None,
-        help="'exact' (default): float32, token-identical to transformers greedy; 'fast': int8 activations "
-        "(AVX-512 VNNI), speculative == plain within the mode (RAGSPEC_NUMERICS)",
-    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
     p.add_argument(
         "--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)"
