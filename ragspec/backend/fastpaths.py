@@ -295,8 +295,8 @@ def _batched_attention(batch: AttentionBatch, module, query, dropout, scaling, i
 
 def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> bool:
     """Whether :func:`ragspec.backend.kernels.load_few_query_attention`'s kernel computes this call:
-    one sequence of at most ``SKINNY_MAX_ROWS`` float32 queries on CPU, head size 32, 64 or
-    128, no dropout, a bool mask (or none: every key attended) and no extras (soft-capping,
+    one sequence of at most ``SKINNY_MAX_ROWS`` float32 queries on CPU, head size 32, 64,
+    128 or 256, no dropout, a bool mask (or none: every key attended) and no extras (soft-capping,
     position biases, attention sinks, returned weights)."""
     q_len = query.shape[2]
     return (
@@ -306,7 +306,7 @@ def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> boo
         and key.dtype == torch.float32
         and query.shape[0] == 1
         and 1 <= q_len <= SKINNY_MAX_ROWS
-        and query.shape[-1] in (32, 64, 128)
+        and query.shape[-1] in (32, 64, 128, 256)
         and query.shape[1] % key.shape[1] == 0
         and not dropout
         and (

@@ -120,7 +120,7 @@ def _sdpa(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("q_len", [1, 3, 16])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 4, 1)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 4, 1), (256, 4, 1)])
 @pytest.mark.parametrize("keys", [7, 64, 81, 200])
 def test_few_query_attention_matches_sdpa_on_each_path(isa, module, q_len, head_dim, heads, kv_heads, keys):
     gen = torch.Generator().manual_seed(q_len * 31 + head_dim + keys)

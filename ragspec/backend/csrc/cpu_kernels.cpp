@@ -817,7 +817,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
 
 
 // query: float32 [1, Hq, Q, d]; key, value: float32 [1, Hkv, S, d] (Hq a multiple of Hkv;
-// d = 32, 64 or 128; any strides with a contiguous last dimension, e.g. views of a larger
+// d = 32, 64, 128 or 256 (gemma3); any strides with a contiguous last dimension, e.g. views of a larger
 // cache buffer); mask: bool [1, 1, Q, S] (True = attend) or empty (every key attended);
 // scale multiplies q.k -> float32 [1, Q, Hq, d] contiguous.
 torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
@@ -828,7 +828,7 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
                   value.scalar_type() == at::kFloat, "few_query_attention: float32 only");
   const int64_t Hq = query.size(1), Q = query.size(2), d = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && (d == 32 || d == 64 || d == 128) && key.size(3) == d &&
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && (d == 32 || d == 64 || d == 128 || d == 256) && key.size(3) == d &&
                   value.sizes() == key.sizes(), "few_query_attention: shape mismatch");
   if (query.stride(3) != 1) query = query.contiguous();
   if (key.stride(3) != 1) key = key.contiguous();
@@ -867,7 +867,8 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
       const int64_t h = item / nb, b = item % nb;
       if (d == 32) attend_block<4>(a, h, b, score);
       else if (d == 64) attend_block<8>(a, h, b, score);
-      else attend_block<16>(a, h, b, score);
+      else if (d == 128) attend_block<16>(a, h, b, score);
+      else attend_block<32>(a, h, b, score);
     }
   });
   // merge the key blocks of each (kv head, query row):
