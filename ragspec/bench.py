@@ -532,7 +532,7 @@ def format_table(table: dict, sampling: bool = False) -> str:
             line += f"{m['tok_s']:>{len(v) + 7}.1f}{m['mean_accepted']:>10.2f}{v_ident:>14}"
         lines.append(line)
     for v in variants:
-        checked = [(g, t[v]) for g, t in table.items() if "plain_identical" in t.get(v, {})]
+        checked = [(g, t[v]) for g, t in table.items() if g != "all" and "plain_identical" in t.get(v, {})]
         if checked:
             ok = sum(m["plain_identical"] for _, m in checked)
             n = sum(table[g]["prompts"] for g, _ in checked)
