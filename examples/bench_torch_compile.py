@@ -27,7 +27,8 @@ retrieval prompt, and the first ``writing`` row, a short one), chat-templated:
   lets inductor pre-pack them for its CPU GEMMs; the recipe PyTorch gives for CPU
   inference). Compile time (the
   warm-up's first decode call per prompt) is reported separately and excluded from the
-  step timings.
+  step timings. It depends on inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``): a
+  cold cache took ~40-60 s per mode on the 2-core reference CPU, a warm one ~7-17 s.
 
 Every method runs one warm-up measurement per prompt, then ``--rounds`` rounds in which
 the methods are interleaved; each measurement is ``--steps`` decode steps from a fresh
