@@ -388,23 +388,13 @@ def cmd_bench(args) -> int:
 
         for mode in dict.fromkeys(m.strip() for m in args.also_drafting.split(",") if m.strip()):
             variants[mode] = with_drafting(engine, mode)
+    also_drafting = list(variants)
     if args.also_numerics:
-        from .loading import load_engine
-
         for mode in dict.fromkeys(m.strip() for m in args.also_numerics.split(",") if m.strip()):
-            if mode == getattr(args, "numerics", "exact"):
+            if mode == args.numerics:
                 continue
-            other = load_engine(
-                args.model,
-                device=args.device,
-                dtype=args.dtype,
-                datastore=getattr(args, "datastore", None),
-                eagle=getattr(args, "eagle", None),
-                policy=engine.policy,
-                calibrate=not args.no_calibrate,
-                drafting=getattr(args, "drafting", None) or "merged",
-                numerics=mode,
-            )
+            # the same options, another target arithmetic (a second copy of the model)
+            other = _engine(argparse.Namespace(**{**vars(args), "numerics": mode}), calibrate=not args.no_calibrate)
             variants[mode] = other
             # the same engine with drafting off: its speculative output against its own plain decoding
             variants[f"{mode}@0"] = other.with_drafter(
@@ -447,11 +437,7 @@ def cmd_bench(args) -> int:
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
                         "drafting": engine.parts.drafting,
-                        "also_drafting": [
-                            v
-                            for v in variants
-                            if v not in (args.also_numerics or "").split(",") and not v.endswith("@0")
-                        ],
+                        "also_drafting": also_drafting,
                         "numerics": getattr(engine.target, "numerics", "exact"),
                         "also_numerics": args.also_numerics,
                         "cpu_kernel": engine.target.skinny is not None,

@@ -150,6 +150,22 @@ def wrong_plan(reference, vocab_size, k=8):
     return lambda step, gen: [(t + 1) % vocab_size for t in reference[len(gen) : len(gen) + k]]
 
 
+def assert_scripted_drafts_keep_greedy(target, tok, prompt, reference, vocab_size, max_new_tokens=60):
+    """Every draft verified (no cost model): 8-token chains of the true continuation (all
+    accepted) and of wrong tokens (all rejected) both leave ``target``'s greedy output equal
+    to ``reference``."""
+    from ragspec.config import PolicyConfig
+    from ragspec.engine import Engine
+
+    for plan in (oracle_plan(reference), wrong_plan(reference, vocab_size)):
+        engine = Engine(
+            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
+        )
+        out = engine.generate(prompt, max_new_tokens=max_new_tokens, chat=False)
+        assert out.stats.num_drafted_tokens > 0
+        assert list(out.token_ids) == reference
+
+
 def make_tree(tokens, parents, draft_probs=None, source=None):
     """A DraftTree from literal lists (draft_probs: one row of V probabilities per node;
     source: a source name for every node, with unit scores)."""

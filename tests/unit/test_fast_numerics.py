@@ -22,12 +22,12 @@ from ragspec.backend import kernels as kernel_lib
 from ragspec.backend.hf import HFTarget
 from ragspec.backend.kernels import load_quant_linear
 from ragspec.backend.quant import Q4_1, Q4_1_FAST, Q6_K, Q8_0, Q8_0_FAST, GGUFWeight, fast_order
-from ragspec.config import PLDConfig, PolicyConfig
+from ragspec.config import PLDConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.types import DraftTree
-from ragspec_testing import ScriptedDrafter, make_char_tokenizer, make_tree, oracle_plan, wrong_plan
+from ragspec_testing import assert_scripted_drafts_keep_greedy, make_char_tokenizer, make_tree
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +145,13 @@ def test_fast_numerics_are_refused_where_avx512_is_masked_off(kernels, tmp_path)
         HFTarget(model).speed_up(numerics="fast")  # no GGUF file given
 
 
-def _fast_target(kernels, tmp_path, name="m.gguf") -> HFTarget:  # noqa: F811
+def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> HFTarget:  # noqa: F811
+    """The tiny quantized Llama over its GGUF blocks, the compiled kernels and the native step."""
     skinny, attention, step = kernels
     path = tmp_path / name
     target = HFTarget(_quantized_llama(path))
-    assert target.use_gguf_weights(path, load_quant_linear(), numerics="fast") == 2 * 7 + 1
-    assert target.numerics == "fast"
+    assert target.use_gguf_weights(path, load_quant_linear(), numerics=numerics) == 2 * 7 + 1
+    assert target.numerics == numerics
     target.prepack_linears(skinny)
     assert target.route_gqa_attention()
     assert target.use_attention_kernel(attention)
@@ -233,25 +234,12 @@ def test_fast_speculative_greedy_equals_fast_plain_decoding(fast, kernels, tmp_p
     assert out.stats.num_drafted_tokens > 0
     assert list(out.token_ids) == ref
     # every draft verified (no cost model): accepted 8-token chains and rejected ones
-    for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
-        engine = Engine(
-            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
-        )
-        out = engine.generate(prompt, max_new_tokens=60, chat=False)
-        assert out.stats.num_drafted_tokens > 0
-        assert list(out.token_ids) == ref
+    assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
 
 
 def test_fast_and_exact_numerics_differ_only_by_the_activations_rounding(fast, kernels, tmp_path):  # noqa: F811
-    skinny, attention, step = kernels
-    exact = HFTarget(_quantized_llama(tmp_path / "e2.gguf"))
-    exact.use_gguf_weights(tmp_path / "e2.gguf", load_quant_linear())
-    exact.prepack_linears(skinny)
-    exact.route_gqa_attention()
-    exact.use_attention_kernel(attention)
-    exact.use_native_step(step)
+    exact = _fast_target(kernels, tmp_path, "e.gguf", numerics="exact")
     fast_t = _fast_target(kernels, tmp_path, "f.gguf")
-    assert exact.numerics == "exact"
     prompt = list(range(5, 30))
     with torch.inference_mode():
         se, sf = exact.new_state(), fast_t.new_state()

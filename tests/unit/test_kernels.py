@@ -326,9 +326,7 @@ def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
 
 
 def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention):
-    from ragspec.config import PolicyConfig
-    from ragspec.engine import Engine
-    from ragspec_testing import ScriptedDrafter, make_char_tokenizer, oracle_plan, wrong_plan
+    from ragspec_testing import assert_scripted_drafts_keep_greedy, make_char_tokenizer
 
     tok = make_char_tokenizer()
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
@@ -339,13 +337,7 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
     assert target.use_attention_kernel(attention)
     # drafts the true continuation (accepted 8-token chains) / wrong tokens (rejected): both
     # verified through the kernel, every draft verified (no cost model in the way)
-    for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
-        engine = Engine(
-            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
-        )
-        out = engine.generate(prompt, max_new_tokens=60, chat=False)
-        assert out.stats.num_drafted_tokens > 0
-        assert list(out.token_ids) == ref
+    assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
 
 
 def test_speed_up_installs_both_compiled_kernels(skinny, attention):

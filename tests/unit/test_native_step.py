@@ -26,14 +26,12 @@ from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.types import DraftTree
 from ragspec_testing import (
-    ScriptedDrafter,
+    assert_scripted_drafts_keep_greedy,
     greedy_reference,
     make_char_tokenizer,
     make_tiny_llama,
     make_tree,
-    oracle_plan,
     random_k_blocks,
-    wrong_plan,
 )
 
 
@@ -489,13 +487,7 @@ def test_engine_greedy_with_the_native_step_equals_transformers_generate(kernels
     assert out.stats.num_drafted_tokens > 0
     assert list(out.token_ids) == ref
     # every draft verified (no cost model): accepted 8-token chains and rejected ones
-    for plan in (oracle_plan(ref), wrong_plan(ref, 96)):
-        engine = Engine(
-            target, tok, drafter=ScriptedDrafter(plan), policy=PolicyConfig(adaptive=False), eos_token_ids=[]
-        )
-        out = engine.generate(prompt, max_new_tokens=60, chat=False)
-        assert out.stats.num_drafted_tokens > 0
-        assert list(out.token_ids) == ref
+    assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
 
 
 def test_engine_steps_requests_together_through_one_native_call(kernels, monkeypatch):

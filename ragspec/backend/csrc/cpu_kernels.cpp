@@ -587,7 +587,7 @@ void quantize_rows(const float* x, int64_t R, int64_t I, int8_t* qa, float* sa, 
     int8_t* qr = qa + r * I;
     int64_t g0 = 0;
     while (g0 < nb) {
-      const int G = group_blocks(nb - g0), L = 16 / G, S = G / 2;
+      const int G = group_blocks(nb - g0), L = 16 / G;
       int32_t* words = reinterpret_cast<int32_t*>(qr + kQBlock * g0);
       for (int j = 0; j < G; ++j) {
         const int64_t blk = g0 + j;
@@ -606,7 +606,6 @@ void quantize_rows(const float* x, int64_t R, int64_t I, int8_t* qa, float* sa, 
         const int32_t* nw = reinterpret_cast<const int32_t*>(nat);
         for (int w = 0; w < 8; ++w) words[(w / L) * 16 + j * L + (w % L)] = nw[w];
       }
-      (void)S;
       g0 += G;
     }
   }
