@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <cmath>
 #include <vector>
@@ -187,8 +188,9 @@ struct AttnArgs {
 // absent from a row (masked, or past its chain) adds exact zeros: a row's result has the
 // same bits wherever its tree put its ancestors and however many rows the call has, so a
 // verification gives each accepted row exactly what a one-row step at its position gives.
+// (attend_row: one query row r of the item)
 template <int ND>
-void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
+__attribute__((always_inline)) inline void attend_row(const AttnArgs& a, int64_t h, int64_t b, int64_t r, float* score) {
   constexpr int64_t d = 8 * ND;
   const int64_t R = a.G * a.Q;
   const int64_t j0 = b * kKeyBlock;
@@ -196,7 +198,7 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
   const float* kh = a.k + h * a.ksH;
   const float* vh = a.v + h * a.vsH;
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < R; ++r) {
+  {
     const int64_t g = r / a.Q, i = r % a.Q;
     float* st = a.stats + ((h * a.nb + b) * R + r) * 2;
     float* pr = a.part + ((h * a.nb + b) * R + r) * d;
@@ -212,7 +214,7 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
       st[0] = -INFINITY;
       st[1] = 0.f;
       std::fill(pr, pr + d, 0.f);
-      continue;
+      return;
     }
     const float* qrow = a.q + (h * a.G + g) * a.qsH + i * a.qsQ;
     __m256 qv[ND];
@@ -259,6 +261,18 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
     st[1] = hsum(lsum);
     for (int c = 0; c < ND; ++c) _mm256_storeu_ps(pr + 8 * c, acc[c]);
   }
+}
+
+template <int ND>
+void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
+  for (int64_t r = 0; r < a.G * a.Q; ++r) attend_row<ND>(a, h, b, r, score);
+}
+
+inline void attend_row_d(const AttnArgs& a, int64_t d, int64_t h, int64_t b, int64_t r, float* score) {
+  if (d == 32) attend_row<4>(a, h, b, r, score);
+  else if (d == 64) attend_row<8>(a, h, b, r, score);
+  else if (d == 128) attend_row<16>(a, h, b, r, score);
+  else attend_row<32>(a, h, b, r, score);
 }
 
 }  // namespace
@@ -418,19 +432,65 @@ inline void qrow_rows(const uint8_t* q, const float* s, const float* x, float* y
   for (int b = 0; b < NX; ++b) y[(r0 + b) * O + o] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
 }
 
+// two weight rows (o, o + 1: codes q, q + qrow; scales s, s + srow) x NX activation rows
+// (NX <= 4: 16 accumulators): the same per-pair sums as qrow_rows (a0 over each block's first
+// 16 elements, a1 over the last 16, y = reduce(a0 + a1)), bit for bit, but each activation
+// vector is loaded into a register once for both weight rows. The 2-core Zen 4 issues about
+// one 64-byte load per two FMAs (~2 G loads/s/core against ~3.6 G FMA/s): qrow_rows' one
+// load per FMA ran at half the FMA peak, this tile at ~70% (the empty asm keeps the compiler
+// from folding each load into both FMAs as a memory operand, which loads it twice).
+template <class F, int NX>
+inline void qpair_rows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const float* x, float* y,
+                       int64_t o, int64_t r0, int64_t I, int64_t O) {
+  __m512 a0[NX], a1[NX], c0[NX], c1[NX];
+  for (int b = 0; b < NX; ++b) a0[b] = a1[b] = c0[b] = c1[b] = _mm512_setzero_ps();
+  const uint8_t* q2 = q + qrow;
+  const float* s2 = s + srow;
+  for (int64_t blk = 0; blk < I / kQBlock; ++blk) {
+    const int64_t i = kQBlock * blk;
+    __m512 w0, w1, u0, u1;
+    F::load(q, s, blk, w0, w1);
+    F::load(q2, s2, blk, u0, u1);
+    for (int b = 0; b < NX; ++b) {
+      __m512 x0 = _mm512_loadu_ps(x + (r0 + b) * I + i), x1 = _mm512_loadu_ps(x + (r0 + b) * I + i + 16);
+      __asm__("" : "+v"(x0), "+v"(x1));
+      a0[b] = _mm512_fmadd_ps(w0, x0, a0[b]);
+      a1[b] = _mm512_fmadd_ps(w1, x1, a1[b]);
+      c0[b] = _mm512_fmadd_ps(u0, x0, c0[b]);
+      c1[b] = _mm512_fmadd_ps(u1, x1, c1[b]);
+    }
+  }
+  for (int b = 0; b < NX; ++b) {
+    y[(r0 + b) * O + o] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
+    y[(r0 + b) * O + o + 1] = _mm512_reduce_add_ps(_mm512_add_ps(c0[b], c1[b]));
+  }
+}
+
+// weight rows o, o + 1 x all R activation rows, in tiles of 4; up to 4 rows each weight row
+// alone over all of them (qrow_rows: measured faster there, the output layer's Q8_0 2-row
+// call 1.1 against 2.1 ms as pairs; the one-row step is bound by streaming the weights)
 template <class F>
-inline void qrow_all(const uint8_t* q, const float* s, const float* x, float* y, int64_t o, int64_t R, int64_t I,
-                     int64_t O) {
+inline void qpair_all(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const float* x, float* y,
+                      int64_t o, int64_t R, int64_t I, int64_t O) {
+  if (R <= 4) {
+    for (int a = 0; a < 2; ++a) {
+      const uint8_t* qa = q + a * qrow;
+      const float* sa = s + a * srow;
+      switch (R) {
+        case 4: qrow_rows<F, 4>(qa, sa, x, y, o + a, 0, I, O); break;
+        case 3: qrow_rows<F, 3>(qa, sa, x, y, o + a, 0, I, O); break;
+        case 2: qrow_rows<F, 2>(qa, sa, x, y, o + a, 0, I, O); break;
+        default: qrow_rows<F, 1>(qa, sa, x, y, o + a, 0, I, O); break;
+      }
+    }
+    return;
+  }
   int64_t r = 0;
-  for (; r + 8 <= R; r += 8) qrow_rows<F, 8>(q, s, x, y, o, r, I, O);
+  for (; r + 4 <= R; r += 4) qpair_rows<F, 4>(q, s, qrow, srow, x, y, o, r, I, O);
   switch (R - r) {
-    case 7: qrow_rows<F, 7>(q, s, x, y, o, r, I, O); break;
-    case 6: qrow_rows<F, 6>(q, s, x, y, o, r, I, O); break;
-    case 5: qrow_rows<F, 5>(q, s, x, y, o, r, I, O); break;
-    case 4: qrow_rows<F, 4>(q, s, x, y, o, r, I, O); break;
-    case 3: qrow_rows<F, 3>(q, s, x, y, o, r, I, O); break;
-    case 2: qrow_rows<F, 2>(q, s, x, y, o, r, I, O); break;
-    case 1: qrow_rows<F, 1>(q, s, x, y, o, r, I, O); break;
+    case 3: qpair_rows<F, 3>(q, s, qrow, srow, x, y, o, r, I, O); break;
+    case 2: qpair_rows<F, 2>(q, s, qrow, srow, x, y, o, r, I, O); break;
+    case 1: qpair_rows<F, 1>(q, s, qrow, srow, x, y, o, r, I, O); break;
     default: break;
   }
 }
@@ -442,9 +502,10 @@ inline void qblocks(const uint8_t* q, const float* s, int64_t qrow, int64_t srow
     const int64_t o = 4 * b;
     const uint8_t* qb = q + o * qrow;
     const float* sb = s + o * srow;
-    // each weight row over groups of up to 8 activation rows (the row stays in L1 between
-    // groups): every (weight row, activation row) pair sums in the same order whatever R
-    for (int a = 0; a < 4; ++a) qrow_all<F>(qb + a * qrow, sb + a * srow, x, y, o + a, R, I, O);
+    // pairs of weight rows over tiles of up to 4 activation rows (the rows stay in L1
+    // between tiles): every (weight row, activation row) pair sums in the same order
+    // whatever R and whichever tile computes it
+    for (int a = 0; a < 4; a += 2) qpair_all<F>(qb + a * qrow, sb + a * srow, qrow, srow, x, y, o + a, R, I, O);
   }
 }
 
@@ -693,10 +754,132 @@ inline void vrow_rows(const uint8_t* q, const float* s, const ActRows& a, float*
   for (int b = 0; b < NX; ++b) y[(r0 + b) * O + o] = _mm512_reduce_add_ps(acc[b]);
 }
 
+// vgroup for two weight rows at once (codes qg[0], qg[1], scales dg[], mg[]) x NX <= 4
+// activation rows: each activation vector is loaded into a register once for both (the
+// 2-core Zen 4 issues ~2 G 64-byte loads/s against ~3.6 G vpdpbusd/s per core, and vgroup
+// loads once per vpdpbusd); per (weight row, activation row) pair the same integer sums and
+// the same float32 operations in the same order as vgroup, so the same bits
+template <int FMT, int G, int NX>
+inline void vgroup2(const uint8_t* const* qg, const float* const* dg, const float* const* mg, const ActRows& a,
+                    int64_t r0, int64_t g0, __m512* acc0, __m512* acc1) {
+  constexpr int S = G / 2, L = 16 / G;
+  __m512i isum[2][NX];
+  for (int w = 0; w < 2; ++w)
+    for (int b = 0; b < NX; ++b) isum[w][b] = _mm512_setzero_si512();
+  const int64_t off = kQBlock * g0;
+  if (FMT == 3) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (G == 2) {
+      __m512i wv[2];
+      for (int w = 0; w < 2; ++w) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg[w]));
+        const __m256i lo = _mm256_and_si256(v, _mm512_castsi512_si256(m4));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm512_castsi512_si256(m4));
+        wv[w] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      for (int b = 0; b < NX; ++b) {
+        __m512i x = _mm512_loadu_si512(a.qa + (r0 + b) * a.I + off);
+        __asm__("" : "+v"(x));
+        isum[0][b] = _mm512_dpbusd_epi32(isum[0][b], wv[0], x);
+        isum[1][b] = _mm512_dpbusd_epi32(isum[1][b], wv[1], x);
+      }
+    } else {
+      for (int c = 0; c < S / 2; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(qg[0] + 64 * c), v1 = _mm512_loadu_si512(qg[1] + 64 * c);
+        const __m512i lo0 = _mm512_and_si512(v0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+        const __m512i lo1 = _mm512_and_si512(v1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        for (int b = 0; b < NX; ++b) {
+          const int8_t* xa = a.qa + (r0 + b) * a.I + off + 128 * c;
+          __m512i x0 = _mm512_loadu_si512(xa), x1 = _mm512_loadu_si512(xa + 64);
+          __asm__("" : "+v"(x0), "+v"(x1));
+          isum[0][b] = _mm512_dpbusd_epi32(isum[0][b], lo0, x0);
+          isum[0][b] = _mm512_dpbusd_epi32(isum[0][b], hi0, x1);
+          isum[1][b] = _mm512_dpbusd_epi32(isum[1][b], lo1, x0);
+          isum[1][b] = _mm512_dpbusd_epi32(isum[1][b], hi1, x1);
+        }
+      }
+    }
+  } else {
+    for (int t = 0; t < S; ++t) {
+      const __m512i w0 = _mm512_loadu_si512(qg[0] + 64 * t), w1 = _mm512_loadu_si512(qg[1] + 64 * t);
+      for (int b = 0; b < NX; ++b) {
+        __m512i x = _mm512_loadu_si512(a.qa + (r0 + b) * a.I + off + 64 * t);
+        __asm__("" : "+v"(x));
+        isum[0][b] = _mm512_dpbusd_epi32(isum[0][b], w0, x);
+        isum[1][b] = _mm512_dpbusd_epi32(isum[1][b], w1, x);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << G) - 1);
+  const __m512i lanes = _mm512_set_epi32(15 / L, 14 / L, 13 / L, 12 / L, 11 / L, 10 / L, 9 / L, 8 / L, 7 / L, 6 / L,
+                                         5 / L, 4 / L, 3 / L, 2 / L, 1 / L, 0);
+  __m512 dl[2], m[2];
+  for (int w = 0; w < 2; ++w) {
+    const __m512 d = _mm512_maskz_loadu_ps(mask, dg[w]);
+    m[w] = FMT == 3 ? _mm512_maskz_loadu_ps(mask, mg[w]) : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+    dl[w] = G == 16 ? d : _mm512_permutexvar_ps(lanes, d);
+  }
+  for (int b = 0; b < NX; ++b) {
+    const float* sa = a.sa + (r0 + b) * a.nb + g0;
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, sa);
+    const __m512 sl = G == 16 ? sv : _mm512_permutexvar_ps(lanes, sv);
+    const __m512 ms = _mm512_maskz_loadu_ps(mask, a.ms + (r0 + b) * a.nb + g0);
+    acc0[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[0][b]), _mm512_mul_ps(dl[0], sl), acc0[b]);
+    acc0[b] = _mm512_fmadd_ps(m[0], ms, acc0[b]);
+    acc1[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[1][b]), _mm512_mul_ps(dl[1], sl), acc1[b]);
+    acc1[b] = _mm512_fmadd_ps(m[1], ms, acc1[b]);
+  }
+}
+
+// weight rows o, o + 1 x activation rows r0 .. r0 + NX - 1 -> y (vrow_rows' bits)
+template <int FMT, int NX>
+inline void vpair_rows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const ActRows& a, float* y,
+                       int64_t o, int64_t r0, int64_t O) {
+  __m512 acc0[NX], acc1[NX];
+  for (int b = 0; b < NX; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  const float* s2 = s + srow;
+  int64_t g0 = 0;
+  while (g0 < nb) {
+    const int G = group_blocks(nb - g0);
+    const int64_t qo = (FMT == 3 ? 16 : 32) * g0;
+    const uint8_t* qg[2] = {q + qo, q + qrow + qo};
+    const float* dg[2] = {s + g0, s2 + g0};
+    const float* mg[2] = {FMT == 3 ? s + nb + g0 : nullptr, FMT == 3 ? s2 + nb + g0 : nullptr};
+    switch (G) {
+      case 16: vgroup2<FMT, 16, NX>(qg, dg, mg, a, r0, g0, acc0, acc1); break;
+      case 8: vgroup2<FMT, 8, NX>(qg, dg, mg, a, r0, g0, acc0, acc1); break;
+      case 4: vgroup2<FMT, 4, NX>(qg, dg, mg, a, r0, g0, acc0, acc1); break;
+      default: vgroup2<FMT, 2, NX>(qg, dg, mg, a, r0, g0, acc0, acc1); break;
+    }
+    g0 += G;
+  }
+  for (int b = 0; b < NX; ++b) {
+    y[(r0 + b) * O + o] = _mm512_reduce_add_ps(acc0[b]);
+    y[(r0 + b) * O + o + 1] = _mm512_reduce_add_ps(acc1[b]);
+  }
+}
+
 template <int FMT>
 void vrows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const ActRows& a, float* y, int64_t o0,
            int64_t o1, int64_t R, int64_t O) {
-  for (int64_t o = o0; o < o1; ++o) {
+  int64_t o = o0;
+  // pairs of weight rows x tiles of 4 activation rows (vrow_rows' bits): 1.2-1.4x at 2-16
+  // rows, except the Q8_0 output layer at 3-4 rows (0.7x as pairs, measured; alone there)
+  if (R >= 2 && (FMT == 3 || R == 2 || R >= 5))
+    for (; o + 2 <= o1; o += 2) {
+      const uint8_t* qo = q + o * qrow;
+      const float* so = s + o * srow;
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) vpair_rows<FMT, 4>(qo, so, qrow, srow, a, y, o, r, O);
+      switch (R - r) {
+        case 3: vpair_rows<FMT, 3>(qo, so, qrow, srow, a, y, o, r, O); break;
+        case 2: vpair_rows<FMT, 2>(qo, so, qrow, srow, a, y, o, r, O); break;
+        case 1: vpair_rows<FMT, 1>(qo, so, qrow, srow, a, y, o, r, O); break;
+        default: break;
+      }
+    }
+  for (; o < o1; ++o) {
     const uint8_t* qo = q + o * qrow;
     const float* so = s + o * srow;
     int64_t r = 0;
@@ -815,6 +998,263 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
 }
 
 
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 attention work item (the same split-K items, blocks and logical key order as
+// attend_block above, chosen where the kernels run AVX-512). attend_block computes each
+// query row alone and loads every key and value once per row: one 32-byte load per FMA,
+// and the 2-core Zen 4 issues ~4.5 G such loads/s against ~7 G FMA/s per core, so at 8
+// query rows and 512 keys a step's attention cost ~5.6 ms, 4x the 1-row cost. Here the
+// rows of a key block that see the same keys (the G query heads of one position; every
+// position where the block is all cached keys) share the block's keys and values:
+//
+// * the block's keys are gathered in logical order and transposed once per such class of
+//   rows (kt: float32 [d, 64], absent keys zero), and the scores of 4 rows x 64 keys
+//   accumulate over the d dimensions with the row's scaled query broadcast (16 zmm
+//   accumulators: 2 FMAs per load);
+// * p = exp(s - max) in 16 lanes (the Cephes polynomial above), absent keys exactly 0;
+// * the values are read once per tile of 4 rows: out[row] += p[row, t] * v[t] over the
+//   present keys in logical order.
+//
+// Each row's arithmetic (its score's sum over d in order, its max, its exp, its lane-wise
+// sums over the keys) depends only on its own query and keys, never on which rows share its
+// tile or class: a row gets the same bits in a 1-row step as in any verification.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+namespace {
+namespace k512attn {
+
+inline __m512 exp512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  e = _mm512_slli_epi32(e, 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+constexpr int kTile = 4;  // query rows per tile
+// classes of fewer rows take attend_row (the same bits): the default model's one-position
+// step (3 rows) ran 1.1x faster tiled with its keys in cache but 0.75x in the model's step,
+// its keys read from memory (1.75 against 1.3 ms per step at 512 keys); gemma3's (4 rows at
+// d = 256, where attend_row's query no longer fits in registers) is tiled
+constexpr int64_t kMinTiled = 4;
+
+// out[c][t] = key slots[t] (c0 + c), c, t < 16 (zero where slots[t] < 0): key rows at kh,
+// stride ks; out's rows kKeyBlock apart
+inline void transpose16(const float* kh, int64_t ks, const int64_t* slots, int64_t c0, float* out) {
+  __m512 r[16];
+  for (int t = 0; t < 16; ++t) r[t] = slots[t] >= 0 ? _mm512_loadu_ps(kh + slots[t] * ks + c0) : _mm512_setzero_ps();
+  __m512 u[16];
+  for (int t = 0; t < 16; t += 2) {
+    u[t] = _mm512_unpacklo_ps(r[t], r[t + 1]);
+    u[t + 1] = _mm512_unpackhi_ps(r[t], r[t + 1]);
+  }
+  for (int t = 0; t < 16; t += 4) {
+    r[t] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[t]), _mm512_castps_pd(u[t + 2])));
+    r[t + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[t]), _mm512_castps_pd(u[t + 2])));
+    r[t + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[t + 1]), _mm512_castps_pd(u[t + 3])));
+    r[t + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[t + 1]), _mm512_castps_pd(u[t + 3])));
+  }
+  // r[4g + j] holds, in each 128-bit lane L, column 4L + j' of rows 4g .. 4g + 3 (j' the
+  // column order of the two unpack stages: 0, 1, 2, 3 for j = 0, 1, 2, 3)
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < 4; ++j) u[4 * j + g] = r[4 * g + j];
+  // u[4j + g]: lane L = column 4L + j, rows 4g..4g+3; gather the four g's per column
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a0 = _mm512_shuffle_f32x4(u[4 * j], u[4 * j + 1], 0x88);  // lanes 0,2 of g0 | 0,2 of g1
+    const __m512 a1 = _mm512_shuffle_f32x4(u[4 * j], u[4 * j + 1], 0xDD);  // lanes 1,3 of g0 | 1,3 of g1
+    const __m512 b0 = _mm512_shuffle_f32x4(u[4 * j + 2], u[4 * j + 3], 0x88);
+    const __m512 b1 = _mm512_shuffle_f32x4(u[4 * j + 2], u[4 * j + 3], 0xDD);
+    // column 4L + j for L = 0..3: [g0 g1 g2 g3] lanes L
+    _mm512_storeu_ps(out + (0 + j) * kKeyBlock, _mm512_shuffle_f32x4(a0, b0, 0x88));
+    _mm512_storeu_ps(out + (8 + j) * kKeyBlock, _mm512_shuffle_f32x4(a0, b0, 0xDD));
+    _mm512_storeu_ps(out + (4 + j) * kKeyBlock, _mm512_shuffle_f32x4(a1, b1, 0x88));
+    _mm512_storeu_ps(out + (12 + j) * kKeyBlock, _mm512_shuffle_f32x4(a1, b1, 0xDD));
+  }
+}
+
+// scores, softmax and value sums of NR rows (query pointers qp[], scaled by a.scale) over
+// one block's present keys: kt float32 [d, 64] (transposed, absent keys 0), present: one
+// bit per logical key, slot: physical slot per logical key (-1 absent); results to st[r]
+// (max, sum of exp) and pr[r] (float32 [d])
+template <int NR>
+void tile_rows(const AttnArgs& a, int64_t d, const float* kt, __mmask16 present[4], const int64_t* slot, int64_t n,
+               const float* vh, const float* const* qp, float* const* st, float* const* pr, float* pbuf) {
+  alignas(64) float qs[NR][256];
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(qs[r] + c, _mm512_mul_ps(_mm512_loadu_ps(qp[r] + c), sc));
+  // the score's sum over d as attend_block's: 8 partial sums (partial l: the dimensions
+  // l, l + 8, l + 16, ... in order), then ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)),
+  // its 8 lanes and hsum8, so the scores are bit for bit the AVX2 item's
+  __m512 acc[NR][4], part[8][NR][4];
+  for (int l = 0; l < 8; ++l) {
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+    for (int64_t c = l; c < d; c += 8) {
+      const float* kc = kt + c * kKeyBlock;
+      __m512 k0 = _mm512_load_ps(kc), k1 = _mm512_load_ps(kc + 16), k2 = _mm512_load_ps(kc + 32),
+             k3 = _mm512_load_ps(kc + 48);
+      __asm__("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 qb = _mm512_set1_ps(qs[r][c]);
+        acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(qb, k2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(qb, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) part[l][r][k] = acc[r][k];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) {
+      const __m512 a01 = _mm512_add_ps(part[0][r][k], part[1][r][k]), a23 = _mm512_add_ps(part[2][r][k], part[3][r][k]);
+      const __m512 a45 = _mm512_add_ps(part[4][r][k], part[5][r][k]), a67 = _mm512_add_ps(part[6][r][k], part[7][r][k]);
+      acc[r][k] = _mm512_add_ps(_mm512_add_ps(a01, a23), _mm512_add_ps(a45, a67));
+    }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int r = 0; r < NR; ++r) {
+    __m512 s[4];
+    for (int k = 0; k < 4; ++k) s[k] = _mm512_mask_blend_ps(present[k], ninf, acc[r][k]);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m256 lsum = _mm256_setzero_ps();  // attend_block's order: lane l sums keys l, l + 8, ...
+    for (int k = 0; k < 4; ++k) {
+      const __m512 e = _mm512_maskz_mov_ps(present[k], exp512(_mm512_sub_ps(s[k], vmx)));
+      _mm512_store_ps(pbuf + r * kKeyBlock + 16 * k, e);
+      lsum = _mm256_add_ps(lsum, _mm512_castps512_ps256(e));
+      lsum = _mm256_add_ps(lsum, _mm512_extractf32x8_ps(e, 1));
+    }
+    st[r][0] = mx;
+    st[r][1] = hsum(lsum);
+  }
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, (d - d0) / 16));
+    __m512 o[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) o[r][k] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      if (slot[t] < 0) continue;
+      const float* vrow = vh + slot[t] * a.vsS + d0;
+      __m512 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = k < nc ? _mm512_loadu_ps(vrow + 16 * k) : _mm512_setzero_ps();
+      __asm__("" : "+v"(v[0]), "+v"(v[1]), "+v"(v[2]), "+v"(v[3]));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pb = _mm512_set1_ps(pbuf[r * kKeyBlock + t]);
+        for (int k = 0; k < 4; ++k) o[r][k] = _mm512_fmadd_ps(pb, v[k], o[r][k]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(pr[r] + d0 + 16 * k, o[r][k]);
+  }
+}
+
+// one work item: key/value head h, key block b, every query row of the head's group (the
+// same item and outputs as attend_block)
+void attend_block(const AttnArgs& a, int64_t h, int64_t b, int64_t d, float* kt, float* pbuf, float* score) {
+  const int64_t R = a.G * a.Q, Q = a.Q;
+  int64_t kt_slots[kKeyBlock];  // the slots kt holds now
+  bool kt_slots_valid = false;
+  const int64_t j0 = b * kKeyBlock;
+  const float* kh = a.k + h * a.ksH;
+  const float* vh = a.v + h * a.vsH;
+  // each position's logical keys in this block: n[i] and slot[i][t] (-1 absent)
+  std::vector<int64_t> slots(Q * kKeyBlock), n(Q), cls(Q, -1);
+  std::vector<char> any(Q, 0);
+  for (int64_t i = 0; i < Q; ++i) {
+    n[i] = std::max<int64_t>(0, std::min(a.past + a.chain_len[i], j0 + kKeyBlock) - j0);
+    const bool* mrow = a.mask ? a.mask + i * a.S : nullptr;
+    int64_t* sl = slots.data() + i * kKeyBlock;
+    for (int64_t t = 0; t < kKeyBlock; ++t) {
+      const int64_t jl = j0 + t;
+      sl[t] = t >= n[i] ? -1 : jl < a.past ? ((mrow && !mrow[jl]) ? -1 : jl) : a.chain[i * (a.S - a.past) + (jl - a.past)];
+      any[i] = any[i] || sl[t] >= 0;
+    }
+  }
+  // classes of positions with the same keys in this block
+  for (int64_t i = 0; i < Q; ++i) {
+    if (cls[i] >= 0) continue;
+    cls[i] = i;
+    for (int64_t u = i + 1; u < Q; ++u)
+      if (cls[u] < 0 && n[u] == n[i] &&
+          std::memcmp(slots.data() + u * kKeyBlock, slots.data() + i * kKeyBlock, kKeyBlock * sizeof(int64_t)) == 0)
+        cls[u] = i;
+  }
+  std::vector<int64_t> rows;
+  rows.reserve(R);
+  for (int64_t i = 0; i < Q; ++i) {
+    if (cls[i] != i) continue;
+    rows.clear();
+    for (int64_t u = i; u < Q; ++u)
+      if (cls[u] == i)
+        for (int64_t g = 0; g < a.G; ++g) rows.push_back(g * Q + u);
+    if (!any[i]) {  // every key of this block hidden from these rows (or none left)
+      for (const int64_t r : rows) {
+        float* st = a.stats + ((h * a.nb + b) * R + r) * 2;
+        st[0] = -INFINITY;
+        st[1] = 0.f;
+        float* pr = a.part + ((h * a.nb + b) * R + r) * d;
+        std::fill(pr, pr + d, 0.f);
+      }
+      continue;
+    }
+    if (static_cast<int64_t>(rows.size()) < kMinTiled) {  // the per-row item (same bits)
+      for (const int64_t r : rows) attend_row_d(a, d, h, b, r, score);
+      continue;
+    }
+    const int64_t* sl = slots.data() + i * kKeyBlock;
+    __mmask16 present[4];
+    for (int k = 0; k < 4; ++k) {
+      unsigned bits = 0;
+      for (int l = 0; l < 16; ++l) bits |= (sl[16 * k + l] >= 0 ? 1u : 0u) << l;
+      present[k] = static_cast<__mmask16>(bits);
+    }
+    // kt[c][t] = key slot[t], dimension c (zero where absent): 16 x 16 tiles, each kept
+    // from the previous class where its 16 slots are the same
+    for (int t0 = 0; t0 < kKeyBlock; t0 += 16) {
+      if (kt_slots_valid && std::memcmp(kt_slots + t0, sl + t0, 16 * sizeof(int64_t)) == 0) continue;
+      for (int64_t c0 = 0; c0 < d; c0 += 16) transpose16(kh, a.ksS, sl + t0, c0, kt + c0 * kKeyBlock + t0);
+      std::memcpy(kt_slots + t0, sl + t0, 16 * sizeof(int64_t));
+    }
+    kt_slots_valid = true;
+    for (size_t r0 = 0; r0 < rows.size(); r0 += kTile) {
+      const int nr = static_cast<int>(std::min<size_t>(kTile, rows.size() - r0));
+      const float* qp[kTile];
+      float* st[kTile];
+      float* pr[kTile];
+      for (int z = 0; z < nr; ++z) {
+        const int64_t r = rows[r0 + z], g = r / Q, u = r % Q;
+        qp[z] = a.q + (h * a.G + g) * a.qsH + u * a.qsQ;
+        st[z] = a.stats + ((h * a.nb + b) * R + r) * 2;
+        pr[z] = a.part + ((h * a.nb + b) * R + r) * d;
+      }
+      switch (nr) {
+        case 4: tile_rows<4>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
+        case 3: tile_rows<3>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
+        case 2: tile_rows<2>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
+        default: tile_rows<1>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
+      }
+    }
+  }
+}
+
+}  // namespace k512attn
+}  // namespace
+#pragma GCC pop_options
+
+
 // query: float32 [1, Hq, Q, d]; key, value: float32 [1, Hkv, S, d] (Hq a multiple of Hkv;
 // d = 32, 64, 128 or 256 (gemma3); any strides with a contiguous last dimension, e.g. views of a larger
 // cache buffer); mask: bool [1, 1, Q, S] (True = attend) or empty (every key attended);
@@ -858,25 +1298,38 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
              mp, stats.data_ptr<float>(), part.data_ptr<float>(),
              G, Q, S, nb, query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1),
              value.stride(2), static_cast<float>(scale), past, chain.data(), chain_len.data()};
-  // (the same 8-lane code on the AVX-512 path: a 16-lane port measured 5-12% slower at 700
-  // cached keys, d = 64, 1-16 queries, the 8-key score blocks' reductions outweighing it)
-  at::parallel_for(0, Hkv * nb, 1, [&](int64_t i0, int64_t i1) {
-    alignas(32) float score[kKeyBlock];
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t h = item / nb, b = item % nb;
-      if (d == 32) attend_block<4>(a, h, b, score);
-      else if (d == 64) attend_block<8>(a, h, b, score);
-      else if (d == 128) attend_block<16>(a, h, b, score);
-      else attend_block<32>(a, h, b, score);
-    }
-  });
+  if (current_isa() == kIsaAvx512 && G * Q >= k512attn::kMinTiled) {
+    at::parallel_for(0, Hkv * nb, 1, [&](int64_t i0, int64_t i1) {
+      // the transposed keys and the tile's probabilities: a buffer per thread, kept between
+      // calls (a fresh 16-64 KB allocation per call cost its page faults every step)
+      thread_local std::vector<float> scratch;
+      const size_t need = static_cast<size_t>(d * kKeyBlock + k512attn::kTile * kKeyBlock) + 16;
+      if (scratch.size() < need) scratch.assign(need, 0.f);
+      float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+      float* pbuf = kt + d * kKeyBlock;
+      alignas(32) float score[kKeyBlock];
+      for (int64_t item = i0; item < i1; ++item) k512attn::attend_block(a, item / nb, item % nb, d, kt, pbuf, score);
+    });
+  } else {
+    at::parallel_for(0, Hkv * nb, 1, [&](int64_t i0, int64_t i1) {
+      alignas(32) float score[kKeyBlock];
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t h = item / nb, b = item % nb;
+        if (d == 32) attend_block<4>(a, h, b, score);
+        else if (d == 64) attend_block<8>(a, h, b, score);
+        else if (d == 128) attend_block<16>(a, h, b, score);
+        else attend_block<32>(a, h, b, score);
+      }
+    });
+  }
   // merge the key blocks of each (kv head, query row):
   // out = sum_b e^(m_b - M) part_b / sum_b e^(m_b - M) l_b
   const float* sp = stats.data_ptr<float>();
   const float* pp = part.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t h = 0; h < Hkv; ++h) {
-    for (int64_t r = 0; r < R; ++r) {
+  auto merge = [&](int64_t hr0, int64_t hr1) {
+    for (int64_t hr = hr0; hr < hr1; ++hr) {
+      const int64_t h = hr / R, r = hr % R;
       const int64_t g = r / Q, i = r % Q;
       float M = -INFINITY;
       for (int64_t b = 0; b < nb; ++b) M = std::max(M, sp[((h * nb + b) * R + r) * 2]);
@@ -895,7 +1348,11 @@ torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch:
       const float inv = 1.f / L;
       for (int64_t c = 0; c < d; ++c) orow[c] *= inv;
     }
-  }
+  };
+  // (one thread below ~16k merged values, a 1-position step's ~4.6k at 512 keys: waking the
+  // pool cost more than the work, 0.88x on the whole call)
+  if (Hkv * R * nb * d >= 16384) at::parallel_for(0, Hkv * R, 1, merge);
+  else merge(0, Hkv * R);
   return out;
 }
 
