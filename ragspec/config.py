@@ -112,6 +112,13 @@ class PolicyConfig:
     """Most verification rows (roots + draft nodes of all requests) one step budgets for
     (None: the latency model's largest measured q, where the cost model knows the cost; at
     least one row per request is always verified)."""
+    prefill_step_tokens: Optional[int] = None
+    """Most prompt tokens one step prefills over all requests (vLLM's token budget for
+    chunked prefill), the earliest request first: later ones wait their turn, so the first
+    to arrive gets its first token after its own prefill instead of everyone's, and a step
+    that also verifies decoding requests holds them up by at most this much prefill (one
+    chunk always runs). None: one chunk (``prefill_chunk_tokens``) per step when chunked,
+    every prefilling request's whole prompt when unchunked."""
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 0:
@@ -120,3 +127,7 @@ class PolicyConfig:
             raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.max_step_rows is not None and self.max_step_rows < 1:
             raise ConfigError(f"max_step_rows must be >= 1 or None, got {self.max_step_rows}")
+        if self.prefill_step_tokens is not None and (
+            isinstance(self.prefill_step_tokens, bool) or self.prefill_step_tokens < 1
+        ):
+            raise ConfigError(f"prefill_step_tokens must be >= 1 or None, got {self.prefill_step_tokens}")

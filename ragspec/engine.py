@@ -2,9 +2,12 @@
 :meth:`Engine.step`, streamed as text chunks.
 
 A request's first steps are its prefill: the prompt enters its KV cache in chunks of at most
-``PolicyConfig.prefill_chunk_tokens`` tokens, one chunk per step (vLLM's chunked prefill), so
-a long prompt arriving holds up the other requests' steps by one chunk's forward at most;
-the first generated token comes from the last chunk's last logits. Every later step is one
+``PolicyConfig.prefill_chunk_tokens`` tokens, and a step prefills at most
+``PolicyConfig.prefill_step_tokens`` prompt tokens over all requests (default one chunk), the
+earliest request first (vLLM's chunked prefill and token budget), so prompts arriving hold
+up the other requests' steps by one chunk's forward at most, and the first to arrive gets
+its first token after its own prefill, not everyone's; the first generated token comes
+from the last chunk's last logits. Every later step is one
 target forward for all requests of the step:
   1. draft: each request's draft session proposes a tree; the policy keeps the part worth
      verifying (possibly nothing: plain decoding);
@@ -444,6 +447,7 @@ class Engine:
         prefill_tokens = chunks = 0
         with torch.inference_mode():
             decoding: list[tuple[int, Request]] = []
+            prefilling: list[tuple[float, int, Request]] = []
             for i, req in enumerate(requests):
                 if not req.started_s:
                     req.started_s = time.perf_counter()
@@ -453,10 +457,15 @@ class Engine:
                 if req.cancel_requested:
                     req.finish_reason = "cancelled"
                 elif req.root is None:
-                    prefill_tokens += self._prefill(req)
-                    chunks += 1
+                    prefilling.append((req.created_s, i, req))
                 else:
                     decoding.append((i, req))
+            budget = self._prefill_budget()
+            for _, _, req in sorted(prefilling, key=lambda t: t[:2]):  # earliest first
+                if chunks and budget is not None and prefill_tokens + req.next_prefill_tokens() > budget:
+                    break
+                prefill_tokens += self._prefill(req)
+                chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
             cap = self._per_request_drafts(len(decoding)) if batch else None
             other_rows, other_committed = 0, 0.0
@@ -487,6 +496,13 @@ class Engine:
             seconds=time.perf_counter() - t_step,
         )
         return [self._emit(req) for req in requests]
+
+    def _prefill_budget(self) -> Optional[int]:
+        """Prompt tokens one step may prefill (``PolicyConfig.prefill_step_tokens``; None:
+        no limit)."""
+        if self.policy.prefill_step_tokens is not None:
+            return int(self.policy.prefill_step_tokens)
+        return int(self.policy.prefill_chunk_tokens) or None
 
     def _per_request_drafts(self, n: int) -> int:
         """Most draft nodes per request in a step verifying ``n`` requests: the step's row

@@ -87,6 +87,42 @@ def test_a_long_prompt_arriving_runs_one_chunk_per_step(tok):
     assert late.stats.to_dict()["num_prefill_chunks"] == 4
 
 
+def test_prompts_arriving_together_prefill_one_chunk_per_step_earliest_first(tok):
+    """Regression (all prefills in every step): 3 prompts of 600 tokens started together used
+    to run a chunk each per step, so every first token came after all three prefills and a
+    decoding stream waited 3 chunks a step. Now a step prefills one chunk (the budget), the
+    earliest request first: first tokens come in arrival order, one prefill apart, a running
+    stream waits at most one chunk per step, and every output equals its solo one."""
+    eng = _engine(tok, 256)
+    prompts = [_text(600, 20 + i) for i in range(3)]
+    solo = [eng.generate(p, max_new_tokens=8, chat=False).token_ids for p in prompts]
+    running = eng.request(_text(40, 7), max_new_tokens=40, chat=False)
+    eng.step([running])
+    reqs = [eng.request(p, max_new_tokens=8, chat=False) for p in prompts]
+    outs = collections.defaultdict(list)
+    first_step = {}
+    step = 0
+    while not all(r.done for r in reqs):
+        live = [r for r in [running] + reqs if not r.done]
+        chunks = eng.step(live)
+        step += 1
+        assert eng.last_step.prefill_tokens <= 256 and eng.last_step.prefill_chunks <= 1
+        for r, c in zip(live, chunks):
+            if r is not running and c.token_ids:
+                first_step.setdefault(id(r), step)
+                outs[id(r)].extend(c.token_ids)
+    assert [outs[id(r)] for r in reqs] == solo
+    firsts = [first_step[id(r)] for r in reqs]
+    assert firsts == sorted(firsts) and firsts[0] == 3 and firsts[1] - firsts[0] == 3  # 3 chunks per prompt
+    # without the budget every prompt prefills in every step (the old behaviour, opt-in)
+    wide = eng.with_drafter(eng.drafter, policy=dataclasses.replace(eng.policy, prefill_step_tokens=10**6))
+    reqs = [wide.request(p, max_new_tokens=8, chat=False) for p in prompts]
+    wide.step(reqs)
+    assert wide.last_step.prefill_chunks == 3
+    with pytest.raises(ConfigError):
+        PolicyConfig(prefill_step_tokens=0)
+
+
 def test_cancelled_while_prefilling_ends_without_more_chunks(tok):
     eng = _engine(tok, 100)
     req = eng.request(_text(500, 3), max_new_tokens=5, chat=False)
@@ -126,7 +162,9 @@ def test_drafts_shrink_as_the_batch_grows_and_greedy_output_stays(tok):
     batch of n gets at most 16 // n - 1 of them. Tokens equal the solo ones."""
     model = make_tiny_llama(eos_token_id=None)
     sure = DraftTree.chain([7, 8, 9, 10, 11, 12, 13, 14])
-    eng = Engine(HFTarget(model), tok, drafter=FixedDrafter(sure), policy=PolicyConfig(max_step_rows=16))
+    # every prompt prefilled in the first step (no per-step prefill budget), so all n decode together
+    policy = PolicyConfig(max_step_rows=16, prefill_step_tokens=10**6)
+    eng = Engine(HFTarget(model), tok, drafter=FixedDrafter(sure), policy=policy)
     prompts = [_text(30 + 7 * i, i) for i in range(8)]
     solo = [eng.generate(p, max_new_tokens=12, chat=False, return_steps=True) for p in prompts]
     for n, cap in ((2, 7), (4, 3), (8, 1)):
@@ -216,7 +254,7 @@ def test_step_metrics_render(tok):
     text = m.render().decode()
     assert "ragspec_steps_total 2.0" in text
     assert "ragspec_step_batch_size_count 2.0" in text and "ragspec_last_step_batch_size 3.0" in text
-    assert "ragspec_step_prefill_tokens_sum 300.0" in text  # 3 x 64, then 3 x 36
+    assert "ragspec_step_prefill_tokens_sum 100.0" in text  # one chunk a step, earliest first: 64, then 36
     assert "ragspec_step_rows_count 2.0" in text and "ragspec_queue_time_seconds_count 1.0" in text
 
 
