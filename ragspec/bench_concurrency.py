@@ -42,7 +42,15 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LevelResult", "run_level", "run_concurrency", "arrival_stall", "parse_levels", "cmd_concurrency"]
+__all__ = [
+    "LevelResult",
+    "run_level",
+    "run_level_llamacpp",
+    "run_concurrency",
+    "arrival_stall",
+    "parse_levels",
+    "cmd_concurrency",
+]
 
 
 def parse_levels(text: str) -> list[int]:
@@ -186,6 +194,59 @@ def run_level(
     )
 
 
+def run_level_llamacpp(
+    runner,
+    prompts: Sequence[list[int]],
+    concurrency: int,
+    *,
+    max_new_tokens: int = 128,
+    eos: Sequence[int] = (),
+    reference: Optional[Sequence[list[int]]] = None,
+) -> LevelResult:
+    """The same level served by llama.cpp's continuous batching (``llama-server -np
+    concurrency``: :meth:`~ragspec.compare.llamacpp.LlamaCppRunner.generate_batched`), greedy:
+    ``max(len(prompts), concurrency)`` requests, a freed slot taking the next one.
+
+    ``prefill_s`` is the time of the ``llama_decode`` calls that carried prompt tokens
+    (whole: the decode tokens riding in them count as prefill time, which can only raise
+    its decode figure); ``identical`` counts requests equal to ``reference`` (llama.cpp's
+    own solo outputs, its level 1).
+
+    Raises:
+        ConfigError: no prompts.
+    """
+    if not prompts:
+        raise ConfigError("no prompts")
+    total = max(len(prompts), concurrency)
+    run = runner.generate_batched(
+        [prompts[k % len(prompts)] for k in range(total)], max_new_tokens, slots=concurrency, eos=eos
+    )
+    generated = sum(len(t) for t in run.tokens)
+    decode_tokens = sum(max(0, len(t) - 1) for t in run.tokens)
+    identical = 0
+    if reference is not None:
+        identical = sum(run.tokens[k] == list(reference[k % len(prompts)]) for k in range(total))
+    return LevelResult(
+        concurrency=concurrency,
+        requests=total,
+        generated_tokens=generated,
+        wall_s=run.wall_s,
+        prefill_s=run.prefill_s,
+        aggregate_tok_s=generated / run.wall_s if run.wall_s > 0 else 0.0,
+        decode_tok_s=decode_tokens / max(1e-9, run.wall_s - run.prefill_s),
+        latency_p50_s=_quantile(run.latency_s, 0.5),
+        latency_p95_s=_quantile(run.latency_s, 0.95),
+        ttft_p50_s=_quantile(run.ttft_s, 0.5),
+        ttft_p95_s=_quantile(run.ttft_s, 0.95),
+        identical=identical,
+        mean_batch=run.mean_batch,
+        steps=run.steps,
+        tokens=run.tokens,
+        latencies_s=run.latency_s,
+        ttfts_s=run.ttft_s,
+    )
+
+
 def run_concurrency(
     engine,
     prompts: Sequence[list[int]],
@@ -308,6 +369,17 @@ def cmd_concurrency(args) -> int:
     rows = bench.load_prompts(args.data, cats, args.limit)
     if not rows:
         raise ConfigError("no prompts selected")
+    runner = None
+    if getattr(args, "compare", None):
+        from . import compare
+        from .models import resolve_model
+
+        if args.temperature > 0:
+            raise ConfigError("--compare times plain greedy decoding; use --temperature 0")
+        for name in args.compare:
+            compare.require(name)
+        threads = args.threads or __import__("torch").get_num_threads()
+        runner = compare.open_runner("llamacpp", gguf=resolve_model(args.model).gguf_file, threads=threads)
     engine = _engine(args)
     prompts = [engine.encode_prompt(r["turns"][0], chat=True) for r in rows]
     print(
@@ -330,6 +402,37 @@ def cmd_concurrency(args) -> int:
         engine, prompts, levels, max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=progress
     )
     print(format_levels(results))
+    llamacpp: list[LevelResult] = []
+    agree: list[int] = []
+    if runner is not None:
+        # the same levels through llama.cpp's continuous batching, after ragspec's (one run,
+        # the same prompt ids, threads and GGUF); identical = equal to llama.cpp's own solo
+        own: Optional[list[list[int]]] = None
+        for n in ([1] if 1 in levels else []) + [n for n in levels if n != 1]:
+            res = run_level_llamacpp(runner, prompts, n, max_new_tokens=args.max_new_tokens, eos=engine.eos_token_ids)
+            if own is None:
+                own = (
+                    res.tokens[: len(prompts)]
+                    if n == 1
+                    else [runner.generate(p, args.max_new_tokens, engine.eos_token_ids).tokens for p in prompts]
+                )
+            res.identical = sum(res.tokens[k] == own[k % len(prompts)] for k in range(res.requests))
+            llamacpp.append(res)
+        llamacpp.sort(key=lambda r: levels.index(r.concurrency))
+        solo = results[0].tokens if results and results[0].concurrency == 1 else None
+        for r in llamacpp:
+            agree.append(
+                sum(r.tokens[k] == solo[k % len(prompts)] for k in range(r.requests)) if solo is not None else -1
+            )
+        print("# llama.cpp, continuous batching (llama-server -np N), same GGUF and threads:")
+        print(format_levels(llamacpp))
+        for r, ours in zip(llamacpp, results):
+            print(
+                f"# {r.concurrency} clients: ragspec / llama.cpp aggregate x{ours.aggregate_tok_s / max(1e-9, r.aggregate_tok_s):.2f}, "
+                f"P50 latency x{ours.latency_p50_s / max(1e-9, r.latency_p50_s):.2f} (lower is better for ragspec); "
+                f"llama.cpp equal to its own solo {r.identical}/{r.requests}, to ragspec's greedy "
+                f"{agree[llamacpp.index(r)]}/{r.requests}"
+            )
     stall = None
     if args.stall_tokens:
         long_ids = _long_prompt(engine, rows, args.stall_tokens)
@@ -361,6 +464,13 @@ def cmd_concurrency(args) -> int:
                         "transformers": __import__("transformers").__version__,
                     },
                     "levels": [dataclasses.asdict(r) for r in results],
+                    "llamacpp": {
+                        "levels": [dataclasses.asdict(r) for r in llamacpp],
+                        "agrees_with_ragspec": agree,
+                        "info": runner.info() if runner is not None else None,
+                    }
+                    if runner is not None
+                    else None,
                     "arrival_stall": stall,
                 },
                 indent=1,

@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("llamacpp",),
         default=None,
         help="also time another decoder's plain greedy on the same GGUF, token ids and threads "
-        "(llamacpp: llama-cpp-python, pip install 'ragspec[compare]'); repeatable",
+        "(llamacpp: llama-cpp-python, pip install 'ragspec[compare]'); with --concurrency, the same "
+        "levels through llama.cpp's continuous batching (llama-server -np N); repeatable",
     )
     b.add_argument(
         "--profile-step",

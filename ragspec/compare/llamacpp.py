@@ -25,6 +25,7 @@ import logging
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -33,7 +34,7 @@ from . import PlainRun
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LlamaCppRunner", "import_llama_cpp", "context_size", "probe_batch_eval"]
+__all__ = ["LlamaCppRunner", "BatchedRun", "import_llama_cpp", "context_size", "probe_batch_eval"]
 
 INSTALL_HINT = (
     "--compare llamacpp needs llama-cpp-python: pip install 'ragspec[compare]' "
@@ -107,6 +108,32 @@ def context_size(max_tokens: int) -> int:
     """The ``n_ctx`` for ``max_tokens`` positions: rounded up to a multiple of 256, at least
     512 (llama-cpp-python's default)."""
     return max(512, -(-int(max_tokens) // 256) * 256)
+
+
+@dataclass
+class BatchedRun:
+    """Requests decoded by :meth:`LlamaCppRunner.generate_batched` (what ``llama-server -np
+    N`` does with them), per request in the order given.
+
+    Attributes:
+        tokens: each request's generated ids (an EOS that ended it kept).
+        ttft_s: seconds from each request taking a slot to its first token.
+        latency_s: seconds from each request taking a slot to its last token.
+        wall_s: the whole run, seconds.
+        prefill_s: seconds of the ``llama_decode`` calls that carried prompt tokens (each
+            such call whole, the decode tokens it also carried included).
+        steps: ``llama_decode`` calls.
+        mean_batch: mean sequences per call.
+    """
+
+    tokens: list[list[int]]
+    ttft_s: list[float]
+    latency_s: list[float]
+    wall_s: float
+    prefill_s: float
+    steps: int
+    mean_batch: float = 0.0
+    extra: dict = field(default_factory=dict)
 
 
 class LlamaCppRunner:
@@ -226,6 +253,137 @@ class LlamaCppRunner:
             out.append(token)
         t2 = time.perf_counter()
         return PlainRun(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+    def generate_batched(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        slots: int,
+        eos: Sequence[int] = (),
+        clock=time.perf_counter,
+    ) -> BatchedRun:
+        """Greedy decoding of ``prompts`` the way ``llama-server -np slots`` serves them when
+        they all arrive at once (llama.cpp's continuous batching: ``tools/server``'s slots
+        over one context with per-sequence ids, ``examples/batched``' batch layout).
+
+        One context holds ``slots`` sequences in a unified KV cache (``n_seq_max = slots``,
+        ``kv_unified``). Requests take free slots in order; every ``llama_decode`` call
+        carries each generating slot's last token (logits on), then prompt tokens of the
+        prefilling slots, earliest first, up to ``n_batch`` tokens in all (the last token
+        of a prompt with logits on: its argmax is the request's first token). A finished
+        request's cache entries are removed (``llama_memory_seq_rm``) and the next request
+        takes its slot.
+
+        Returns:
+            :class:`BatchedRun`, requests in the order given.
+
+        Raises:
+            ConfigError: no prompts, an empty prompt, ``max_new_tokens`` or ``slots`` < 1.
+            ModelLoadError: llama.cpp cannot make the context, or a ``llama_decode`` call fails.
+        """
+        import numpy as np
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("need at least one prompt, none empty")
+        if max_new_tokens < 1 or slots < 1:
+            raise ConfigError(f"max_new_tokens and slots must be >= 1, got {max_new_tokens}, {slots}")
+        lc = self._module
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        self.prepare(longest)  # the model (and the probe); the batched context is our own
+        params = lc.llama_context_default_params()
+        params.n_ctx = context_size(longest) * slots
+        params.n_batch = params.n_ubatch = self.n_batch
+        params.n_seq_max = slots
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = lc.llama_init_from_model(self._llama.model, params)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp cannot make a {slots}-sequence context for {self.model_path}")
+        cap = self.n_batch + slots
+        batch = lc.llama_batch_init(cap, 0, 1)
+        stop = {int(e) for e in eos}
+        n = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        ttft = [0.0] * n
+        latency = [0.0] * n
+        queue = list(range(n))
+        slot_of: dict[int, int] = {}  # request -> sequence id
+        free = list(range(slots))
+        fed = [0] * n  # prompt tokens in the cache
+        admitted = [0.0] * n
+        prefill_s, steps, seq_sum = 0.0, 0, 0
+        t0 = clock()
+        try:
+            while queue or slot_of:
+                while queue and free:
+                    r = queue.pop(0)
+                    slot_of[r] = free.pop(0)
+                    admitted[r] = clock()
+                rows: list[tuple[int, bool]] = []  # (request, logits row gives its next token)
+                k = 0
+
+                def put(tok: int, pos: int, seq: int, logits: bool) -> None:
+                    nonlocal k
+                    batch.token[k] = tok
+                    batch.pos[k] = pos
+                    batch.n_seq_id[k] = 1
+                    batch.seq_id[k][0] = seq
+                    batch.logits[k] = 1 if logits else 0
+                    k += 1
+
+                for r, seq in slot_of.items():  # generating slots first: one token each
+                    if fed[r] == len(prompts[r]):
+                        put(tokens[r][-1], len(prompts[r]) + len(tokens[r]) - 1, seq, True)
+                        rows.append((r, True))
+                has_prompt = False
+                for r in sorted(slot_of):  # then prompts, earliest request first
+                    seq = slot_of[r]
+                    while fed[r] < len(prompts[r]) and k < self.n_batch:
+                        last = fed[r] == len(prompts[r]) - 1
+                        put(int(prompts[r][fed[r]]), fed[r], seq, last)
+                        fed[r] += 1
+                        has_prompt = True
+                        rows.append((r, last))
+                batch.n_tokens = k
+                t = clock()
+                rc = lc.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise ModelLoadError(f"llama_decode failed ({rc}) with {k} tokens over {len(slot_of)} sequences")
+                now = clock()
+                steps += 1
+                seq_sum += len(slot_of)
+                if has_prompt:
+                    prefill_s += now - t
+                finished = []
+                for i, (r, want) in enumerate(rows):
+                    if not want:
+                        continue
+                    ptr = lc.llama_get_logits_ith(ctx, i)
+                    tok = int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
+                    if not tokens[r]:
+                        ttft[r] = now - admitted[r]
+                    tokens[r].append(tok)
+                    if len(tokens[r]) >= max_new_tokens or tok in stop:
+                        latency[r] = now - admitted[r]
+                        finished.append(r)
+                mem = lc.llama_get_memory(ctx)
+                for r in finished:
+                    seq = slot_of.pop(r)
+                    lc.llama_memory_seq_rm(mem, seq, -1, -1)
+                    free.append(seq)
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        wall = clock() - t0
+        return BatchedRun(
+            tokens=tokens,
+            ttft_s=ttft,
+            latency_s=latency,
+            wall_s=wall,
+            prefill_s=prefill_s,
+            steps=steps,
+            mean_batch=seq_sum / steps if steps else 0.0,
+        )
 
     def info(self) -> dict:
         """Version, model file, threads, n_ctx, n_batch, flash attention, load seconds and

@@ -167,6 +167,7 @@ class _FakeLlama:
         self.closed = False
         self.buf = (ctypes.c_float * self.vocab)()
         self.ctx = object()
+        self.model = object()
         _FakeLlama.instances.append(self)
 
     def n_vocab(self):
@@ -239,6 +240,107 @@ def test_llamacpp_runner_greedy_loop_resets_the_kv_and_keeps_eos(tmp_path):
         runner.generate(a, 0)
     runner.close()
     assert _FakeLlama.instances[-1].closed
+
+
+class _FakeBatchedContext:
+    """Enough of llama.cpp's multi-sequence context for ``generate_batched``: per sequence id
+    a KV of token ids that ``llama_decode`` extends (positions must follow on), rows with
+    logits set get ``_expected``'s next token of their sequence so far."""
+
+    def __init__(self, params, vocab=32):
+        self.params = params
+        self.vocab = vocab
+        self.kv: dict[int, list[int]] = {}
+        self.calls: list[tuple[int, int]] = []  # (tokens, sequences) per llama_decode
+        self.bufs: list = []
+        self.freed = False
+
+    def decode(self, batch):
+        seqs = set()
+        self.bufs = []
+        for i in range(batch.n_tokens):
+            seq = batch.seq_id[i][0]
+            kv = self.kv.setdefault(seq, [])
+            assert batch.pos[i] == len(kv), "positions must follow the sequence's cache"
+            kv.append(batch.token[i])
+            seqs.add(seq)
+            buf = (ctypes.c_float * self.vocab)()
+            if batch.logits[i]:
+                nxt = (sum(kv) * 7 + len(kv)) % self.vocab
+                for v in range(self.vocab):
+                    buf[v] = -abs(v - nxt)
+            self.bufs.append(buf)
+        self.calls.append((batch.n_tokens, len(seqs)))
+        return 0
+
+
+def _fake_batched_module():
+    mod = _fake_module()
+    made: list = []
+    mod.made = made
+    mod.llama_context_default_params = lambda: types.SimpleNamespace()
+
+    def init(model, params):
+        made.append(_FakeBatchedContext(params))
+        return made[-1]
+
+    def batch_init(n, embd, n_seq):
+        return types.SimpleNamespace(
+            n_tokens=0, token=[0] * n, pos=[0] * n, n_seq_id=[0] * n, seq_id=[[0] for _ in range(n)], logits=[0] * n
+        )
+
+    mod.llama_init_from_model = init
+    mod.llama_batch_init = batch_init
+    mod.llama_batch_free = lambda b: None
+    mod.llama_decode = lambda ctx, b: ctx.decode(b)
+    mod.llama_get_logits_ith = lambda ctx, i: ctypes.cast(ctx.bufs[i], ctypes.POINTER(ctypes.c_float))
+    mod.llama_get_memory = lambda ctx: ctx
+    mod.llama_memory_seq_rm = lambda mem, seq, p0, p1: mem.kv.pop(seq, None)
+
+    def free(ctx):
+        ctx.freed = True
+
+    mod.llama_free = free
+    return mod
+
+
+def test_llamacpp_batched_serves_each_request_its_solo_greedy_in_slots(tmp_path):
+    """llama-server -np 2 on 3 requests: each gets its own sequence's greedy tokens (EOS
+    kept), the third takes the slot the first frees, its cache starts empty; prompts go in
+    batches of at most n_batch tokens with the generating slots' tokens first."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    mod = _fake_batched_module()
+    _FakeLlama.instances.clear()
+    runner = LlamaCppRunner(gguf, threads=2, n_batch=8, module=mod)
+    prompts = [[5, 9, 1, 4], [3] * 11, [2, 7]]
+    eos = _expected(prompts[2], 6)[2]
+    run = runner.generate_batched(prompts, 6, slots=2, eos=[eos])
+    assert run.tokens == [_expected(p, 6, eos=[eos]) for p in prompts]
+    ctx = mod.made[-1]
+    assert ctx.params.n_seq_max == 2 and ctx.params.kv_unified is True and ctx.params.n_threads == 2
+    assert ctx.freed and all(n <= 8 + 2 for n, _ in ctx.calls) and max(s for _, s in ctx.calls) == 2
+    assert ctx.calls[0] == (8, 2)  # 4 + 4 prompt tokens: the second prompt split over calls
+    assert all(t >= 0 for t in run.ttft_s) and all(a >= b for a, b in zip(run.latency_s, run.ttft_s))
+    assert run.steps == len(ctx.calls) and 1.0 <= run.mean_batch <= 2.0 and run.prefill_s > 0
+    with pytest.raises(ConfigError):
+        runner.generate_batched([], 4, slots=2)
+    with pytest.raises(ConfigError):
+        runner.generate_batched([[1]], 4, slots=0)
+
+
+def test_concurrency_level_through_llamacpp_counts_like_ragspec(tmp_path):
+    from ragspec.bench_concurrency import run_level_llamacpp
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    runner = LlamaCppRunner(gguf, threads=2, n_batch=16, module=_fake_batched_module())
+    prompts = [[5, 9, 1, 4], [3] * 11]
+    solo = [_expected(p, 5) for p in prompts]
+    res = run_level_llamacpp(runner, prompts, 4, max_new_tokens=5, reference=solo)
+    assert res.requests == 4 and res.identical == 4 and res.generated_tokens == 20
+    assert res.tokens == [solo[0], solo[1], solo[0], solo[1]]
+    assert res.aggregate_tok_s > 0 and res.decode_tok_s > 0 and res.latency_p95_s >= res.latency_p50_s
 
 
 def test_open_runner_needs_a_gguf_file_and_threads(tmp_path):
