@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -68,6 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--cached-budgets",
+        default="",
+        help="comma-separated more draft budgets for the cached engine, e.g. 16,32: one more column each",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,6 +83,13 @@ def main(argv=None) -> int:
     engine = load_engine(args.model)
     cache = ResponseCache(model=engine.model_name or "")
     cached = with_response_cache(engine, cache)
+    engines = {"off": engine, "ragspec": engine, "cached": cached}
+    for b in [int(x) for x in args.cached_budgets.split(",") if x.strip()]:
+        # the same model, drafters and cache; only the most draft nodes per step differ
+        engines[f"cached@{b}"] = cached.with_drafter(
+            cached.drafter, policy=dataclasses.replace(cached.policy, max_draft_tokens=b)
+        )
+    methods = list(engines)
     n = args.max_new_tokens
     records = []
     for kind in ("repeated", "reworded", "follow_up"):
@@ -90,9 +103,9 @@ def main(argv=None) -> int:
                 ]
             ids = engine.encode_messages(second)
             res = {}
-            order = ["off", "ragspec", "cached"] if i % 2 == 0 else ["cached", "ragspec", "off"]
+            order = methods if i % 2 == 0 else methods[::-1]
             for name in order:
-                eng = cached if name == "cached" else engine
+                eng = engines[name]
                 out = eng.generate(ids, max_new_tokens=n, chat=False, speculative=name != "off")
                 s = out.stats
                 decode_s = max(s.total_s - s.prefill_s, 1e-9)
@@ -124,11 +137,11 @@ def main(argv=None) -> int:
         if not rs:
             continue
         row = {"prompts": len(rs), "identical": sum(r["identical"] for r in rs)}
-        for m in ("off", "ragspec", "cached"):
+        for m in methods:
             row[f"{m}_tok_s"] = statistics.mean(r[f"{m}_tok_s"] for r in rs)
             row[f"{m}_decode_tok_s"] = statistics.mean(r[f"{m}_decode_tok_s"] for r in rs)
             row[f"{m}_mean_accepted"] = statistics.mean(r[f"{m}_mean_accepted"] for r in rs)
-        for m in ("ragspec", "cached"):
+        for m in methods[1:]:
             row[f"{m}_speedup"] = row[f"{m}_tok_s"] / row["off_tok_s"]
             row[f"{m}_decode_speedup"] = row[f"{m}_decode_tok_s"] / row["off_decode_tok_s"]
         table[kind] = row
@@ -142,6 +155,15 @@ def main(argv=None) -> int:
             f"{r['ragspec_speedup']:>7.2f}x -> {r['cached_speedup']:.2f}x {r['ragspec_decode_speedup']:>7.2f}x -> "
             f"{r['cached_decode_speedup']:.2f}x {r['ragspec_mean_accepted']:>5.2f} -> {r['cached_mean_accepted']:.2f} "
             f"{r['identical']}/{r['prompts']}"
+        )
+    for m in methods[3:]:
+        print(
+            "# "
+            + ", ".join(
+                f"{kind} {m} e2e {r[f'{m}_speedup']:.2f}x decode {r[f'{m}_decode_speedup']:.2f}x "
+                f"accepted {r[f'{m}_mean_accepted']:.2f}"
+                for kind, r in table.items()
+            )
         )
     print(f"# response cache: {len(cache)} responses, {cache.num_tokens} tokens, {cache.hits} draft lookups hit")
     if args.json:

@@ -42,10 +42,15 @@ accepted of the committed tokens, and ``a``, what R alone accepts. In a step who
 is s it runs the head while (the rule of :mod:`ragspec.policy`: committed tokens per
 second)::
 
-    (1 + a(s) + gain(s)) / (T + t_head)  >=  (1 + a(s)) / T,
-    i.e.   gain(s)  >=  (1 + a(s)) * t_head / T
+    (1 + a(s) + gain(s)) / (T_head(s) + t_head)  >=  (1 + a(s)) / T(s),
 
-and otherwise skips it, trying it again every ``head_retry`` skipped steps. The priors
+where ``T_head(s)`` and ``T(s)`` are the state's measured step seconds with and without the
+head's tree offered (its nodes add verification rows; the mean over all steps until
+measured; once a state has a head step timed, its next step runs without the head to time
+the baseline), and otherwise skips it, trying it again every ``head_retry`` skipped steps. A
+step whose proposal the engine's cost model declined entirely counts as a head step with
+gain 0 (its draft time bought nothing), and a head that backed off on its own (an empty
+tree) neither counts as a head step nor pulls ``t_head`` down. The priors
 (``prior_gain``, ``prior_alone`` per state, each worth ``prior_weight`` steps) favour the
 head where R has nothing or a short match and R where its match is long (a span being
 copied). Without ``calibrate`` (the reproducible form used for seeded sampling) the head
@@ -301,12 +306,16 @@ class _MergedSession:
         self._gain = AcceptedPerStep(priors, owner.prior_weight)
         self._state = 0  # retrieval state of the last proposal (_retrieval_state)
         self._step_s = 0.0  # EMA of a step's seconds without the head's draft
+        # the same per (retrieval state, whether the head's tree was offered): a step with the
+        # head's nodes verifies more rows, and a state's plain step is its own baseline
+        self._step_s_by: dict[tuple[int, bool], float] = {}
         self._head_s = 0.0  # EMA of the head's draft seconds (its tree and the seeded copies)
         self._last_tick: Optional[float] = None
         self._head_s_last = 0.0  # head seconds in the step since the last tick
         self._skipped = 0  # consecutive steps the gate skipped the head
         self._last_r: Optional[DraftTree] = None  # retrieval's tree of the last proposal
         self._head_ran = False  # the head proposed in the last proposal
+        self._observed = False  # the engine verified (part of) the last proposal
         finish = getattr(retrieval, "finish", None)
         if finish is not None:
             self.finish = finish  # a response cache among the retrieval drafters learns
@@ -316,6 +325,11 @@ class _MergedSession:
             self.extend_hidden = extend_hidden
 
     def extend(self, token_ids: Sequence[int]) -> None:
+        if self._clock is not None and self._head_ran and not self._observed:
+            # the engine verified none of the last proposal (its cost model declined it):
+            # the head's draft time bought nothing in this step
+            self._gain.observe(("gain", self._state), 0)
+        self._observed = True  # counted once
         self._retrieval.extend(token_ids)
         self._eagle.extend(token_ids)
 
@@ -333,21 +347,35 @@ class _MergedSession:
         if self._last_tick is not None:
             dt = max(0.0, now - self._last_tick - self._head_s_last)
             self._step_s = dt if self._step_s <= 0 else (1 - self._EMA) * self._step_s + self._EMA * dt
+            if self._observed:  # the last proposal's step completed (verified or declined)
+                key = (self._state, self._head_ran)
+                old = self._step_s_by.get(key)
+                self._step_s_by[key] = dt if old is None else (1 - self._EMA) * old + self._EMA * dt
         self._last_tick = now
         self._head_s_last = 0.0
 
     def _head_pays_off(self, state: int) -> bool:
-        """gain(state) >= (1 + a(state)) * t_head / T (true until both times are measured,
-        and every ``head_retry`` skipped steps)."""
+        """(1 + a + gain) / (T_head + t_head) >= (1 + a) / T for the state (true until the
+        times are measured, and every ``head_retry`` skipped steps): ``T_head`` and ``T``
+        are the state's measured step seconds with and without the head's tree offered
+        (the mean over all steps until each is measured); with both equal this is
+        gain >= (1 + a) * t_head / T."""
         if self._clock is None or self._step_s <= 0 or self._head_s <= 0 or self._skipped >= self._head_retry:
             return True
-        need = (1.0 + self._gain.mean(("alone", state))) * self._head_s / self._step_s
-        return self._gain.mean(("gain", state)) >= need
+        if (state, True) in self._step_s_by and (state, False) not in self._step_s_by:
+            return False  # once per state: time a step without the head, the baseline
+        t_with = self._step_s_by.get((state, True), self._step_s)
+        t_without = self._step_s_by.get((state, False), self._step_s)
+        if t_without <= 0:
+            return True
+        alone = 1.0 + self._gain.mean(("alone", state))
+        return (alone + self._gain.mean(("gain", state))) * t_without >= alone * (t_with + self._head_s)
 
     def propose(self, max_tokens: int) -> DraftTree:
         self._tick()
         self._head_paths = set()
         self._head_ran = False
+        self._observed = False
         self._last_r = None
         if max_tokens <= 0:
             return DraftTree.empty()
@@ -365,10 +393,15 @@ class _MergedSession:
             if e.num_nodes:
                 nodes = pool.add(e, head=True)
                 self._seed(e, nodes, pool, max_tokens)
+            else:
+                # the head backed off (its own skip) or had nothing: not a head step, and
+                # its near-zero time must not pull the head's timing down
+                self._head_ran = False
             if self._clock is not None:
                 dt = float(self._clock()) - t0
                 self._head_s_last = dt
-                self._head_s = dt if self._head_s <= 0 else (1 - self._EMA) * self._head_s + self._EMA * dt
+                if e.num_nodes:
+                    self._head_s = dt if self._head_s <= 0 else (1 - self._EMA) * self._head_s + self._EMA * dt
         elif not trusted:
             self._skipped += 1
         tree, head = pool.best(max_tokens, r.match_len)
@@ -396,6 +429,7 @@ class _MergedSession:
                 pool.add(copy, under=nodes[i], suffix=SEEDED_SUFFIX)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        self._observed = True
         self._acc.observe(tree, result)
         self._retrieval.observe(tree, result)
         self._eagle.observe(self._as_head_saw_it(tree), result)

@@ -40,6 +40,8 @@ def cmd_eagle_train(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
         bf16_autocast=args.bf16,
+        ttt_steps=args.ttt_steps,
+        ttt_decay=args.ttt_decay,
     )
     command = shlex.join(["ragspec"] + sys.argv[1:]) if sys.argv and sys.argv[0] else ""
     record = run_training(
@@ -52,6 +54,8 @@ def cmd_eagle_train(args) -> int:
         resume=args.resume,
         command=command,
         progress=not args.quiet,
+        init_head=args.init_head,
+        generate_with=args.generate_with,
     )
     res = record["result"]
     print(
@@ -90,13 +94,17 @@ def cmd_eagle_info(args) -> int:
 
 
 def _make_drafter(kind: str, args, target, spec, pld):
+    """The drafter set ``kind``, or ``kind=HEAD_DIR`` with another head than ``--eagle``'s."""
     from ..drafters import CompositeDrafter, MergedDrafter, SelectingDrafter
     from ..loading import load_eagle
     from .drafter import EagleTreeConfig
 
+    kind, _, head_dir = kind.partition("=")
     if kind == "pld":
         return pld
-    eagle, _ = load_eagle(args.eagle or "auto", target, spec, EagleTreeConfig(depth=args.depth, top_k=args.top_k))
+    eagle, _ = load_eagle(
+        head_dir or args.eagle or "auto", target, spec, EagleTreeConfig(depth=args.depth, top_k=args.top_k)
+    )
     if eagle is None:
         raise ConfigError(f"--drafters {kind} needs an EAGLE head: --eagle DIR (none ships for this model)")
     if kind == "head":
@@ -234,6 +242,23 @@ def add_eagle_commands(subparsers) -> None:
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the head's matmuls")
+    t.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=1,
+        help="EAGLE-3 training-time test: self-fed drafting steps unrolled per position (1 = EAGLE's one step)",
+    )
+    t.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of unrolled step k: DECAY**k")
+    t.add_argument(
+        "--generate-with",
+        choices=("engine", "hf"),
+        default="engine",
+        help="responses from ragspec's batched engine (default; --generation-batch requests per step) "
+        "or from model.generate batches",
+    )
+    t.add_argument(
+        "--init-head", default=None, help="head folder to start from (fine-tune; keeps its draft vocabulary)"
+    )
     t.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu or cuda")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_eagle_train)
@@ -249,7 +274,8 @@ def add_eagle_commands(subparsers) -> None:
         default="pld,head,both",
         help="comma-separated drafter sets: pld, head, both (retrieval if its match >= --min-match, else the "
         "head), merged (one tree: retrieval, the head, retrieval's copies after the head's tokens), "
-        "longest_match (CompositeDrafter's rule)",
+        "longest_match (CompositeDrafter's rule); SET=HEAD_DIR: that set with another head than --eagle's "
+        "(e.g. head,head=my-head: two heads, interleaved)",
     )
     b.add_argument("--min-match", type=int, default=3, help="'both': retrieval wins from this match length")
     b.add_argument(

@@ -20,6 +20,12 @@ Recipe (EAGLE, Li et al. 2024, section 4.2, scaled down):
    output layer restricted to them is 6x cheaper, in training as in drafting). Input
    features get uniform noise U(-0.1, 0.1) as in EAGLE (robustness to the head's own
    errors when it drafts on its predictions).
+   With ``ttt_steps > 1``, EAGLE-3's *training-time test* (Li et al. 2025, section 3.2):
+   the head is unrolled over that many drafting steps, each fed its own previous
+   prediction and attending to the target's features only up to where the simulated
+   draft starts (:func:`ttt_mask`), step k's loss weighted ``ttt_decay ** k``: the head
+   learns to draft past its first token on its own, imperfect, features. ``init_head``
+   fine-tunes an existing head this way.
 4. **optimiser**: AdamW, linear warm-up then cosine decay, gradient clipping 0.5;
    checkpoints every ``save_every`` steps (``resume`` continues from the last one).
 
@@ -52,10 +58,13 @@ __all__ = [
     "TrainSequence",
     "load_prompt_texts",
     "generate_responses",
+    "generate_responses_with_engine",
     "extract_features",
     "choose_draft_vocab",
     "make_batches",
     "eagle_loss",
+    "ttt_mask",
+    "ttt_unroll",
     "train_head",
     "run_training",
 ]
@@ -126,6 +135,11 @@ class TrainConfig:
     seed: int = 0
     bf16_autocast: bool = False
     """Run the matmuls in bfloat16 (CPUs with AVX-512-BF16 / AMX, GPUs); weights stay float32."""
+    ttt_steps: int = 1
+    """Training-time test (EAGLE-3, Li et al. 2025, section 3.2): the head is unrolled over
+    this many self-fed drafting steps per position; 1 = EAGLE's single step."""
+    ttt_decay: float = 0.8
+    """Loss weight of unrolled step k is ``ttt_decay ** k`` (EAGLE-3's decaying weights)."""
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.max_steps < 0 or self.batch_tokens < 2:
@@ -136,6 +150,8 @@ class TrainConfig:
             raise ConfigError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}")
         if self.draft_vocab_size < 0 or self.noise < 0:
             raise ConfigError("draft_vocab_size and noise must be >= 0")
+        if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
+            raise ConfigError(f"need ttt_steps >= 1 and 0 < ttt_decay <= 1, got {self.ttt_steps}, {self.ttt_decay}")
 
 
 @dataclass
@@ -305,6 +321,58 @@ def generate_responses(
     return out
 
 
+def generate_responses_with_engine(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    in_flight: int = 8,
+    progress: Optional[Callable[[int], None]] = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[int]]:
+    """:func:`generate_responses` through ragspec's own batched engine step (``in_flight``
+    requests verified per forward, with speculation): greedy output is token-identical to
+    ``model.generate``'s, sampled output (top-p 0.95) has the target's distribution and
+    is reproducible (request ``i`` seeded ``seed + i``). On a 2-core CPU several times
+    faster than left-padded ``model.generate`` batches of long prompts.
+
+    Args:
+        engine: a :class:`~ragspec.engine.Engine` for the target (its model, any drafters).
+        prompts: token ids per prompt (chat template applied already).
+
+    Returns:
+        one list of token ids per prompt (ending with EOS when the response ended there).
+    """
+    if in_flight < 1:
+        raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
+    out: list[list[int]] = [[] for _ in prompts]
+    queue = list(range(len(prompts)))
+    running: list[tuple[int, object]] = []
+    while queue or running:
+        while queue and len(running) < in_flight:
+            i = queue.pop(0)
+            req = engine.request(
+                list(prompts[i]),
+                max_new_tokens=max_new_tokens,
+                chat=False,
+                temperature=temperature,
+                top_p=0.95 if temperature > 0 else 1.0,
+                seed=seed + i,
+            )
+            running.append((i, req))
+        chunks = engine.step([r for _, r in running])
+        still = []
+        for (i, req), chunk in zip(running, chunks):
+            out[i].extend(chunk.token_ids)
+            if chunk.finish_reason is None:
+                still.append((i, req))
+            elif progress:
+                progress(1)
+        running = still
+    return out
+
+
 def extract_features(
     model, seqs: Sequence[TrainSequence], *, progress: Optional[Callable[[int], None]] = None
 ) -> list[torch.Tensor]:
@@ -372,6 +440,62 @@ def collate(ids: Sequence[Sequence[int]], feats: Sequence[torch.Tensor], device,
     return tok.to(device), fea.to(device), valid.to(device)
 
 
+def ttt_mask(pairs: torch.Tensor, depth: int) -> torch.Tensor:
+    """Attention mask of unrolled step ``depth`` of the training-time test.
+
+    Query row t of step k stands for the head drafting k + 1 tokens past position t - k:
+    it sees step 0's keys (the target's own features) up to position t - k, and the keys
+    of that same simulated draft at steps 1..k (position t - k + i at step i), as the
+    drafter's KV cache holds them when it drafts.
+
+    Args:
+        pairs: bool [B, T], which pairs are real (right padding False).
+        depth: the step k (0 = EAGLE's causal mask over valid keys).
+
+    Returns:
+        bool [B, 1, T, (k + 1) * T] over the keys of steps 0..k in order (True = attend);
+        every row keeps at least its own key, so none is fully masked.
+    """
+    b, t = pairs.shape
+    pos = torch.arange(t, device=pairs.device)
+    blocks = [((pos[None, :] <= pos[:, None] - depth)[None] & pairs[:, None, :])]  # [B, T, T]
+    if depth == 0:
+        blocks[0] = blocks[0] | torch.eye(t, dtype=torch.bool, device=pairs.device)[None]
+    for i in range(1, depth + 1):
+        diag = pos[None, :] == pos[:, None] - depth + i  # [T, T]
+        blocks.append(diag[None].expand(b, -1, -1))
+    return torch.cat(blocks, dim=-1)[:, None]
+
+
+def ttt_unroll(head, input_ids: torch.Tensor, features: torch.Tensor, pairs: torch.Tensor, steps: int):
+    """The head's predictions at each unrolled step of the training-time test.
+
+    Args:
+        input_ids: int64 [B, T]: token t + 1 of pair t; features: [B, T, H]: feature t
+            (the target's, noise included) of pair t; pairs: bool [B, T] (real pairs).
+        steps: unrolled steps (1 = EAGLE's single step).
+
+    Yields:
+        per step k: predicted features [B, T, H], row t = the head's prediction of feature
+        t + 1 after drafting k tokens past position t - k on its own predictions (row t of
+        step k is fed row t - 1 of step k - 1 with token t + 1; :func:`ttt_mask`). Steps
+        share one KV cache, so step k costs one pass over T rows.
+    """
+    cache = None
+    if steps > 1:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+    b, t = input_ids.shape
+    pos = torch.arange(t, device=input_ids.device)[None].expand(b, -1)  # [B, T]
+    feats_in = features
+    for k in range(steps):
+        pred = head(input_ids, feats_in, pos, ttt_mask(pairs, k), cache)  # [B, T, H]
+        yield pred
+        # step k + 1 is fed this step's prediction of feature t at pair t (pair 0: none)
+        feats_in = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1).to(features.dtype)
+
+
 def eagle_loss(
     head,
     tokens: torch.Tensor,
@@ -382,17 +506,27 @@ def eagle_loss(
     cfg: TrainConfig,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """EAGLE loss of one batch (see the module docstring).
+    """EAGLE loss of one batch (see the module docstring), unrolled over ``cfg.ttt_steps``
+    self-fed steps (EAGLE-3's training-time test, Li et al. 2025, section 3.2).
+
+    Step 0 is EAGLE's: pair t = (target feature t + noise, token t + 1) predicts feature
+    t + 1. Step k >= 1 feeds the head its own step k - 1 prediction of feature t with token
+    t + 1 and predicts feature t + 1 again, attending as :func:`ttt_mask` says (the target's
+    features up to t - k, then this simulated draft's own entries), so the head learns to
+    draft on its own predictions, as it does past the first draft token. Step k's loss is
+    weighted ``cfg.ttt_decay ** k``; steps share one KV cache (the earlier steps' keys and
+    values), and gradients flow through the fed-back predictions.
 
     Args:
         tokens: int64 [B, L]; features: [B, L, H] target features; valid: bool [B, L].
         lm_weight, lm_bias: the output layer restricted to the draft vocabulary
             (:meth:`EagleHead.draft_lm_weight`).
-        generator: for the input noise (None: no noise).
+        generator: for the input noise of step 0 (None: no noise).
 
     Returns:
         (loss, metrics) with metrics ``feature_loss``, ``token_loss`` and ``top1`` (share
-        of pairs where the head's argmax equals the target's; over the draft vocabulary).
+        of pairs where the head's argmax equals the target's; over the draft vocabulary) of
+        step 0, and ``top1_k{k}`` per later step.
     """
     b, length = tokens.shape
     pairs = valid[:, 1:] & valid[:, :-1]  # [B, L-1] pair t = (feature t, token t+1)
@@ -400,31 +534,40 @@ def eagle_loss(
     if generator is not None and cfg.noise > 0:
         noise = torch.rand(feats_in.shape, generator=generator, device=feats_in.device, dtype=feats_in.dtype)
         feats_in = feats_in + (noise * 2 - 1) * cfg.noise
-    pos = torch.arange(length - 1, device=tokens.device)[None].expand(b, -1)  # [B, L-1]
-    causal = torch.ones(length - 1, length - 1, dtype=torch.bool, device=tokens.device).tril()
-    mask = (causal[None] & pairs[:, None, :])[:, None]  # [B, 1, L-1, L-1]
-    # padded query rows keep their own key so that no row is fully masked
-    mask = mask | torch.eye(length - 1, dtype=torch.bool, device=tokens.device)[None, None]
-    pred = head(tokens[:, 1:], feats_in, pos, mask)  # [B, L-1, H]
-    target = features[:, 1:].to(pred.dtype)  # [B, L-1, H]
-    w = pairs.to(pred.dtype)
-    n = w.sum().clamp(min=1)
-    feat_loss = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * w).sum() / n
-    sel = pairs.flatten()
-    pred_rows = pred.reshape(-1, pred.shape[-1])[sel]  # [P, H]
+    t = length - 1
+    pos = torch.arange(t, device=tokens.device)[None].expand(b, -1)  # [B, L-1]
+    target = features[:, 1:]  # [B, L-1, H]
     with torch.no_grad():
-        target_logits = head.logits(target.reshape(-1, target.shape[-1])[sel], lm_weight, lm_bias)  # [P, Vd]
-        target_probs = torch.softmax(target_logits, dim=-1)
-    head_logp = torch.log_softmax(head.logits(pred_rows, lm_weight, lm_bias), dim=-1)  # [P, Vd]
-    tok_loss = -(target_probs * head_logp).sum(-1).mean()
-    loss = cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss
-    with torch.no_grad():
-        top1 = (head_logp.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return loss, {
-        "feature_loss": float(feat_loss.detach()),
-        "token_loss": float(tok_loss.detach()),
-        "top1": float(top1),
-    }
+        target_logits_all = head.logits(target.reshape(-1, target.shape[-1]).float(), lm_weight, lm_bias)
+    total = torch.zeros((), device=tokens.device)
+    weight_sum = 0.0
+    metrics: dict[str, float] = {}
+    for k, pred in enumerate(ttt_unroll(head, tokens[:, 1:], feats_in, pairs, cfg.ttt_steps)):
+        rows = pairs & (pos >= k)  # step k needs k earlier positions
+        w = rows.to(pred.dtype)
+        n = w.sum().clamp(min=1)
+        feat_loss = (F.smooth_l1_loss(pred, target.to(pred.dtype), reduction="none").mean(-1) * w).sum() / n
+        sel = rows.flatten()
+        if bool(sel.any()):
+            pred_rows = pred.reshape(-1, pred.shape[-1])[sel]  # [P, H]
+            with torch.no_grad():
+                target_logits = target_logits_all[sel]  # [P, Vd]
+                target_probs = torch.softmax(target_logits, dim=-1)
+            head_logp = torch.log_softmax(head.logits(pred_rows, lm_weight, lm_bias), dim=-1)  # [P, Vd]
+            tok_loss = -(target_probs * head_logp).sum(-1).mean()
+            with torch.no_grad():
+                top1 = float((head_logp.argmax(-1) == target_logits.argmax(-1)).float().mean())
+        else:
+            tok_loss = pred.sum() * 0.0
+            top1 = 0.0
+        wk = cfg.ttt_decay**k
+        total = total + wk * (cfg.feature_weight * feat_loss + cfg.token_weight * tok_loss)
+        weight_sum += wk
+        if k == 0:
+            metrics.update(feature_loss=float(feat_loss.detach()), token_loss=float(tok_loss.detach()), top1=top1)
+        else:
+            metrics[f"top1_k{k}"] = top1
+    return total / weight_sum, metrics
 
 
 # --------------------------------------------------------------------------- training loop
@@ -451,8 +594,8 @@ def evaluate(head, seqs_ids, feats, cfg: TrainConfig, lm_weight, lm_bias, device
             tok, fea, val = collate([seqs_ids[i]], [feats[i]], device, head.fc.weight.dtype)
             _, m = eagle_loss(head, tok, fea, val, lm_weight, lm_bias, cfg, None)
             n = len(seqs_ids[i]) - 1
-            for k in tot:
-                tot[k] += m[k] * n
+            for k, v in m.items():
+                tot[k] = tot.get(k, 0.0) + v * n
             weight += n
             start = starts[i] if starts is not None else len(seqs_ids[i])
             if start < len(seqs_ids[i]):
@@ -603,10 +746,20 @@ def _data_key(info: dict, data: DataConfig, files: list) -> str:
 
 
 def build_dataset(
-    model, tokenizer, eos_ids, info: dict, data: DataConfig, work_dir: Path, progress: bool = True
+    model,
+    tokenizer,
+    eos_ids,
+    info: dict,
+    data: DataConfig,
+    work_dir: Path,
+    progress: bool = True,
+    engine_factory: Optional[Callable[[], object]] = None,
 ) -> dict:
     """Text, responses and features (cached in ``work_dir/features.pt``, keyed by the
-    target fingerprint, the data settings and the files' sha256)."""
+    target fingerprint, the data settings and the files' sha256). ``engine_factory``:
+    builds a ragspec engine to generate the responses with
+    (:func:`generate_responses_with_engine`), called only when responses are generated;
+    None: left-padded ``model.generate`` batches."""
     from tqdm.auto import tqdm
 
     seqs, record = load_prompt_texts(data.paths, tokenizer, data.holdout_per_category)
@@ -621,14 +774,31 @@ def build_dataset(
     chosen = _spread(seqs, data.num_responses)
     prompts = [seqs[i].ids for i in chosen]
     bar = tqdm(total=len(prompts), desc="greedy responses", disable=not progress or not prompts, unit="prompt")
-    responses = generate_responses(
-        model,
-        prompts,
-        max_new_tokens=data.response_tokens,
-        eos_token_ids=eos_ids,
-        batch_size=data.generation_batch,
-        progress=bar.update,
-    )
+    engine = engine_factory() if engine_factory is not None and prompts else None
+
+    def respond(temperature: float, seed: int, update) -> list[list[int]]:
+        if engine is not None:
+            return generate_responses_with_engine(
+                engine,
+                prompts,
+                max_new_tokens=data.response_tokens,
+                in_flight=data.generation_batch,
+                progress=update,
+                temperature=temperature,
+                seed=seed,
+            )
+        return generate_responses(
+            model,
+            prompts,
+            max_new_tokens=data.response_tokens,
+            eos_token_ids=eos_ids,
+            batch_size=data.generation_batch,
+            progress=update,
+            temperature=temperature,
+            seed=seed,
+        )
+
+    responses = respond(0.0, 0, bar.update)
     bar.close()
     sampled: list[TrainSequence] = []
     for k in range(data.num_samples):
@@ -638,16 +808,7 @@ def build_dataset(
             disable=not progress,
             unit="prompt",
         )
-        resp_k = generate_responses(
-            model,
-            prompts,
-            max_new_tokens=data.response_tokens,
-            eos_token_ids=eos_ids,
-            batch_size=data.generation_batch,
-            progress=bar.update,
-            temperature=data.sample_temperature,
-            seed=1000 * (k + 1),
-        )
+        resp_k = respond(data.sample_temperature, 1000 * (k + 1), bar.update)
         bar.close()
         for i, resp in zip(chosen, resp_k):
             sampled.append(TrainSequence(seqs[i].ids + resp, seqs[i].prompt_len, seqs[i].source + f"+sample{k}"))
@@ -699,6 +860,8 @@ def run_training(
     progress: bool = True,
     model_and_tokenizer=None,
     model_spec=None,
+    init_head: Optional[str | Path] = None,
+    generate_with: str = "engine",
 ) -> dict:
     """Train a head for a model end to end and save it to ``out_dir``.
 
@@ -713,6 +876,15 @@ def run_training(
         command: the command line, recorded in ``config.json``.
         model_and_tokenizer, model_spec: an already loaded (model, tokenizer) and its spec
             (tests); otherwise loaded from ``model_name``.
+        init_head: a saved head folder to start from (fine-tuning, e.g. the shipped head
+            with the training-time test); its draft vocabulary is kept.
+        generate_with: ``"engine"`` (default): the responses come from ragspec's batched
+            engine (:func:`generate_responses_with_engine`, loaded from ``model_name``
+            with its shipped head; with ``model_and_tokenizer`` an engine over that model);
+            ``"hf"``: left-padded ``model.generate`` batches.
+
+    Raises:
+        EagleHeadMismatchError: ``init_head`` was trained for another model.
 
     Returns:
         the ``training`` record written into ``config.json``.
@@ -733,7 +905,20 @@ def run_training(
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"
     eos_ids = models.eos_token_ids(model, tokenizer)
-    blob = build_dataset(model, tokenizer, eos_ids, info, data, work, progress)
+    if generate_with not in ("engine", "hf"):
+        raise ConfigError(f"generate_with must be 'engine' or 'hf', got {generate_with!r}")
+    engine_factory = None
+    if generate_with == "engine":
+
+        def engine_factory():
+            from ..engine import Engine
+            from ..loading import load_engine
+
+            if model_and_tokenizer is None:
+                return load_engine(model_name, device=device, dtype="fp32")
+            return Engine(target, tokenizer, eos_token_ids=eos_ids)
+
+    blob = build_dataset(model, tokenizer, eos_ids, info, data, work, progress, engine_factory)
     seqs = [TrainSequence(**s) for s in blob["seqs"]]
     feats = blob["features"]
     # validation split by prompt (a prompt's greedy and sampled responses stay together)
@@ -743,10 +928,16 @@ def run_training(
     val_prompts = {prompts[i] for i in perm[: int(round(len(prompts) * train.val_fraction))]}
     val_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] in val_prompts]
     tr_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] not in val_prompts]
-    draft_vocab = choose_draft_vocab([seqs[i] for i in tr_idx], target.vocab_size, train.draft_vocab_size)
+    if init_head is not None:
+        from .head import load_eagle_head
+
+        head = load_eagle_head(init_head, target=target, model_spec=spec).float()
+        draft_vocab = head.draft_vocab.detach().cpu()
+    else:
+        draft_vocab = choose_draft_vocab([seqs[i] for i in tr_idx], target.vocab_size, train.draft_vocab_size)
+        torch.manual_seed(train.seed)  # the head's initial weights
+        head = EagleHead.from_target(target, draft_vocab=draft_vocab).float()
     coverage = _coverage([seqs[i] for i in val_idx] or seqs, draft_vocab, target.vocab_size)
-    torch.manual_seed(train.seed)  # the head's initial weights
-    head = EagleHead.from_target(target, draft_vocab=draft_vocab).float()
     result = train_head(
         head,
         [seqs[i].ids for i in tr_idx],
@@ -767,6 +958,7 @@ def run_training(
         "num_train_sequences": len(tr_idx),
         "num_val_sequences": len(val_idx),
         "draft_vocab_coverage": coverage,
+        "init_head": str(init_head) if init_head is not None else None,
         "result": result,
         "total_s": time.perf_counter() - t_start,
         "torch": torch.__version__,

@@ -488,3 +488,103 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     # a model without a shipped head: a clear error naming the option, not a missing folder
     with pytest.raises(ConfigError, match="--eagle DIR"):
         _make_drafter("both", args, target, None, object())
+
+
+# ---------------------------------------------------------------------------- EAGLE-3 training-time test
+def test_ttt_unrolled_step_equals_drafting_on_its_own_predictions(target, tok):
+    # row t of unrolled step k == the head fed the target's features up to t - k, then its own
+    # predictions for k steps, one causal forward (what drafting k tokens ahead computes)
+    from ragspec.eagle.train import ttt_unroll
+
+    torch.manual_seed(3)
+    head = EagleHead.from_target(target).float()
+    ids = tok("abc abc hello there")["input_ids"]
+    with torch.inference_mode():
+        feats = target.prefill(target.new_state(), ids, return_hidden=True).hidden.clone().float()  # [L, H]
+    x = torch.tensor(ids, dtype=torch.long)
+    tokens, feats_in = x[None, 1:], feats[None, :-1]  # pairs t = (feature t, token t + 1)
+    t_len = tokens.shape[1]
+    pairs = torch.ones(1, t_len, dtype=torch.bool)
+    with torch.no_grad():
+        preds = list(ttt_unroll(head, tokens, feats_in, pairs, 3))
+        for k in range(3):
+            for t in range(k, t_len):
+                s = t - k
+                seq_feats = [feats_in[0, u] for u in range(s + 1)]
+                seq_ids = [int(tokens[0, u]) for u in range(s + 1)]
+                out = None
+                for i in range(k + 1):
+                    if i > 0:
+                        seq_feats.append(out[0, -1])
+                        seq_ids.append(int(tokens[0, s + i]))
+                    n = len(seq_ids)
+                    out = head(torch.tensor([seq_ids]), torch.stack(seq_feats)[None], torch.arange(n)[None])
+                torch.testing.assert_close(preds[k][0, t], out[0, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_config_validation():
+    from ragspec.eagle.train import TrainConfig
+
+    with pytest.raises(ConfigError):
+        TrainConfig(ttt_steps=0)
+    with pytest.raises(ConfigError):
+        TrainConfig(ttt_decay=0.0)
+
+
+def test_ttt_fine_tune_from_a_head_keeps_its_vocabulary_and_reports_each_step(trained_dir, model, tok, tmp_path):
+    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"question_id": i, "category": "qa", "turns": [p + str(i)]} for i, p in enumerate(PROMPTS * 3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = run_training(
+        None,
+        DataConfig(
+            paths=(str(data),), holdout_per_category=0, num_responses=12, response_tokens=32, generation_batch=4
+        ),
+        TrainConfig(epochs=4, max_steps=8, batch_tokens=512, lr=1e-3, ttt_steps=3, val_fraction=0.25, save_every=8),
+        tmp_path / "head",
+        model_and_tokenizer=(model, tok),
+        progress=False,
+        init_head=trained_dir[0],
+    )
+    target = HFTarget(model)
+    old = load_eagle_head(trained_dir[0], target=target)
+    new = load_eagle_head(tmp_path / "head", target=target)
+    assert torch.equal(old.draft_vocab, new.draft_vocab)
+    assert record["init_head"] == str(trained_dir[0])
+    val = record["result"]["val_end"]
+    assert {"top1", "top1_k1", "top1_k2"} <= set(val), val
+    assert all(0.0 <= val[k] <= 1.0 for k in ("top1", "top1_k1", "top1_k2"))
+    # training moved the weights
+    assert any(not torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+def test_engine_generated_responses_equal_model_generate_greedy(model, tok):
+    # the training data's responses through ragspec's batched engine: the same greedy tokens
+    from ragspec.eagle.train import generate_responses, generate_responses_with_engine
+    from ragspec.engine import Engine
+
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    hf = generate_responses(model, prompts, max_new_tokens=24, eos_token_ids=eos, batch_size=1)
+    engine = Engine(HFTarget(model), tok, eos_token_ids=eos)
+    ours = generate_responses_with_engine(engine, prompts, max_new_tokens=24, in_flight=3)
+    assert ours == hf
+    a = generate_responses_with_engine(engine, prompts, max_new_tokens=24, in_flight=2, temperature=0.8, seed=5)
+    b = generate_responses_with_engine(engine, prompts, max_new_tokens=24, in_flight=4, temperature=0.8, seed=5)
+    assert a == b  # seeded per request: the same samples whatever the batch
+    with pytest.raises(ConfigError):
+        generate_responses_with_engine(engine, prompts, max_new_tokens=4, in_flight=0)
+
+
+def test_eagle_bench_drafter_set_names_its_own_head(trained_dir, target, tok):
+    # ragspec eagle bench --drafters head,head=DIR: the second set drafts with DIR's head
+    from ragspec.cli import build_parser
+    from ragspec.eagle.cli import _make_drafter
+
+    args = build_parser().parse_args(["eagle", "bench", "--eagle", "none"])
+    drafter = _make_drafter(f"head={trained_dir[0]}", args, target, None, object())
+    assert torch.equal(drafter.head.fc.weight, load_eagle_head(trained_dir[0], target=target).fc.weight)
+    with pytest.raises(ConfigError, match="--eagle DIR"):
+        _make_drafter("head", args, target, None, object())
