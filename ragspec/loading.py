@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .policy import LatencyModel
 
 if TYPE_CHECKING:
+    from .backend.base import Target
     from .backend.hf import HFTarget
     from .datastore import Datastore
     from .eagle import EagleDrafter, EagleTreeConfig
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DRAFTING_MODES",
     "load_engine",
+    "engine_for_target",
     "load_target",
     "load_eagle",
     "compose_drafter",
@@ -227,6 +229,27 @@ def load_engine(
             eagle_path=eagle_path,
             drafting=drafting,
         ),
+    )
+
+
+def engine_for_target(
+    target: "Target",
+    tokenizer,
+    *,
+    eos_token_ids: Sequence[int] = (),
+    pld: PLDConfig = PLDConfig(),
+    model_name: str = "",
+) -> Engine:
+    """An engine over an already loaded target with prompt-lookup drafting and the reference
+    latency table (no I/O, no calibration): e.g. the EAGLE trainer's response generation
+    over the model it already holds."""
+    return Engine(
+        target,
+        tokenizer,
+        drafter=compose_drafter(pld),
+        eos_token_ids=eos_token_ids,
+        model_name=model_name,
+        parts=DrafterParts(pld=pld),
     )
 
 

@@ -179,6 +179,7 @@ class EagleHead(nn.Module):
             draft_vocab=draft_vocab,
             logit_softcap=emb.logit_softcap,
         )
+        head.new_cache = layout.new_cache  # an empty KV cache the head's layer appends to (training)
         return head.to(device=target.device, dtype=target.dtype)
 
     # ------------------------------------------------------------------ shared parts

@@ -483,9 +483,10 @@ def ttt_unroll(head, input_ids: torch.Tensor, features: torch.Tensor, pairs: tor
     """
     cache = None
     if steps > 1:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        new_cache = getattr(head, "new_cache", None)
+        if new_cache is None:
+            raise ConfigError("the training-time test needs a head built by EagleHead.from_target (its KV cache type)")
+        cache = new_cache()
     b, t = input_ids.shape
     pos = torch.arange(t, device=input_ids.device)[None].expand(b, -1)  # [B, T]
     feats_in = features
@@ -911,12 +912,11 @@ def run_training(
     if generate_with == "engine":
 
         def engine_factory():
-            from ..engine import Engine
-            from ..loading import load_engine
+            from ..loading import engine_for_target, load_engine
 
             if model_and_tokenizer is None:
                 return load_engine(model_name, device=device, dtype="fp32")
-            return Engine(target, tokenizer, eos_token_ids=eos_ids)
+            return engine_for_target(target, tokenizer, eos_token_ids=eos_ids)
 
     blob = build_dataset(model, tokenizer, eos_ids, info, data, work, progress, engine_factory)
     seqs = [TrainSequence(**s) for s in blob["seqs"]]
