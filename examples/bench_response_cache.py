@@ -75,6 +75,12 @@ def main(argv=None) -> int:
         help="comma-separated more draft budgets for the cached engine, e.g. 16,32: one more column each",
     )
     args = ap.parse_args(argv)
+    try:
+        extra_budgets = [int(x) for x in args.cached_budgets.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--cached-budgets takes comma-separated integers, got {args.cached_budgets!r}")
+    if any(b < 1 for b in extra_budgets):
+        ap.error(f"--cached-budgets must be >= 1, got {args.cached_budgets!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     groups = [c.strip() for c in args.categories.split(",") if c.strip()]
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
     cache = ResponseCache(model=engine.model_name or "")
     cached = with_response_cache(engine, cache)
     engines = {"off": engine, "ragspec": engine, "cached": cached}
-    for b in [int(x) for x in args.cached_budgets.split(",") if x.strip()]:
+    for b in extra_budgets:
         # the same model, drafters and cache; only the most draft nodes per step differ
         engines[f"cached@{b}"] = cached.with_drafter(
             cached.drafter, policy=dataclasses.replace(cached.policy, max_draft_tokens=b)

@@ -908,6 +908,12 @@ def run_training(
     eos_ids = models.eos_token_ids(model, tokenizer)
     if generate_with not in ("engine", "hf"):
         raise ConfigError(f"generate_with must be 'engine' or 'hf', got {generate_with!r}")
+    start_head = None
+    if init_head is not None:
+        from .head import load_eagle_head
+
+        # before any generation or feature work: a wrong folder fails in seconds, not minutes
+        start_head = load_eagle_head(init_head, target=target, model_spec=spec).float()
     engine_factory = None
     if generate_with == "engine":
 
@@ -929,10 +935,8 @@ def run_training(
     val_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] in val_prompts]
     tr_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] not in val_prompts]
     if init_head is not None:
-        from .head import load_eagle_head
-
-        head = load_eagle_head(init_head, target=target, model_spec=spec).float()
-        draft_vocab = head.draft_vocab.detach().cpu()
+        draft_vocab = start_head.draft_vocab.detach().cpu()
+        head = start_head
     else:
         draft_vocab = choose_draft_vocab([seqs[i] for i in tr_idx], target.vocab_size, train.draft_vocab_size)
         torch.manual_seed(train.seed)  # the head's initial weights

@@ -588,3 +588,25 @@ def test_eagle_bench_drafter_set_names_its_own_head(trained_dir, target, tok):
     assert torch.equal(drafter.head.fc.weight, load_eagle_head(trained_dir[0], target=target).fc.weight)
     with pytest.raises(ConfigError, match="--eagle DIR"):
         _make_drafter("head", args, target, None, object())
+
+
+def test_init_head_that_is_not_a_head_fails_before_any_generation(model, tok, tmp_path):
+    """Regression (fresh-user trial): ``ragspec eagle train --init-head DIR`` with a folder
+    that is not a head failed only after the responses and features were built (minutes)."""
+    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hello"]}) + "\n")
+    (tmp_path / "nothead").mkdir()
+    with pytest.raises(ModelLoadError):
+        run_training(
+            None,
+            DataConfig(paths=(str(data),), holdout_per_category=0, num_responses=1, response_tokens=4),
+            TrainConfig(epochs=1, max_steps=1),
+            tmp_path / "out",
+            work_dir=tmp_path / "work",
+            model_and_tokenizer=(model, tok),
+            progress=False,
+            init_head=tmp_path / "nothead",
+        )
+    assert not (tmp_path / "work" / "features.pt").exists()  # nothing was generated
