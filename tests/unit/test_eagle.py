@@ -534,9 +534,7 @@ def test_ttt_config_validation():
 def test_ttt_fine_tune_from_a_head_keeps_its_vocabulary_and_reports_each_step(trained_dir, model, tok, tmp_path):
     from ragspec.eagle.train import DataConfig, TrainConfig, run_training
 
-    data = tmp_path / "data.jsonl"
-    rows = [{"question_id": i, "category": "qa", "turns": [p + str(i)]} for i, p in enumerate(PROMPTS * 3)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = trained_dir[0].parent / "data.jsonl"  # the prompts the head was trained on
     record = run_training(
         None,
         DataConfig(

@@ -197,6 +197,22 @@ class _Clock:
         self.now += seconds
 
 
+def _timed_head_session(clock, head_s):
+    """A merged session over prompt lookup and HEAD_TREE's fixed head whose proposals
+    take ``head_s`` seconds on ``clock``; the context ends in a token seen nowhere."""
+    slow = FixedDrafter(HEAD_TREE)
+    inner = slow.start_request
+
+    def start(prompt_ids, documents=(), *, eos_token_ids=()):
+        session = inner(prompt_ids, documents)
+        propose = session.propose
+        session.propose = lambda n: clock.advance(head_s) or propose(n)
+        return session
+
+    slow.start_request = start
+    return MergedDrafter(PromptLookupDrafter(), slow, clock=clock).start_request([10, 11, 9], [[3, 4, 5, 6, 7]])
+
+
 def test_timed_gate_skips_a_head_whose_gain_does_not_pay_for_its_draft_time():
     """Regression (2-core CPU, qa/rag: the head drafted every merged step, 6.5-8.4 ms per
     step against 1.4-1.8 for the old selection, for +0.15 accepted tokens per step, and the
@@ -206,17 +222,7 @@ def test_timed_gate_skips_a_head_whose_gain_does_not_pay_for_its_draft_time():
 
     def run(head_s, head_right, steps=40):
         clock = _Clock()
-        slow = FixedDrafter(HEAD_TREE)
-        inner = slow.start_request
-
-        def start(prompt_ids, documents=(), *, eos_token_ids=()):
-            session = inner(prompt_ids, documents)
-            propose = session.propose
-            session.propose = lambda n: clock.advance(head_s) or propose(n)
-            return session
-
-        slow.start_request = start
-        s = MergedDrafter(PromptLookupDrafter(), slow, clock=clock).start_request([10, 11, 9], [[3, 4, 5, 6, 7]])
+        s = _timed_head_session(clock, head_s)
         ran = []
         for step in range(steps):
             tree = s.propose(8)
@@ -393,17 +399,7 @@ def test_head_gate_counts_declined_head_drafts_as_no_gain():
     was verified in): a step whose proposal was declined (extend without observe) counts as
     a head step that gained nothing, and the gate closes."""
     clock = _Clock()
-    slow = FixedDrafter(HEAD_TREE)
-    inner = slow.start_request
-
-    def start(prompt_ids, documents=(), *, eos_token_ids=()):
-        session = inner(prompt_ids, documents)
-        propose = session.propose
-        session.propose = lambda n: clock.advance(0.008) or propose(n)
-        return session
-
-    slow.start_request = start
-    s = MergedDrafter(PromptLookupDrafter(), slow, clock=clock).start_request([10, 11, 9], [[3, 4, 5, 6, 7]])
+    s = _timed_head_session(clock, 0.008)
     ran = []
     for step in range(40):
         tree = s.propose(8)
@@ -420,17 +416,7 @@ def test_head_gate_prices_the_rows_the_head_adds():
 
     def run(with_head_s):
         clock = _Clock()
-        slow = FixedDrafter(HEAD_TREE)
-        inner = slow.start_request
-
-        def start(prompt_ids, documents=(), *, eos_token_ids=()):
-            session = inner(prompt_ids, documents)
-            propose = session.propose
-            session.propose = lambda n: clock.advance(0.001) or propose(n)
-            return session
-
-        slow.start_request = start
-        s = MergedDrafter(PromptLookupDrafter(), slow, clock=clock).start_request([10, 11, 9], [[3, 4, 5, 6, 7]])
+        s = _timed_head_session(clock, 0.001)
         ran = []
         for step in range(40):
             tree = s.propose(8)
