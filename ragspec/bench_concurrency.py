@@ -126,44 +126,39 @@ def run_level(
     if not prompts:
         raise ConfigError("no prompts")
     total = max(len(prompts), concurrency)
-    queue = list(range(total))
-    inflight: list[tuple[int, Any, float]] = []  # (request number, Request, start time)
-    tokens: dict[int, list[int]] = {}
+    tokens: dict[int, list[int]] = {k: [] for k in range(total)}
+    started: dict[int, float] = {}
     first: dict[int, float] = {}
     latency: dict[int, float] = {}
     prefill_s = 0.0
     steps = batch_sum = 0
 
-    def start(k: int) -> None:
-        req = engine.request(
-            prompts[k % len(prompts)],
-            max_new_tokens=max_new_tokens,
-            chat=False,
-            temperature=temperature,
-            seed=seed + k % len(prompts),
-        )
-        tokens[k] = []
-        inflight.append((k, req, clock()))
+    def start(k: int) -> Callable[[], Any]:
+        def go():
+            req = engine.request(
+                prompts[k % len(prompts)],
+                max_new_tokens=max_new_tokens,
+                chat=False,
+                temperature=temperature,
+                seed=seed + k % len(prompts),
+            )
+            started[k] = clock()
+            return req
+
+        return go
 
     t0 = clock()
-    while queue or inflight:
-        while queue and len(inflight) < concurrency:
-            start(queue.pop(0))
-        chunks = engine.step([r for _, r, _ in inflight])
+    for step in engine.run_requests([start(k) for k in range(total)], concurrency):
         now = clock()
         steps += 1
-        batch_sum += len(inflight)
-        still = []
-        for (k, req, t_start), chunk in zip(inflight, chunks):
+        batch_sum += len(step)
+        for k, chunk in step:
             if chunk.token_ids:
                 tokens[k].extend(chunk.token_ids)
-                first.setdefault(k, now - t_start)
+                first.setdefault(k, now - started[k])
             if chunk.finish_reason is not None:
-                latency[k] = now - t_start
+                latency[k] = now - started[k]
                 prefill_s += chunk.stats.prefill_s if chunk.stats is not None else 0.0
-            else:
-                still.append((k, req, t_start))
-        inflight = still
     wall = clock() - t0
     generated = sum(len(t) for t in tokens.values())
     decode_tokens = sum(max(0, len(t) - 1) for t in tokens.values())

@@ -584,6 +584,33 @@ class Engine:
         sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
         return self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
 
+    def run_requests(
+        self, starts: Sequence[Callable[[], Request]], in_flight: int
+    ) -> Iterator[list[tuple[int, StreamChunk]]]:
+        """Continuous batching over a list of requests: ``starts[i]()`` (e.g. a
+        :meth:`request` call) is called in order whenever fewer than ``in_flight`` run,
+        all running requests advance together (:meth:`step`), and each leaves once its
+        chunk carries a finish reason, its slot taken by the next.
+
+        Yields:
+            per step, ``(i, chunk)`` for every request of the step (``i`` its index in
+            ``starts``), in start order.
+
+        Raises:
+            ConfigError: ``in_flight`` < 1.
+        """
+        if in_flight < 1:
+            raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
+        waiting = list(range(len(starts)))
+        running: list[tuple[int, Request]] = []
+        while waiting or running:
+            while waiting and len(running) < in_flight:
+                i = waiting.pop(0)
+                running.append((i, starts[i]()))
+            chunks = self.step([r for _, r in running])
+            yield [(i, c) for (i, _), c in zip(running, chunks)]
+            running = [(i, r) for (i, r), c in zip(running, chunks) if c.finish_reason is None]
+
     def iterate(self, req: Request, should_cancel: Optional[Callable[[], bool]] = None) -> Iterator[StreamChunk]:
         """Step ``req`` alone until it finishes, yielding its non-empty chunks and the last.
         ``should_cancel`` is asked before every step after the first."""

@@ -343,33 +343,27 @@ def generate_responses_with_engine(
 
     Returns:
         one list of token ids per prompt (ending with EOS when the response ended there).
+
+    Raises:
+        ConfigError: ``in_flight`` < 1.
     """
-    if in_flight < 1:
-        raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
     out: list[list[int]] = [[] for _ in prompts]
-    queue = list(range(len(prompts)))
-    running: list[tuple[int, object]] = []
-    while queue or running:
-        while queue and len(running) < in_flight:
-            i = queue.pop(0)
-            req = engine.request(
-                list(prompts[i]),
-                max_new_tokens=max_new_tokens,
-                chat=False,
-                temperature=temperature,
-                top_p=0.95 if temperature > 0 else 1.0,
-                seed=seed + i,
-            )
-            running.append((i, req))
-        chunks = engine.step([r for _, r in running])
-        still = []
-        for (i, req), chunk in zip(running, chunks):
+
+    def start(i: int):
+        return lambda: engine.request(
+            list(prompts[i]),
+            max_new_tokens=max_new_tokens,
+            chat=False,
+            temperature=temperature,
+            top_p=0.95 if temperature > 0 else 1.0,
+            seed=seed + i,
+        )
+
+    for step in engine.run_requests([start(i) for i in range(len(prompts))], in_flight):
+        for i, chunk in step:
             out[i].extend(chunk.token_ids)
-            if chunk.finish_reason is None:
-                still.append((i, req))
-            elif progress:
+            if chunk.finish_reason is not None and progress:
                 progress(1)
-        running = still
     return out
 
 
@@ -934,9 +928,9 @@ def run_training(
     val_prompts = {prompts[i] for i in perm[: int(round(len(prompts) * train.val_fraction))]}
     val_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] in val_prompts]
     tr_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] not in val_prompts]
-    if init_head is not None:
-        draft_vocab = start_head.draft_vocab.detach().cpu()
+    if start_head is not None:
         head = start_head
+        draft_vocab = head.draft_vocab.detach().cpu()
     else:
         draft_vocab = choose_draft_vocab([seqs[i] for i in tr_idx], target.vocab_size, train.draft_vocab_size)
         torch.manual_seed(train.seed)  # the head's initial weights
