@@ -108,11 +108,28 @@ class FastLinear:
             kernels apply, else None (the caller uses its own path).
         attention: name of an attention implementation registered with transformers that
             skips grouped-query key/value copies for masked multi-row attention, or None.
+        layer_step: ``layer_step(layers, config, rotary_emb)``: the backend's fused C++
+            decoder step over a drafter's own decoder layers of the target's architecture
+            (an EAGLE head's), without embedding or final norm, or None where it cannot run
+            them; None when the backend has no fused step. Its ``new_state()`` makes a KV
+            state, ``forward_embeds([state], x [T, H], positions [T], [0, T], [mask [T,
+            past + T] | None])`` extends it by T rows and returns their outputs [T, H],
+            ``rollback(state, length)`` drops entries (see
+            :class:`~ragspec.backend.native.NativeDecoder`). ``int8=True``: the layers'
+            weights as Q8_0 blocks (a quarter of the bytes; drafts only).
+        int8_linear: ``int8_linear(weight [O, I], bias [O] | None)`` -> a function ``x [R,
+            I] -> float32 [R, O]`` over a Q8_0 copy of the weight (the backend's block
+            kernel; values changed by the weight's rounding: for drafts), or None where the
+            backend has no such kernel or the weight does not fit it.
     """
 
     route: Callable[[torch.nn.Module], int]
     linear: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
     attention: Optional[str] = None
+    layer_step: Optional[Callable[..., Any]] = None
+    int8_linear: Optional[
+        Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[Callable[[torch.Tensor], torch.Tensor]]]
+    ] = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -141,9 +141,15 @@ def _buffer_cache(buffer: torch.Tensor, length: int):
         def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
             super().__init__()
             self._kbuf, self._vbuf = kbuf, vbuf  # [H_kv, C, d] each
-            self.device, self.dtype = kbuf.device, kbuf.dtype
-            self.keys, self.values = kbuf[None, :, :length], vbuf[None, :, :length]
+            self.device, self.dtype = kbuf.device, torch.float32
+            self.keys, self.values = self._view(length)
             self.is_initialized = True
+
+        def _view(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # a float16 buffer (fast numerics) is read widened to float32, as the native
+            # step reads it: the forward attends to the rounded keys/values, new ones too
+            k, v = self._kbuf[None, :, :n], self._vbuf[None, :, :n]
+            return (k, v) if k.dtype == torch.float32 else (k.float(), v.float())
 
         def get_seq_length(self) -> int:
             return int(self.keys.shape[-2])
@@ -154,8 +160,7 @@ def _buffer_cache(buffer: torch.Tensor, length: int):
                 raise RuntimeError("native KV buffer too small for the new entries")
             self._kbuf[:, past : past + q] = key_states[0]
             self._vbuf[:, past : past + q] = value_states[0]
-            self.keys = self._kbuf[None, :, : past + q]
-            self.values = self._vbuf[None, :, : past + q]
+            self.keys, self.values = self._view(past + q)
             return self.keys, self.values
 
     cache = DynamicCache()
@@ -379,8 +384,62 @@ class HFTarget:
         if name == Capability.FAST_LINEAR:
             if not self.packed_linears:
                 return None
-            return FastLinear(route=self._route_linears, linear=self._fast_linear, attention=register_gqa_attention())
+            return FastLinear(
+                route=self._route_linears,
+                linear=self._fast_linear,
+                attention=register_gqa_attention(),
+                layer_step=self._layer_step if self._native is not None else None,
+                int8_linear=self._int8_linear,
+            )
         return None
+
+    def _layer_step(
+        self, layers: Sequence[torch.nn.Module], config: Any, rotary_emb: Any, int8: bool = False
+    ) -> Optional[NativeDecoder]:
+        """A drafter's decoder layers (an EAGLE head's) through the fused C++ step this
+        model's decoding uses, no final norm, float32 KV, the weights float32 or (``int8``)
+        Q8_0 blocks; None where the step cannot run them (the reason at debug level)."""
+        if self._native is None:
+            return None
+        blocks = None
+        if int8:
+            from .native import _linear_modules
+            from .quant import quantize_q8_0
+
+            blocks = {}
+            for layer in layers:
+                for m in _linear_modules(layer).values():
+                    if int(m.weight.shape[1]) % 32 == 0:
+                        blocks[m.weight.data_ptr()] = quantize_q8_0(m.weight)
+        try:
+            return NativeDecoder.for_layers(type(self._native.step), layers, config, rotary_emb, gguf=blocks)
+        except ValueError as e:
+            logger.debug("drafter layers stay on transformers' forward: %s", e)
+            return None
+
+    def _int8_linear(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """A drafter's linear over a Q8_0 copy of ``weight`` through the block kernel (see
+        ``FastLinear.int8_linear``); None without the kernel or for in-features not a
+        multiple of 32."""
+        from .kernels import load_quant_linear
+        from .quant import quantize_q8_0
+
+        if self.device.type != "cpu" or weight.dim() != 2 or int(weight.shape[1]) % 32:
+            return None
+        kernel = load_quant_linear()
+        if kernel is None:
+            return None
+        q = quantize_q8_0(weight)
+        b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            y = kernel(x.reshape(-1, shape[-1]).to(torch.float32).contiguous(), q.qs, q.scales, q.fmt, b)
+            return y.reshape(*shape[:-1], y.shape[-1])
+
+        return linear
 
     def _route_linears(self, module: torch.nn.Module) -> int:
         """A drafter's linears through this model's few-row kernels (one row included)."""
@@ -419,7 +478,8 @@ class HFTarget:
                 (:meth:`use_gguf_weights`; the same output bit for bit, fewer bytes per step).
             numerics: ``"exact"`` (default: float32 arithmetic, the values above) or
                 ``"fast"`` (opt-in: the GGUF-block linears with int8 activations, see
-                :meth:`use_gguf_weights`).
+                :meth:`use_gguf_weights`, and the native step's KV cache in float16, see
+                :class:`~ragspec.backend.native.NativeDecoder`).
 
         Raises:
             ConfigError: ``numerics`` is unknown, or ``"fast"`` cannot be served here (no
@@ -479,7 +539,9 @@ class HFTarget:
         if reason is not None:
             logger.debug("native decoder step off: %s", reason)
             return False
-        self._native = NativeDecoder(step_cls, self._decoder, self._gguf_weights)
+        # fast numerics keep the KV cache in float16 (as llama.cpp's default), exact float32
+        kv_dtype = torch.float16 if self.numerics == "fast" else torch.float32
+        self._native = NativeDecoder(step_cls, self._decoder, self._gguf_weights, kv_dtype=kv_dtype)
         logger.debug("native decoder step on (%d layers)", self._native.num_layers)
         return True
 

@@ -118,7 +118,7 @@ def _cpu_supported() -> bool:
 
 
 _NAME = "ragspec_cpu_kernels"  # the extension module's name (its PyInit_ symbol)
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 _STALE_BUILD_S = 3600.0  # unfinished build folders older than this are removed
 
 

@@ -93,13 +93,15 @@ def _linear_modules(layer: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def native_step_unsupported(decoder: torch.nn.Module) -> Optional[str]:
+def native_step_unsupported(decoder: Any, final_norm: bool = True) -> Optional[str]:
     """Why the native step cannot run ``decoder`` (a transformers base model, e.g.
     ``LlamaModel``), or None when it can: a Llama decoder in float32 on CPU, every layer of
     the standard structure (RMSNorm, bias-consistent q/k/v, SiLU MLP), ``nn.Linear`` weights
     contiguous, head size 32/64/128, hidden and intermediate sizes multiples of 32 (the
     element-wise ATen calls then take their vector path for every element, as in the
-    transformers forward), no sliding window, no bidirectional attention."""
+    transformers forward), no sliding window, no bidirectional attention. ``final_norm``
+    False: ``decoder`` needs no final ``norm`` (a layer stack whose output is taken before
+    any norm, as an EAGLE head's layer: :meth:`NativeDecoder.for_layers`)."""
     cfg = getattr(decoder, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in NATIVE_MODEL_TYPES:
         return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(NATIVE_MODEL_TYPES)}"
@@ -110,8 +112,10 @@ def native_step_unsupported(decoder: torch.nn.Module) -> Optional[str]:
     if int(getattr(cfg, "pretraining_tp", 1) or 1) != 1:
         return "pretraining_tp > 1"
     layers = getattr(decoder, "layers", None)
-    if not layers or getattr(decoder, "rotary_emb", None) is None or getattr(decoder, "norm", None) is None:
-        return "no layers / rotary_emb / norm"
+    if not layers or getattr(decoder, "rotary_emb", None) is None:
+        return "no layers / rotary_emb"
+    if final_norm and getattr(decoder, "norm", None) is None:
+        return "no final norm"
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     hidden = int(cfg.hidden_size)
@@ -120,7 +124,7 @@ def native_step_unsupported(decoder: torch.nn.Module) -> Optional[str]:
     if head_dim not in (32, 64, 128) or hidden % 32 or inter % 32 or heads % kv_heads:
         return f"sizes (hidden {hidden}, intermediate {inter}, head_dim {head_dim}, heads {heads}/{kv_heads})"
     eps = None
-    for layer in list(layers) + [None]:
+    for layer in list(layers) + ([None] if final_norm else []):
         norms = [decoder.norm] if layer is None else [layer.input_layernorm, layer.post_attention_layernorm]
         for norm in norms:
             if type(norm).__name__ != "LlamaRMSNorm" or not hasattr(norm, "variance_epsilon"):
@@ -183,15 +187,30 @@ class NativeDecoder:
         decoder: the transformers base model (checked by :func:`native_step_unsupported`).
         gguf: weight ``data_ptr()`` -> its GGUF-block twin (served by ``quant_linear``);
             other weights through ``skinny_linear`` in float32.
+        kv_dtype: the KV buffers' dtype: ``torch.float32`` (default, exact), or
+            ``torch.float16`` (``--numerics fast``: half the bytes a step's attention reads;
+            keys and values rounded to nearest when written, widened exactly when read, so
+            a verified row still equals the one-row step at its position bit for bit).
 
     Raises:
         ValueError: the decoder is not supported (the reason).
     """
 
-    def __init__(self, step_cls: type, decoder: torch.nn.Module, gguf: Optional[Mapping[int, "GGUFWeight"]] = None):
-        reason = native_step_unsupported(decoder)
+    def __init__(
+        self,
+        step_cls: type,
+        decoder: torch.nn.Module,
+        gguf: Optional[Mapping[int, "GGUFWeight"]] = None,
+        kv_dtype: torch.dtype = torch.float32,
+        *,
+        final_norm: bool = True,
+    ):
+        reason = native_step_unsupported(decoder, final_norm)
         if reason is not None:
             raise ValueError(f"native decoder step unsupported: {reason}")
+        if kv_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"native KV buffers are float32 or float16, not {kv_dtype}")
+        self.kv_dtype = kv_dtype
         cfg = decoder.config
         gguf = dict(gguf or {})
         self.decoder = decoder
@@ -209,7 +228,7 @@ class NativeDecoder:
             int(cfg.intermediate_size),
             float(first.input_layernorm.variance_epsilon),
             float(first.self_attn.scaling),
-            decoder.norm.weight.detach(),
+            decoder.norm.weight.detach() if final_norm else torch.empty(0),
         )
         served = 0
         for layer in decoder.layers:
@@ -233,12 +252,36 @@ class NativeDecoder:
         )
 
     # ------------------------------------------------------------------ KV buffers
+    @classmethod
+    def for_layers(
+        cls,
+        step_cls: type,
+        layers: Sequence[torch.nn.Module],
+        config: Any,
+        rotary_emb: Any,
+        gguf: Optional[Mapping[int, "GGUFWeight"]] = None,
+    ) -> "NativeDecoder":
+        """The C++ step over a bare stack of Llama decoder layers without embedding or final
+        norm (an EAGLE head's layer: its output is the predicted feature), float32 KV, the
+        weights float32 or their ``gguf`` block twins (weight ``data_ptr()`` -> blocks); run
+        it with :meth:`forward_embeds`.
+
+        Raises:
+            ValueError: the layers are not supported (the reason).
+        """
+        import types
+
+        view = types.SimpleNamespace(
+            config=config, layers=list(layers), rotary_emb=rotary_emb, norm=None, embed_tokens=None
+        )
+        return cls(step_cls, view, gguf, final_norm=False)  # type: ignore[arg-type]
+
     def new_state(self, capacity: int = 0) -> NativeKVState:
         """An empty KV state (a buffer of ``capacity`` positions; 0: allocated on first use)."""
         return NativeKVState(self._buffer(capacity), 0)
 
     def _buffer(self, capacity: int) -> torch.Tensor:
-        return torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=torch.float32)
+        return torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype)
 
     def reserve(self, state: NativeKVState, need: int) -> None:
         """Make room for ``need`` positions: a new buffer of max(need + 256, 2 x capacity)
@@ -298,12 +341,24 @@ class NativeDecoder:
             float32 [R, H], the hidden states after the final norm.
         """
         x = self.decoder.embed_tokens(ids[None])  # [1, R, H]
-        cos, sin = self.decoder.rotary_emb(x, positions[None])  # [1, R, d] each
+        return self.forward_embeds(states, x[0], positions, bounds, masks)
+
+    def forward_embeds(
+        self,
+        states: Sequence[NativeKVState],
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        bounds: Sequence[int],
+        masks: Sequence[Optional[torch.Tensor]],
+    ) -> torch.Tensor:
+        """:meth:`forward` from the rows' input vectors ``x`` float32 [R, H] instead of
+        their tokens (an EAGLE head's fused token-and-feature inputs)."""
+        cos, sin = self.decoder.rotary_emb(x[None], positions[None])  # [1, R, d] each
         pasts = []
         for s, a, b in zip(states, bounds[:-1], bounds[1:]):
             self.reserve(s, s.length + (b - a))
             pasts.append(s.length)
-        hidden = self.step.forward(x[0], cos[0], sin[0], [s.buffer for s in states], list(bounds), pasts, list(masks))
+        hidden = self.step.forward(x, cos[0], sin[0], [s.buffer for s in states], list(bounds), pasts, list(masks))
         for s, a, b in zip(states, bounds[:-1], bounds[1:]):
             s.length += b - a
         return hidden

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -68,7 +68,16 @@ class EagleDrafter:
             2-core CPU; draft values change by float rounding only), and its masked
             multi-row attention through the backend's grouped-query attention.
         tree: tree shape.
-        fast: use the backend's kernels (default: when it offers them).
+        fast: use the backend's kernels (default: when it offers them). Where the backend
+            also runs its decoding through a fused C++ step (``FastLinear.layer_step``), the
+            head's layer runs through that step too, with a native KV state per session:
+            the Python of transformers' layer (most of a head forward's ~2-4 ms on the
+            2-core CPU) is gone; draft values change by float rounding at most.
+        int8: with the fused step, the head's linears (``fc``, the layer, the draft
+            vocabulary's output rows) as Q8_0 blocks (``FastLinear.int8_linear``): a
+            quarter of float32's bytes, the draft step being memory-bound (a 4-level draft
+            ~6 -> ~3 ms on the 2-core Xeon); drafts change by the weights' rounding, the
+            output never (drafts are verified).
 
     Trees have source ``"eagle"``, ``match_len`` 0 (so a composite in ``longest_match``
     mode prefers any retrieval draft), ``scores`` = each node's conditional draft
@@ -78,6 +87,9 @@ class EagleDrafter:
 
     name = "eagle"
 
+    CATCH_UP_ROWS = 32
+    """Rows per fused-step call when the head catches up on committed pairs."""
+
     def __init__(
         self,
         head: EagleHead,
@@ -85,6 +97,7 @@ class EagleDrafter:
         tree: EagleTreeConfig = EagleTreeConfig(),
         *,
         fast: Optional[bool] = None,
+        int8: bool = True,
     ) -> None:
         self.head = head
         self.tree = tree
@@ -97,6 +110,11 @@ class EagleDrafter:
             raise ConfigError(f"{type(target).__name__} declares no decoder layout: EAGLE heads cannot draft for it")
         self.new_cache = layout.new_cache  # the head's per-request KV caches
         kernels: Optional[FastLinear] = target.capability(Capability.FAST_LINEAR) if fast is not False else None
+        # the head's layer through the backend's fused step (None: transformers' layer),
+        # and its fc / output rows over Q8_0 blocks (None: float32)
+        self._layer_step: Optional[Any] = None
+        self._fc_int8: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._lm_int8: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         if kernels is not None:
             # the draft vocabulary's rows of the output layer as a module of their own
             # (sharing the weight), routed with the head's layers
@@ -111,9 +129,59 @@ class EagleDrafter:
                 head._fast_linears = True
             if kernels.attention is not None and head.config._attn_implementation == "sdpa":
                 head.config._attn_implementation = kernels.attention
+            if kernels.layer_step is not None:
+                self._layer_step = kernels.layer_step([head.layer], head.config, head.rotary_emb, int8=int8)
+                if self._layer_step is not None:
+                    self.new_cache = self._layer_step.new_state
+                    if int8 and kernels.int8_linear is not None:
+                        self._fc_int8 = kernels.int8_linear(head.fc.weight.detach(), head.fc.bias.detach())
+                        self._lm_int8 = kernels.int8_linear(self._lm_weight, self._lm_bias)
+
+    @property
+    def native_layer(self) -> bool:
+        """Whether the head's layer runs through the backend's fused step."""
+        return self._layer_step is not None
+
+    def head_forward(
+        self, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor], cache: Any
+    ) -> torch.Tensor:
+        """The head over T pairs extending ``cache`` (a session's, from :attr:`new_cache`):
+        ids int64 [1, T], feats [1, T, H], pos int64 [1, T], mask bool [1, 1, T, S] (S =
+        cached + T; True = attend) or None (causal) -> predicted features [T, H]."""
+        if self._layer_step is None:
+            return self.head(ids, feats, pos, mask, cache)[0]
+        if self._fc_int8 is not None:
+            embeds = self.head.embed_tokens(ids).to(feats.dtype)  # [1, T, H]
+            x = self._fc_int8(torch.cat([embeds, feats], dim=-1)[0])  # [T, H]
+        else:
+            x = self.head.layer_input(ids, feats)[0]  # [T, H]
+        t = int(x.shape[0])
+        if mask is not None:
+            return self._layer_step.forward_embeds([cache], x, pos[0], [0, t], [mask[0, 0]])
+        # causal (a catch-up, up to a whole prompt): pieces of a few rows, the step's design
+        # point (its attention and linear kernels are made for 1-64 rows)
+        step = self.CATCH_UP_ROWS
+        outs = [
+            self._layer_step.forward_embeds(
+                [cache], x[a : a + step], pos[0, a : a + step], [0, min(step, t - a)], [None]
+            )
+            for a in range(0, t, step)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def crop(self, cache: Any, length: int) -> None:
+        """Keep a session cache's first ``length`` entries."""
+        if self._layer_step is not None:
+            self._layer_step.rollback(cache, length)
+        else:
+            _crop(cache, length)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features float [R, H] -> draft-vocabulary logits float32 [R, Vd] (no autograd)."""
+        if self._lm_int8 is not None:
+            out = self._lm_int8(features)
+            cap = self.head.logit_softcap
+            return (torch.tanh(out / cap) * cap if cap else out).float()
         return self.head.logits(features, self._lm_weight, self._lm_bias, linear=self._lm)
 
     def start_request(
@@ -194,16 +262,19 @@ class EagleSession:
             return self._last_pred is not None and end == self._fed
         feats = torch.cat(self._pending, dim=0)  # [num_features - fed, H]
         n = end - self._fed
-        head = self._d.head
         dev = feats.device
         ids = torch.tensor(self._tokens[self._fed + 1 : end + 1], dtype=torch.long, device=dev)[None]  # [1, n]
         pos = torch.arange(self._fed, end, device=dev)[None]  # [1, n]
-        mask = torch.ones(n, self._fed + n, dtype=torch.bool, device=dev)
-        mask[:, self._fed :] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        out = head(ids, feats[:n][None], pos, mask[None, None], self._cache)  # [1, n, H]
+        # every committed entry, then causal among the n new ones (the fused step: None)
+        mask = None
+        if not self._d.native_layer:
+            mask = torch.ones(n, self._fed + n, dtype=torch.bool, device=dev)
+            mask[:, self._fed :] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            mask = mask[None, None]
+        out = self._d.head_forward(ids, feats[:n][None], pos, mask, self._cache)  # [n, H]
         self._cache_len += n
         self._fed = end
-        self._last_pred = out[0, -1]
+        self._last_pred = out[-1]
         rest = feats[n:]
         self._pending = [rest] if rest.shape[0] else []
         return True
@@ -223,7 +294,7 @@ class EagleSession:
                 tree = self._grow(max_tokens)
             finally:
                 # drop the draft entries: only committed pairs stay in the head's cache
-                _crop(self._cache, committed)
+                self._d.crop(self._cache, committed)
                 self._cache_len = committed
         self._unverified = tree.num_nodes > 0
         return tree
@@ -231,7 +302,7 @@ class EagleSession:
     def _grow(self, max_nodes: int) -> DraftTree:
         """EAGLE-2 tree growth from the root's predicted feature; see the module docstring."""
         d = self._d
-        head, cfg = d.head, d.tree
+        cfg = d.tree
         k = max(1, min(cfg.top_k, max_nodes))
         depth = max(1, min(cfg.depth, max_nodes, self._levels(cfg.depth)))
         log_min = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else -math.inf
@@ -288,7 +359,7 @@ class EagleSession:
             )[None, None]  # [1, 1, m, cache + E + m]
             ids = torch.tensor([d._vocab_list[tok[n]] for n in frontier], dtype=torch.long, device=dev)[None]  # [1, m]
             pos = torch.full((1, m), root_pos + level, dtype=torch.long, device=dev)
-            out = head(ids, parent_feat[None], pos, mask, self._cache)[0]  # [m, H]
+            out = d.head_forward(ids, parent_feat[None], pos, mask, self._cache)  # [m, H]
             self._cache_len += m
             num_entries += m
             logp = torch.log_softmax(d.draft_logits(out), dim=-1)  # [m, Vd]

@@ -228,6 +228,13 @@ class EagleHead(nn.Module):
         return out.float()
 
     # ------------------------------------------------------------------ forward
+    def layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """int64 [B, T] tokens t + 1 and features [B, T, H] -> the layer's input
+        ``fc([embed(token) ; feature])`` [B, T, H] (no gradient into the embedding)."""
+        with torch.no_grad():
+            embeds = self.embed_tokens(input_ids)  # [B, T, H]
+        return self.fc(torch.cat([embeds.to(features.dtype), features], dim=-1))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -249,9 +256,7 @@ class EagleHead(nn.Module):
         Returns:
             predicted features [B, T, H] (feature t + 1 of each pair).
         """
-        with torch.no_grad():
-            embeds = self.embed_tokens(input_ids)  # [B, T, H], no gradient into the target
-        x = self.fc(torch.cat([embeds.to(features.dtype), features], dim=-1))  # [B, T, H]
+        x = self.layer_input(input_ids, features)  # [B, T, H]
         pos_emb = self.rotary_emb(x, position_ids)
         if attention_mask is None:
             t = input_ids.shape[1]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_native_step import _llama, _target, kernels  # noqa: F401
 
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PolicyConfig
@@ -608,3 +609,45 @@ def test_init_head_that_is_not_a_head_fails_before_any_generation(model, tok, tm
             init_head=tmp_path / "nothead",
         )
     assert not (tmp_path / "work" / "features.pt").exists()  # nothing was generated
+
+
+def test_head_through_the_fused_step_drafts_like_transformers_layer(kernels):  # noqa: F811
+    """Where the target decodes through the fused C++ step, the head's layer runs through it
+    too (``FastLinear.layer_step``, no final norm, its own native KV state): float32, the
+    predicted features and draft trees of transformers' layer up to float rounding; with
+    its linears as Q8_0 blocks (the default) close to them, and greedy output still equal
+    to plain greedy."""
+    import copy
+
+    model = _llama(seed=3)
+    plain_t = _target(kernels, copy.deepcopy(model), native=False)
+    native_t = _target(kernels, copy.deepcopy(model), native=True)
+    torch.manual_seed(0)
+    base = EagleHead.from_target(plain_t)
+    heads = []
+    for t in (plain_t, native_t, native_t):
+        h = EagleHead.from_target(t)
+        h.load_state_dict(base.state_dict())
+        heads.append(h)
+    plain = EagleDrafter(heads[0], plain_t)
+    fused = EagleDrafter(heads[1], native_t, int8=False)
+    int8 = EagleDrafter(heads[2], native_t)
+    assert not plain.native_layer and fused.native_layer and int8.native_layer
+    assert fused._lm_int8 is None and int8._lm_int8 is not None and int8._fc_int8 is not None
+    prompt = [5 + (7 * i) % 80 for i in range(70)]  # more than one catch-up piece (32 rows)
+    preds, trees = [], []
+    for d, t in ((plain, plain_t), (fused, native_t), (int8, native_t)):
+        s, _ = _prefilled_session(d, t, prompt, root=9)
+        tree = s.propose(8)
+        assert tree.num_nodes > 0
+        assert s._cache_len == len(prompt)  # the draft entries are dropped again
+        preds.append(s._last_pred)
+        trees.append(tree)
+    torch.testing.assert_close(preds[1], preds[0], rtol=1e-4, atol=1e-5)
+    assert trees[1].tokens.tolist() == trees[0].tokens.tolist()
+    assert trees[1].parents.tolist() == trees[0].parents.tolist()
+    rel = ((preds[2] - preds[0]).norm() / preds[0].norm()).item()
+    assert 0 < rel < 0.05, rel
+    eng = Engine(native_t, make_char_tokenizer(), drafter=int8, policy=PolicyConfig(adaptive=False))
+    for p in ([3, 4, 5, 6, 7, 3, 4, 5, 6], prompt[:30]):
+        assert eng.generate(p, max_new_tokens=20, chat=False).token_ids == greedy_reference(model, p, 20)

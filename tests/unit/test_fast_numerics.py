@@ -251,3 +251,80 @@ def test_fast_and_exact_numerics_differ_only_by_the_activations_rounding(fast, k
     rel = ((a.hidden - b.hidden).norm() / a.hidden.norm()).item()
     assert rel < 0.05, rel
     assert np.isfinite(b.logits.numpy()).all()
+
+
+# --------------------------------------------------------------------------- float16 KV cache
+def _attention_case(gen, d, heads, kv_heads, q, past, masked):
+    """Queries float32 [1, heads, q, d]; keys/values float16 views [1, kv_heads, past + q, d]
+    of a larger buffer (as the native step passes them); a tree-like mask or None."""
+    s = past + q
+    buf = torch.randn(2, kv_heads, s + 37, d, generator=gen).half()
+    keys, values = buf[0, :, :s][None], buf[1, :, :s][None]
+    queries = torch.randn(1, heads, q, d, generator=gen)
+    mask = None
+    if masked:
+        mask = torch.ones(1, 1, q, s, dtype=torch.bool)
+        mask[..., past:] = torch.rand(q, q, generator=gen) > 0.5
+        for i in range(q):
+            mask[0, 0, i, past + i] = True
+            mask[0, 0, i, past + i + 1 :] = False
+    return queries, keys, values, mask
+
+
+@pytest.mark.parametrize("isa", ["avx2", "auto"])
+def test_attention_over_float16_keys_is_the_float32_kernel_over_them_widened(kernels, isa):  # noqa: F811
+    """A float16 KV cache (fast numerics) is read widened to float32, exactly: every path
+    (one-row items, the AVX-512 tiles of 4+ rows, masked trees, a block boundary) gives the
+    float32 call's bits over ``keys.float()``, so a verified row still equals the one-row
+    step at its position."""
+    _, attention, _ = kernels
+    prev = kernel_lib.set_cpu_isa(isa)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        for d, heads, kv_heads in ((64, 9, 3), (32, 4, 2), (128, 8, 1)):
+            for q, past, masked in ((1, 700, False), (2, 61, True), (5, 130, True), (9, 63, False)):
+                queries, keys, values, mask = _attention_case(gen, d, heads, kv_heads, q, past, masked)
+                out = attention(queries, keys, values, mask, d**-0.5)
+                ref = attention(queries, keys.float(), values.float(), mask, d**-0.5)
+                assert out.dtype == torch.float32
+                assert torch.equal(out, ref), (d, heads, q, past, masked)
+    finally:
+        kernel_lib.set_cpu_isa(prev)
+
+
+def test_attention_of_several_requests_in_one_call_equals_each_alone(kernels):  # noqa: F811
+    """The native step's batched attention (one parallel region for all requests of a layer)
+    gives each request exactly its own call's output, float32 and float16 caches mixed."""
+    _, attention, _ = kernels
+    many = kernel_lib._load_module().few_query_attention_many
+    gen = torch.Generator().manual_seed(5)
+    cases = [_attention_case(gen, 64, 9, 3, q, past, masked) for q, past, masked in ((1, 700, False), (5, 300, True))]
+    cases += [_attention_case(gen, 64, 9, 3, 3, 64, True), _attention_case(gen, 64, 9, 3, 9, 1000, True)]
+    cases[0] = (cases[0][0], cases[0][1].float(), cases[0][2].float(), None)
+    outs = many([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], [c[3] for c in cases], 0.125)
+    assert len(outs) == len(cases)
+    for out, (queries, keys, values, mask) in zip(outs, cases):
+        assert torch.equal(out, attention(queries, keys, values, mask, 0.125))
+    with pytest.raises(RuntimeError, match="one key, value and mask per query"):
+        many([cases[0][0]], [], [], [], 0.125)
+
+
+def test_fast_numerics_keep_the_kv_cache_in_float16(fast, kernels, tmp_path):  # noqa: F811
+    """Fast numerics store keys/values in float16 (half the bytes a step's attention reads,
+    as llama.cpp's default cache); exact numerics keep float32. A chunked prefill whose later
+    chunk runs transformers' forward over the float16 buffer agrees with the one-shot
+    prefill to float16 rounding, and the buffer stays float16."""
+    fast_t = _fast_target(kernels, tmp_path, "f.gguf")
+    exact = _fast_target(kernels, tmp_path, "e.gguf", numerics="exact")
+    assert fast_t.new_state().buffer.dtype == torch.float16
+    assert exact.new_state().buffer.dtype == torch.float32
+    prompt = [5 + (i * 7) % 50 for i in range(200)]
+    with torch.inference_mode():
+        whole, chunked = fast_t.new_state(), fast_t.new_state()
+        ref = fast_t.prefill(whole, prompt).logits
+        fast_t.prefill(chunked, prompt[:100])
+        out = fast_t.prefill(chunked, prompt[100:]).logits
+    assert chunked.length == whole.length == len(prompt)
+    assert chunked.buffer.dtype == torch.float16
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel

@@ -284,8 +284,12 @@ def test_few_query_attention_rejects_what_it_does_not_compute(attention):
         attention(torch.randn(1, 4, 2, 48), torch.randn(1, 2, 10, 48), torch.randn(1, 2, 10, 48), None, 1.0)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         attention(torch.randn(1, 3, 2, 64), k, k, None, 1.0)  # 3 query heads over 2 key/value heads
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 queries, float32 or float16 keys"):
         attention(q.double(), k.double(), k.double(), None, 1.0)
+    with pytest.raises(RuntimeError, match="float32 queries, float32 or float16 keys"):
+        attention(q, k.half(), k, None, 1.0)  # keys and values of different dtypes
+    with pytest.raises(RuntimeError, match="float32 queries, float32 or float16 keys"):
+        attention(q.half(), k.half(), k.half(), None, 1.0)
     with pytest.raises(RuntimeError, match="mask must be"):
         attention(q, k, k, torch.ones(1, 1, 2, 9, dtype=torch.bool), 1.0)
 
@@ -347,3 +351,23 @@ def test_speed_up_installs_both_compiled_kernels(skinny, attention):
     plain = HFTarget(make_tiny_llama(layers=1, head_dim=32))
     plain.speed_up(cpu_kernels=False)
     assert plain.skinny is None and plain.attention_kernel is None
+
+
+def test_q8_0_quantization_rounds_each_block_to_its_scale():
+    """quantize_q8_0 (a drafter's own weights as Q8_0 blocks): per 32 weights d = max|w| /
+    127 and q = round(w / d), so each weight is off by d / 2 at most; an all-zero block
+    stays zero; other shapes are refused."""
+    from ragspec.backend.quant import Q8_0, quantize_q8_0
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=gen)
+    w[3, 32:64] = 0.0
+    q = quantize_q8_0(w)
+    assert q.fmt == Q8_0 and q.well_formed() and q.shape == (24, 96)
+    d = q.scales[..., None]  # [24, 3, 1]
+    back = (q.qs.reshape(24, 3, 32).float() * d).reshape(24, 96)
+    assert torch.all((back - w).abs() <= d.expand(24, 3, 32).reshape(24, 96) / 2 + 1e-7)
+    assert torch.equal(back[3, 32:64], torch.zeros(32))
+    assert int(q.qs.abs().max()) == 127
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(4, 40))

@@ -14,9 +14,18 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
                            c10::optional<torch::Tensor> bias);
 
 // query float32 [1, Hq, Q, d], key/value [1, Hkv, S, d] (contiguous last dimension), mask
-// bool [1, 1, Q, S] or empty, scale -> float32 [1, Q, Hq, d].
+// bool [1, 1, Q, S] or empty, scale -> float32 [1, Q, Hq, d]. Keys/values float32 or float16
+// (widened exactly: the float32 call's bits over key.float()).
 torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                                   c10::optional<torch::Tensor> mask, double scale);
+
+// The same for several requests (query i over key/value i, mask i) in one parallel region;
+// each output is bit for bit the single call's.
+std::vector<torch::Tensor> few_query_attention_many(const std::vector<torch::Tensor>& queries,
+                                                    const std::vector<torch::Tensor>& keys,
+                                                    const std::vector<torch::Tensor>& values,
+                                                    const std::vector<c10::optional<torch::Tensor>>& masks,
+                                                    double scale);
 
 // Registers the fused decoder step (decoder_step.cpp) with the extension module.
 void register_decoder_step(pybind11::module& m);

@@ -18,13 +18,16 @@
 // w * (x * (1 / sqrt(mean(x^2) + eps))), RoPE (q * cos) + (rotate_half(q) * sin),
 // SiLU(gate) * up, residual adds.
 //
-// KV layout (one buffer per request, owned by the caller): float32 [L, 2, H_kv, C, d]
-// contiguous (layer, key/value, head, position, dimension; C the capacity): the new rows of
+// KV layout (one buffer per request, owned by the caller): float32 or float16 (a float16 KV
+// cache: the new rows' keys and values rounded to nearest when written, widened exactly when
+// read) [L, 2, H_kv, C, d] contiguous (layer, key/value, head, position, dimension; C the capacity): the new rows of
 // a request are written at positions past .. past + Q - 1 of its buffer, and its attention
 // reads positions 0 .. past + Q - 1.
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
+
+#include <immintrin.h>
 
 #include <chrono>
 #include <cmath>
@@ -34,6 +37,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMaxHeadDim = 128;  // the head dims the step takes: 32, 64, 128
 
 // One linear layer: a float32 weight (skinny_linear) or GGUF blocks (quant_linear).
 struct Linear {
@@ -168,6 +173,13 @@ void gated(const float* g, const float* u, int64_t us, float* y, int64_t R, int6
 }
 
 // x += y (transformers: residual + hidden_states)
+// float32 -> float16, round to nearest even (F16C; torch's float -> half conversion too)
+void narrow_row(const float* x, uint16_t* y, int64_t d) {
+  for (int64_t c = 0; c < d; c += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + c),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
 }
@@ -191,7 +203,8 @@ class DecoderStep {
         scale_(scale) {
     TORCH_CHECK(Hkv_ > 0 && Hq_ % Hkv_ == 0, "DecoderStep: heads must be a multiple of kv_heads");
     TORCH_CHECK(d_ == 32 || d_ == 64 || d_ == 128, "DecoderStep: head_dim must be 32, 64 or 128");
-    norm_ = check_norm(final_norm);
+    // an empty final_norm: none (the layers' output itself, e.g. an EAGLE head's layer)
+    if (final_norm.numel() > 0) norm_ = check_norm(final_norm);
   }
 
   void add_layer(torch::Tensor ln1, std::vector<LinearSpec> qkv, LinearSpec o, torch::Tensor ln2,
@@ -237,8 +250,8 @@ class DecoderStep {
       TORCH_CHECK(Q > 0 && past >= 0, "DecoderStep: every request needs rows");
       const auto& b = kv[i];
       TORCH_CHECK(b.dim() == 5 && b.size(0) == L && b.size(1) == 2 && b.size(2) == Hkv_ && b.size(4) == d_ &&
-                      b.scalar_type() == at::kFloat && b.is_contiguous(),
-                  "DecoderStep: kv buffer must be float32 [L, 2, H_kv, capacity, head_dim] contiguous");
+                      (b.scalar_type() == at::kFloat || b.scalar_type() == at::kHalf) && b.is_contiguous(),
+                  "DecoderStep: kv buffer must be float32 or float16 [L, 2, H_kv, capacity, head_dim] contiguous");
       TORCH_CHECK(past + Q <= b.size(3), "DecoderStep: kv buffer too small for the new rows");
       const int64_t S = past + Q;
       if (masks[i].has_value() && masks[i]->defined()) {
@@ -276,33 +289,43 @@ class DecoderStep {
         for (int64_t hh = 0; hh < Hq_; ++hh)
           rope_row(qkvp + r * QKV + hh * d_, cp + r * d_, sp + r * d_, qp + (r * Hq_ + hh) * d_, d_);
       for (int64_t i = 0; i < n; ++i) {
-        float* base = kv[i].data_ptr<float>();
         const int64_t C = kv[i].size(3);
-        float* kb = base + (l * 2 + 0) * Hkv_ * C * d_;
-        float* vb = base + (l * 2 + 1) * Hkv_ * C * d_;
+        const int64_t koff = (l * 2 + 0) * Hkv_ * C * d_, voff = (l * 2 + 1) * Hkv_ * C * d_;
+        const bool half = kv[i].scalar_type() == at::kHalf;
         for (int64_t r = bounds[i]; r < bounds[i + 1]; ++r) {
           const int64_t pos = pasts[i] + (r - bounds[i]);
           for (int64_t hh = 0; hh < Hkv_; ++hh) {
             const float* ksrc = qkvp + r * QKV + (Hq_ + hh) * d_;
             const float* vsrc = qkvp + r * QKV + (Hq_ + Hkv_ + hh) * d_;
-            rope_row(ksrc, cp + r * d_, sp + r * d_, kb + (hh * C + pos) * d_, d_);
-            std::copy(vsrc, vsrc + d_, vb + (hh * C + pos) * d_);
+            const int64_t at = (hh * C + pos) * d_;
+            if (half) {  // a float16 KV cache: the float32 values rounded to nearest (as torch's .half())
+              uint16_t* base = reinterpret_cast<uint16_t*>(kv[i].data_ptr());
+              float krot[kMaxHeadDim];
+              rope_row(ksrc, cp + r * d_, sp + r * d_, krot, d_);
+              narrow_row(krot, base + koff + at, d_);
+              narrow_row(vsrc, base + voff + at, d_);
+            } else {
+              float* base = kv[i].data_ptr<float>();
+              rope_row(ksrc, cp + r * d_, sp + r * d_, base + koff + at, d_);
+              std::copy(vsrc, vsrc + d_, base + voff + at);
+            }
           }
         }
       }
       tick(kRope, t0);
       torch::Tensor attn;  // [R, Hq d]
-      std::vector<torch::Tensor> outs;
+      std::vector<torch::Tensor> queries, keys, values;
+      std::vector<c10::optional<torch::Tensor>> ms;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t a = bounds[i], Q = bounds[i + 1] - a, S = pasts[i] + Q;
-        auto query = q.narrow(0, a, Q).permute({1, 0, 2}).unsqueeze(0);  // [1, Hq, Q, d]
-        auto layer_kv = kv[i].select(0, l);                               // [2, Hkv, C, d]
-        auto key = layer_kv.select(0, 0).narrow(1, 0, S).unsqueeze(0);    // [1, Hkv, S, d]
-        auto value = layer_kv.select(0, 1).narrow(1, 0, S).unsqueeze(0);
-        c10::optional<torch::Tensor> m;
-        if (mask[i].defined()) m = mask[i];
-        outs.push_back(few_query_attention(query, key, value, m, scale_));  // [1, Q, Hq, d]
+        queries.push_back(q.narrow(0, a, Q).permute({1, 0, 2}).unsqueeze(0));  // [1, Hq, Q, d]
+        auto layer_kv = kv[i].select(0, l);                                     // [2, Hkv, C, d]
+        keys.push_back(layer_kv.select(0, 0).narrow(1, 0, S).unsqueeze(0));     // [1, Hkv, S, d]
+        values.push_back(layer_kv.select(0, 1).narrow(1, 0, S).unsqueeze(0));
+        ms.push_back(mask[i].defined() ? c10::optional<torch::Tensor>(mask[i]) : c10::nullopt);
       }
+      // every request's attention in one parallel region ([1, Q_i, Hq, d] each)
+      auto outs = few_query_attention_many(queries, keys, values, ms, scale_);
       attn = (n == 1 ? outs[0] : at::cat(outs, 1)).view({R, Hq_ * d_});
       tick(kAttention, t0);
       auto o = layer.o(attn);  // [R, H]
@@ -322,11 +345,12 @@ class DecoderStep {
       add_into(xp, dn.data_ptr<float>(), R * H_);
       tick(kResidual, t0);
     }
+    ++steps_;
+    if (!norm_.defined()) return x;
     auto t0 = Clock::now();
     auto out = torch::empty({R, H_}, opts);
     rms_norm(x, norm_, sq, out);
     tick(kNorm, t0);
-    ++steps_;
     return out;
   }
 
