@@ -33,8 +33,9 @@ length (``DraftTree.node_match_len``) and is rated within its source's run
 token, not as the continuation of the head's path.
 
 The head's draft time is the one cost the engine's cost model does not see (it prices
-verification rows only): on a 2-core CPU a 4-level head draft takes ~5-8 ms beside a 13-30
-ms step. With ``calibrate`` (default) the session measures, per request and on an injected
+verification rows only): on a 2-core CPU a 4-level head draft takes ~2.5-4 ms (its layer
+through the fused step over Q8_0 weights; ~5-8 ms through transformers' layer) beside an
+8-18 ms step. With ``calibrate`` (default) the session measures, per request and on an injected
 clock, the head's draft time ``t_head`` and the rest of a step ``T`` (seconds), and, per
 *retrieval state* (R empty, or R's match-length bucket: 1, 2, 3, 4-5, 6-9, 10+ tokens),
 the head's *gain*: accepted tokens of a step where it ran minus what R alone would have
