@@ -361,9 +361,7 @@ def cmd_concurrency(args) -> int:
 
     levels = parse_levels(args.concurrency)
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["summarization", "rag"]
-    rows = bench.load_prompts(args.data, cats, args.limit)
-    if not rows:
-        raise ConfigError("no prompts selected")
+    rows = bench.load_prompts(args.data, cats, args.limit, required=True)
     runner = None
     if getattr(args, "compare", None):
         from . import compare

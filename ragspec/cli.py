@@ -93,13 +93,30 @@ def _engine(args, calibrate: bool = True):
 
 
 def _read_text(path: str) -> str:
+    """A prompt or document file's text.
+
+    Raises:
+        ConfigError: the path is missing or a directory, the file is not UTF-8 text (binary),
+            or it is empty.
+    """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory, not a text file")
     if not p.is_file():
         raise ConfigError(f"file not found: {p}")
-    return p.read_text(encoding="utf-8", errors="replace")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text (a binary file?): byte {e.start} cannot be decoded") from None
+    if "\x00" in text:
+        raise ConfigError(f"{p} is not a text file (it holds NUL bytes)")
+    if not text.strip():
+        raise ConfigError(f"{p} is empty")
+    return text
 
 
-def _print_stats(out, baseline=None) -> None:
+def _print_stats(out, baseline=None, fast: bool = False) -> None:
     s = out.stats
     print(
         f"\n[{s.num_generated_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_s:.1f} tok/s | "
@@ -115,6 +132,12 @@ def _print_stats(out, baseline=None) -> None:
             f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {_identity(out, toks)}]",
             file=sys.stderr,
         )
+        if fast and _identity(out, toks) != "yes":
+            print(
+                "[--numerics fast: int8 activations round differently from transformers' float32, so its output may "
+                "differ from plain model.generate; within the mode speculative output equals its own plain decoding]",
+                file=sys.stderr,
+            )
 
 
 def _identity(out, baseline_tokens) -> str:
@@ -176,7 +199,7 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
     if compare:
         b = _baseline(engine, prompt, args)
         base = (b["token_ids"], b["seconds"])
-    _print_stats(out, base)
+    _print_stats(out, base, fast=getattr(engine.target, "numerics", "exact") == "fast")
     return 0
 
 
@@ -335,9 +358,7 @@ def cmd_bench(args) -> int:
     if getattr(args, "profile_step", 0) < 0:
         raise ConfigError(f"--profile-step must be a number of steps >= 1 (0: no profile), got {args.profile_step}")
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    rows = bench.load_prompts(args.data, cats, args.limit)
-    if not rows:
-        raise ConfigError("no prompts selected")
+    rows = bench.load_prompts(args.data, cats, args.limit, required=True)
     if args.replay:
         return cmd_replay(args, rows)
     if args.profile_step:
@@ -392,6 +413,9 @@ def cmd_bench(args) -> int:
     if args.also_numerics:
         for mode in dict.fromkeys(m.strip() for m in args.also_numerics.split(",") if m.strip()):
             if mode == args.numerics:
+                print(
+                    f"--also-numerics {mode}: already the main column's numerics (--numerics {mode})", file=sys.stderr
+                )
                 continue
             # the same options, another target arithmetic (a second copy of the model)
             other = _engine(argparse.Namespace(**{**vars(args), "numerics": mode}), calibrate=not args.no_calibrate)

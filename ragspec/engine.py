@@ -198,6 +198,15 @@ class _Pending:
     past: int
 
 
+def _check_text(text: str, what: str) -> None:
+    """Raise ConfigError where ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g.
+    from JSON ``"\ud800"``): the tokenizer would fail with an internal type error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid Unicode text: a lone surrogate at character {e.start}") from None
+
+
 class Engine:
     """Lossless speculative decoding over a :class:`~ragspec.backend.base.Target`.
 
@@ -295,13 +304,14 @@ class Engine:
         tokenizer has one); a list of ids is taken as is.
 
         Raises:
-            ConfigError: the prompt is empty.
+            ConfigError: the prompt is empty, or not valid Unicode text (a lone surrogate).
         """
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
             if not ids:
                 raise ConfigError("prompt is empty")
             return ids
+        _check_text(prompt, "prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
@@ -314,7 +324,15 @@ class Engine:
         return list(ids)
 
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) through the chat template."""
+        """Token ids of a chat (list of {"role", "content"}) through the chat template.
+
+        Raises:
+            ConfigError: a message's content is not valid Unicode text (a lone surrogate).
+        """
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                _check_text(content, f"messages[{i}].content")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -322,12 +340,13 @@ class Engine:
         """Token ids of each document (no special tokens).
 
         Raises:
-            ConfigError: a document is not a string.
+            ConfigError: a document is not a string, or not valid Unicode text.
         """
         out = []
-        for d in documents:
+        for i, d in enumerate(documents):
             if not isinstance(d, str):
                 raise ConfigError(f"documents must be strings, got {type(d).__name__}")
+            _check_text(d, f"documents[{i}]")
             out.append(list(self.tokenizer(d, add_special_tokens=False)["input_ids"]))
         return out
 

@@ -138,9 +138,7 @@ def cmd_eagle_bench(args) -> int:
 
     kinds = [k.strip() for k in args.drafters.split(",") if k.strip()]
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    rows = bench.load_prompts(args.data, cats, args.limit)
-    if not rows:
-        raise ConfigError("no prompts selected")
+    rows = bench.load_prompts(args.data, cats, args.limit, required=True)
     target, tok, spec = load_target(args.model, args.device, args.dtype)
     pld = PromptLookupDrafter(PLDConfig())
     # measuring on a loaded machine can give an absurd shape (q=2 six times q=1) that the

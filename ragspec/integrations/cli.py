@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from .settings import ServerSettings, parse_datastore
@@ -119,6 +120,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings=settings,
         datastore_engines=_datastore_engines(engine, settings),
         response_cache=_response_cache(engine, settings),
+    )
+    # the one line a user waits for (uvicorn's own start-up lines only with -v)
+    print(
+        f"ragspec serve: {engine.model_name} on http://{settings.host}:{settings.port} (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
     )
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
     return 0

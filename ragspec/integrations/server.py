@@ -407,6 +407,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None)).response()
 
+    @app.exception_handler(RagspecError)
+    async def _ragspec(request: Request, exc: RagspecError) -> JSONResponse:
+        # a typed error raised while a request is prepared (an empty prompt, one too long
+        # for the context): its 4xx here, where the middleware counts it, not as a 500
+        # with a traceback through the catch-all below
+        return _api_error(exc).response()
+
     @app.exception_handler(_ClientGone)
     async def _gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

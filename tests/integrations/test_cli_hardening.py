@@ -70,3 +70,38 @@ def test_cli_unexpected_failure_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("ragspec: internal error: IndexError: index out of range in self and a second line")
+
+
+def test_cli_binary_empty_or_directory_inputs_are_typed_errors_regression(tmp_path, tiny_folder, capsys):
+    """Regression (fresh-user trial): a binary ``--data`` file ended in ``internal error:
+    UnicodeDecodeError``; a binary ``--prompt-file`` or ``--docs`` was decoded with
+    replacement characters and prefilled (3,873 tokens of garbage), an empty one accepted
+    silently; a directory was "file not found"; ``no prompts selected`` named neither the
+    file nor its categories. Each is now a one-line typed error (rc 2) before any model loads."""
+    from ragspec.cli import main
+
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(256)) * 16)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    nul = tmp_path / "nul.txt"
+    nul.write_text("abc\x00def")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["q"]}) + "\n")
+    cases = [
+        (["generate", "--prompt-file", str(binary)], "is not UTF-8 text"),
+        (["generate", "--prompt-file", str(empty)], "is empty"),
+        (["generate", "--prompt-file", str(tmp_path)], "is a directory"),
+        (["generate", "x", "--docs", str(nul)], "NUL bytes"),
+        (["generate", "x", "--docs", str(empty)], "is empty"),
+        (["summarize", str(binary)], "is not UTF-8 text"),
+        (["bench", "--data", str(binary), "--limit", "1"], "not UTF-8"),
+        (["bench", "--data", str(data), "--categories", "nope", "--limit", "1"], "its categories: rag"),
+        (["bench", "--data", str(empty), "--limit", "1"], "has no rows"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        rc = main([*argv, "--model", str(tiny_folder)])
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, (argv, err)

@@ -451,3 +451,35 @@ def test_limits_from_options_and_environment():
             ServerSettings.from_env(bad)
     with pytest.raises(ConfigError):
         ServerSettings(max_body_bytes=0)
+
+
+def _requests_total(text: str, endpoint: str, status: str) -> float:
+    return metric(text.replace(f'{{endpoint="{endpoint}",status="{status}"}}', "@"), "ragspec_requests_total@")
+
+
+def test_typed_errors_while_a_request_is_prepared_count_as_400_not_500_regression(live_server):
+    """Regression (fresh-user trial): an empty prompt, a streamed request too long for the
+    context and a lone-surrogate prompt reached the client as 400 but went through the
+    catch-all handler: a traceback in the log and ``status="500"`` in /metrics; the lone
+    surrogate's message was the tokenizer's internal type error."""
+    srv = live_server
+    m0 = httpx.get(srv.url + "/metrics").text
+    bad = [
+        ({"prompt": "", "max_tokens": 8}, None),
+        ({"prompt": "", "max_tokens": 8, "stream": True}, None),
+        ({"prompt": "Write a story.", "max_tokens": 1_000_000, "stream": True}, "context_length_exceeded"),
+    ]
+    for body, code in bad:
+        assert_openai_error(post(srv, "/v1/completions", body), 400, code=code)
+    surrogate = b'{"prompt": "a\\ud800b", "max_tokens": 4}'
+    err = assert_openai_error(post(srv, "/v1/completions", surrogate), 400)
+    assert "not valid Unicode text" in err["message"] and "surrogate" in err["message"], err
+    chat = b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 4}'
+    err = assert_openai_error(post(srv, "/v1/chat/completions", chat), 400)
+    assert "messages[0].content is not valid Unicode text" in err["message"], err
+    m1 = httpx.get(srv.url + "/metrics").text
+    assert _requests_total(m1, "/v1/completions", "500") == _requests_total(m0, "/v1/completions", "500")
+    assert _requests_total(m1, "/v1/completions", "400") == _requests_total(m0, "/v1/completions", "400") + 4
+    assert _requests_total(m1, "/v1/chat/completions", "500") == _requests_total(m0, "/v1/chat/completions", "500")
+    ok = post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
