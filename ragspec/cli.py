@@ -127,12 +127,13 @@ def _print_stats(out, baseline=None, fast: bool = False) -> None:
     if baseline is not None:
         toks, secs = baseline
         tps = len(toks) / secs if secs else 0.0
+        identical = _identity(out, toks)
         print(
             f"[plain model.generate greedy: {len(toks)} tokens in {secs:.2f} s: {tps:.1f} tok/s | "
-            f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {_identity(out, toks)}]",
+            f"speedup {s.tokens_per_s / tps if tps else 0:.2f}x | token-identical: {identical}]",
             file=sys.stderr,
         )
-        if fast and _identity(out, toks) != "yes":
+        if fast and identical != "yes":
             print(
                 "[--numerics fast: int8 activations round differently from transformers' float32, so its output may "
                 "differ from plain model.generate; within the mode speculative output equals its own plain decoding]",

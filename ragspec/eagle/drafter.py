@@ -150,11 +150,7 @@ class EagleDrafter:
         cached + T; True = attend) or None (causal) -> predicted features [T, H]."""
         if self._layer_step is None:
             return self.head(ids, feats, pos, mask, cache)[0]
-        if self._fc_int8 is not None:
-            embeds = self.head.embed_tokens(ids).to(feats.dtype)  # [1, T, H]
-            x = self._fc_int8(torch.cat([embeds, feats], dim=-1)[0])  # [T, H]
-        else:
-            x = self.head.layer_input(ids, feats)[0]  # [T, H]
+        x = self.head.layer_input(ids, feats, fc=self._fc_int8)[0]  # [T, H]
         t = int(x.shape[0])
         if mask is not None:
             return self._layer_step.forward_embeds([cache], x, pos[0], [0, t], [mask[0, 0]])
@@ -178,11 +174,7 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features float [R, H] -> draft-vocabulary logits float32 [R, Vd] (no autograd)."""
-        if self._lm_int8 is not None:
-            out = self._lm_int8(features)
-            cap = self.head.logit_softcap
-            return (torch.tanh(out / cap) * cap if cap else out).float()
-        return self.head.logits(features, self._lm_weight, self._lm_bias, linear=self._lm)
+        return self.head.logits(features, self._lm_weight, self._lm_bias, linear=self._lm_int8 or self._lm)
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

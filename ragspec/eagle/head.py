@@ -54,7 +54,7 @@ import inspect
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -216,24 +216,32 @@ class EagleHead(nn.Module):
         features: torch.Tensor,
         weight: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
-        linear: Optional[nn.Module] = None,
+        linear: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ) -> torch.Tensor:
         """features [..., H] -> draft-vocabulary logits float32 [..., Vd] (``weight``,
         ``bias`` from :meth:`draft_lm_weight`); gradients flow to ``features`` only.
-        ``linear``: a module computing the same product (the drafter's, routed through the
-        backend's few-row kernels), used instead of ``F.linear``."""
+        ``linear``: a module or function computing the same product (the drafter's, routed
+        through the backend's few-row kernels, or over Q8_0 blocks), used instead of
+        ``F.linear``."""
         out = linear(features) if linear is not None else F.linear(features, weight, bias)
         if self.logit_softcap:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out.float()
 
     # ------------------------------------------------------------------ forward
-    def layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def layer_input(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        fc: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """int64 [B, T] tokens t + 1 and features [B, T, H] -> the layer's input
-        ``fc([embed(token) ; feature])`` [B, T, H] (no gradient into the embedding)."""
+        ``fc([embed(token) ; feature])`` [B, T, H] (no gradient into the embedding).
+        ``fc``: a function computing the same product as ``self.fc`` (the drafter's Q8_0
+        copy), used instead of it."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)  # [B, T, H]
-        return self.fc(torch.cat([embeds.to(features.dtype), features], dim=-1))
+        return (fc or self.fc)(torch.cat([embeds.to(features.dtype), features], dim=-1))
 
     def forward(
         self,

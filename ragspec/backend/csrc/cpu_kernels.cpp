@@ -290,6 +290,14 @@ inline void attend_row_d(const AttnArgs& a, int64_t d, int64_t h, int64_t b, int
   else attend_row<32, T>(a, h, b, r, score);
 }
 
+template <class T>
+inline void attend_block_d(const AttnArgs& a, int64_t d, int64_t h, int64_t b, float* score) {
+  if (d == 32) attend_block<4, T>(a, h, b, score);
+  else if (d == 64) attend_block<8, T>(a, h, b, score);
+  else if (d == 128) attend_block<16, T>(a, h, b, score);
+  else attend_block<32, T>(a, h, b, score);
+}
+
 }  // namespace
 // ---------------------------------------------------------------------------------------
 // AVX-512F variants of the linear kernels above, compiled for that ISA function by function (the
@@ -489,7 +497,7 @@ inline void qpair_rows(const uint8_t* q, const float* s, int64_t qrow, int64_t s
 // weight rows o, o + 1 x all R activation rows: up to `alone` rows each weight row alone
 // (qrow_rows), else one qpair_rows tile of up to 5 rows (20 accumulators; 6 spilled
 // registers, 1.45x the time of 5), more in tiles of 4 (5 + 3 rows measured 1.1x 4 + 4), each
-// tile de-quantizing the pair once. `alone` is the CPU's (kernel_tiling): the 2-core Zen 4
+// tile de-quantizing the pair once. `alone` is the CPU's (alone_rows()): the 2-core Zen 4
 // ran qrow_rows faster up to 4 rows (the output layer's Q8_0 2-row call 1.1 against 2.1 ms
 // as pairs); the 2-core Xeon of issue 22 ran pairs faster at every row count (the decoder's
 // linears at 1 / 2 / 5 rows 3.0 / 3.8 / 6.0 ms against 3.4 / 5.3 / 8.7, the output layer's 4
@@ -1302,10 +1310,6 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, int64_t d, float* kt,
 #pragma GCC pop_options
 
 
-// query: float32 [1, Hq, Q, d]; key, value: float32 [1, Hkv, S, d] (Hq a multiple of Hkv;
-// d = 32, 64, 128 or 256 (gemma3); any strides with a contiguous last dimension, e.g. views of a larger
-// cache buffer); mask: bool [1, 1, Q, S] (True = attend) or empty (every key attended);
-// scale multiplies q.k -> float32 [1, Q, Hq, d] contiguous.
 namespace {
 
 // One request's part of a few_query_attention call: its checked inputs, its key/value
@@ -1378,20 +1382,10 @@ struct AttnJob {
   // work item (key/value head h, key block b); kt, pbuf: the tiled path's per-thread buffers
   void run_item(int64_t item, float* kt, float* pbuf, float* score) const {
     const int64_t h = item / nb, b = item % nb;
-    if (tiled) {
-      if (half) k512attn::attend_block<uint16_t>(a, h, b, d, kt, pbuf, score);
-      else k512attn::attend_block<float>(a, h, b, d, kt, pbuf, score);
-    } else if (half) {
-      if (d == 32) attend_block<4, uint16_t>(a, h, b, score);
-      else if (d == 64) attend_block<8, uint16_t>(a, h, b, score);
-      else if (d == 128) attend_block<16, uint16_t>(a, h, b, score);
-      else attend_block<32, uint16_t>(a, h, b, score);
-    } else {
-      if (d == 32) attend_block<4, float>(a, h, b, score);
-      else if (d == 64) attend_block<8, float>(a, h, b, score);
-      else if (d == 128) attend_block<16, float>(a, h, b, score);
-      else attend_block<32, float>(a, h, b, score);
-    }
+    if (tiled && half) k512attn::attend_block<uint16_t>(a, h, b, d, kt, pbuf, score);
+    else if (tiled) k512attn::attend_block<float>(a, h, b, d, kt, pbuf, score);
+    else if (half) attend_block_d<uint16_t>(a, d, h, b, score);
+    else attend_block_d<float>(a, d, h, b, score);
   }
 
   // merge the key blocks of (kv head, query row) hr = h * R + r:
@@ -1469,6 +1463,10 @@ void run_jobs(const std::vector<std::unique_ptr<AttnJob>>& jobs) {
 
 }  // namespace
 
+// query: float32 [1, Hq, Q, d]; key, value: float32 or float16 [1, Hkv, S, d] (Hq a multiple
+// of Hkv; d = 32, 64, 128 or 256 (gemma3); any strides with a contiguous last dimension, e.g.
+// views of a larger cache buffer); mask: bool [1, 1, Q, S] (True = attend) or empty (every
+// key attended); scale multiplies q.k -> float32 [1, Q, Hq, d] contiguous.
 torch::Tensor few_query_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                                   c10::optional<torch::Tensor> mask, double scale) {
   std::vector<std::unique_ptr<AttnJob>> jobs;

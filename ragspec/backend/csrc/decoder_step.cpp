@@ -172,7 +172,6 @@ void gated(const float* g, const float* u, int64_t us, float* y, int64_t R, int6
     for (int64_t i = 0; i < I; ++i) y[r * I + i] = g[r * I + i] * u[r * us + i];
 }
 
-// x += y (transformers: residual + hidden_states)
 // float32 -> float16, round to nearest even (F16C; torch's float -> half conversion too)
 void narrow_row(const float* x, uint16_t* y, int64_t d) {
   for (int64_t c = 0; c < d; c += 8)
@@ -180,6 +179,7 @@ void narrow_row(const float* x, uint16_t* y, int64_t d) {
                      _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// x += y (transformers: residual + hidden_states)
 void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
 }
@@ -292,6 +292,8 @@ class DecoderStep {
         const int64_t C = kv[i].size(3);
         const int64_t koff = (l * 2 + 0) * Hkv_ * C * d_, voff = (l * 2 + 1) * Hkv_ * C * d_;
         const bool half = kv[i].scalar_type() == at::kHalf;
+        uint16_t* base16 = half ? reinterpret_cast<uint16_t*>(kv[i].data_ptr()) : nullptr;
+        float* base = half ? nullptr : kv[i].data_ptr<float>();
         for (int64_t r = bounds[i]; r < bounds[i + 1]; ++r) {
           const int64_t pos = pasts[i] + (r - bounds[i]);
           for (int64_t hh = 0; hh < Hkv_; ++hh) {
@@ -299,13 +301,11 @@ class DecoderStep {
             const float* vsrc = qkvp + r * QKV + (Hq_ + Hkv_ + hh) * d_;
             const int64_t at = (hh * C + pos) * d_;
             if (half) {  // a float16 KV cache: the float32 values rounded to nearest (as torch's .half())
-              uint16_t* base = reinterpret_cast<uint16_t*>(kv[i].data_ptr());
               float krot[kMaxHeadDim];
               rope_row(ksrc, cp + r * d_, sp + r * d_, krot, d_);
-              narrow_row(krot, base + koff + at, d_);
-              narrow_row(vsrc, base + voff + at, d_);
+              narrow_row(krot, base16 + koff + at, d_);
+              narrow_row(vsrc, base16 + voff + at, d_);
             } else {
-              float* base = kv[i].data_ptr<float>();
               rope_row(ksrc, cp + r * d_, sp + r * d_, base + koff + at, d_);
               std::copy(vsrc, vsrc + d_, base + voff + at);
             }
