@@ -6,7 +6,10 @@ default) drafts from the answers the service has already produced. This script b
 workloads from the dev data and measures, in one process, each workload's *second* request
 under three engines over the same model: drafts off (plain decoding), ragspec's default
 drafting without a cache, and the same with the response cache after the first request
-filled it. Orders alternate per prompt; all outputs are checked token for token against
+filled it. The engines share one prefix cache (``--prefix-cache-tokens``, on as in ``ragspec
+serve``), restored before each method to its state after the first request: every method's
+second request skips the prefill of the prompt chunks the first request stored, none of those
+another method's run stored (0: each prefills its whole prompt). Orders alternate per prompt; all outputs are checked token for token against
 drafts off.
 
 How the workloads are built (``--categories``, default rag, qa, summarization, and the first
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ragspec.bench import category_group, load_prompts
+from ragspec.config import PolicyConfig
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.loading import load_engine, with_response_cache
 
@@ -70,6 +74,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=PolicyConfig.prefix_cache_tokens,
+        help="the engines' prefix cache (shared: every method's second request finds the first request's "
+        "prompt chunks; 0 = off, every method prefills its prompts itself)",
+    )
+    ap.add_argument(
         "--cached-budgets",
         default="",
         help="comma-separated more draft budgets for the cached engine, e.g. 16,32: one more column each",
@@ -86,7 +97,9 @@ def main(argv=None) -> int:
     groups = [c.strip() for c in args.categories.split(",") if c.strip()]
     rows = load_prompts(args.data, groups, limit=args.limit)
     mt_rows = load_prompts(args.data, ["mt_bench"], limit=args.limit)
-    engine = load_engine(args.model)
+    if args.prefix_cache_tokens < 0:
+        ap.error(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
+    engine = load_engine(args.model, policy=PolicyConfig(prefix_cache_tokens=args.prefix_cache_tokens))
     cache = ResponseCache(model=engine.model_name or "")
     cached = with_response_cache(engine, cache)
     engines = {"off": engine, "ragspec": engine, "cached": cached}
@@ -110,8 +123,11 @@ def main(argv=None) -> int:
             ids = engine.encode_messages(second)
             res = {}
             order = methods if i % 2 == 0 else methods[::-1]
+            prefixes = engine.prefix_cache.snapshot() if engine.prefix_cache is not None else None
             for name in order:
                 eng = engines[name]
+                if prefixes is not None:
+                    engine.prefix_cache.restore(prefixes)  # every method from the first request's cache
                 out = eng.generate(ids, max_new_tokens=n, chat=False, speculative=name != "off")
                 s = out.stats
                 decode_s = max(s.total_s - s.prefill_s, 1e-9)
@@ -121,6 +137,7 @@ def main(argv=None) -> int:
                     "decode_tok_s": max(len(out.token_ids) - 1, 0) / decode_s,
                     "mean_accepted": s.mean_accepted_tokens,
                     "prefill_s": s.prefill_s,
+                    "cached_prompt_tokens": s.num_cached_prompt_tokens,
                 }
             rec = {
                 "workload": kind,
@@ -129,7 +146,12 @@ def main(argv=None) -> int:
                 "identical": all(res[m]["tokens"] == res["off"]["tokens"] for m in res),
             }
             for m, v in res.items():
-                rec.update({f"{m}_{k}": v[k] for k in ("tok_s", "decode_tok_s", "mean_accepted", "prefill_s")})
+                rec.update(
+                    {
+                        f"{m}_{k}": v[k]
+                        for k in ("tok_s", "decode_tok_s", "mean_accepted", "prefill_s", "cached_prompt_tokens")
+                    }
+                )
             records.append(rec)
             print(
                 f"{kind:<10} {rec['category']:<14} off {rec['off_tok_s']:6.1f}  ragspec {rec['ragspec_tok_s']:6.1f}  "
@@ -172,6 +194,9 @@ def main(argv=None) -> int:
             )
         )
     print(f"# response cache: {len(cache)} responses, {cache.num_tokens} tokens, {cache.hits} draft lookups hit")
+    if engine.prefix_cache is not None:
+        pc = engine.prefix_cache.stats
+        print(f"# prefix cache: {pc.hit_tokens} of {pc.queried_tokens} prompt tokens served from it")
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": table, "records": records}, indent=1))
         print(f"# wrote {args.json}")

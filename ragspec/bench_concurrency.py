@@ -264,6 +264,8 @@ def run_concurrency(
         ]
     by_level = {}
     for n in order:
+        if getattr(engine, "prefix_cache", None) is not None:
+            engine.prefix_cache.clear()  # each level's hits are its own requests'
         res = run_level(engine, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, reference=reference)
         if n == 1 and reference is None:
             reference = res.tokens[: len(prompts)]
@@ -295,6 +297,8 @@ def arrival_stall(
     out: dict[str, Any] = {"prompt_tokens": len(long_prompt), "chunk_tokens": engine.policy.prefill_chunk_tokens}
     for name, chunk in (("chunked", engine.policy.prefill_chunk_tokens), ("unchunked", 0)):
         eng = engine.with_drafter(engine.drafter, policy=dataclasses.replace(engine.policy, prefill_chunk_tokens=chunk))
+        if eng.prefix_cache is not None:
+            eng.prefix_cache.clear()  # the late prompt is prefilled, not served from an earlier run
         reqs = [eng.request(p, max_new_tokens=max_new_tokens, chat=False) for p in running]
         plain = []
         while any(r.prefilling for r in reqs):

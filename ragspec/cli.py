@@ -85,7 +85,11 @@ def _engine(args, calibrate: bool = True):
         dtype=args.dtype,
         datastore=getattr(args, "datastore", None),
         eagle=getattr(args, "eagle", None),
-        policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
+        policy=PolicyConfig(
+            max_draft_tokens=args.max_draft_tokens,
+            adaptive=not args.fixed_draft,
+            prefix_cache_tokens=getattr(args, "prefix_cache_tokens", PolicyConfig.prefix_cache_tokens),
+        ),
         calibrate=calibrate,
         drafting=getattr(args, "drafting", None) or "merged",
         numerics=getattr(args, "numerics", None) or "exact",
@@ -616,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e.g. 1,4,8: clients in flight through the batched engine step, per level (in process); "
         "default categories summarization,rag",
+    )
+    b.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="prefix caching across the bench's requests (default 0 = off: every method and level prefills its "
+        "prompts itself, so their times compare); with --concurrency the cache is emptied before each level",
     )
     b.add_argument(
         "--stall-tokens",

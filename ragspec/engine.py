@@ -37,6 +37,7 @@ from .detok import TextAssembler
 from .drafters.base import Drafter, DraftSession, reproducible_drafter
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, LatencyModel, choose_draft
+from .prefix_cache import PrefixCache
 from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
@@ -235,6 +236,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         model_name: str = "",
         parts: DrafterParts = DrafterParts(),
+        prefix_cache: Optional[PrefixCache] = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -247,6 +249,12 @@ class Engine:
         self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
         self._lazy_rows = bool(target.capability(Capability.LAZY_ROWS))
         self._invalid_draft_sources: set[str] = set()  # sources already warned about (logging only)
+        self.prefix_cache: Optional[PrefixCache] = (
+            prefix_cache if prefix_cache is not None and self._fits(prefix_cache) else self._new_prefix_cache()
+        )
+        """The KV entries of prompt chunks kept across this engine's requests
+        (:attr:`PolicyConfig.prefix_cache_tokens`), or None: off, unchunked prefill, or a
+        target without ``Capability.PREFIX_KV``."""
         self.last_step = StepReport()
         """What the latest :meth:`step` call did."""
 
@@ -276,6 +284,19 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             model_name=self.model_name,
             parts=parts if parts is not None else self.parts,
+            prefix_cache=self.prefix_cache,  # kept where the new policy's chunks and budget are the same
+        )
+
+    def _new_prefix_cache(self) -> Optional[PrefixCache]:
+        tokens, chunk = int(self.policy.prefix_cache_tokens), int(self.policy.prefill_chunk_tokens)
+        if tokens < max(1, chunk) or not chunk or not self.target.capability(Capability.PREFIX_KV):
+            return None
+        return PrefixCache(tokens, chunk)
+
+    def _fits(self, cache: PrefixCache) -> bool:
+        """Whether ``cache`` (another engine's, same target) serves this engine's policy."""
+        return cache.chunk_tokens == int(self.policy.prefill_chunk_tokens) and cache.max_tokens == int(
+            self.policy.prefix_cache_tokens
         )
 
     @property
@@ -678,12 +699,19 @@ class Engine:
         """One chunk of the request's prefill (the whole prompt when unchunked); after the
         last one, its first token (from that chunk's last logits). Returns the tokens run."""
         t0 = time.perf_counter()
+        cache = self.prefix_cache if req.prefill_chunk == getattr(self.prefix_cache, "chunk_tokens", -1) else None
+        if cache is not None and req.prefilled == 0:
+            self._load_cached_prefix(req, cache)
         n = req.next_prefill_tokens()
-        chunk = req.prompt_ids[req.prefilled : req.prefilled + n]
-        out = self.target.prefill(req.state, chunk, return_hidden=req.want_hidden)
+        start = req.prefilled
+        chunk = req.prompt_ids[start : start + n]
+        want_hidden = req.want_hidden or (cache is not None and self._hidden_states and n == req.prefill_chunk)
+        out = self.target.prefill(req.state, chunk, return_hidden=want_hidden)
         req.prefilled += n
         if req.want_hidden:
             req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+        if cache is not None and n == cache.chunk_tokens and start % n == 0:
+            self._store_chunk(req, cache, start, out.hidden)
         stats = req.stats
         stats.num_prefill_chunks += 1
         if req.prefilled < len(req.prompt_ids):
@@ -699,6 +727,27 @@ class Engine:
         if req.session is not None:
             req.session.extend([req.root])
         return n
+
+    def _load_cached_prefix(self, req: Request, cache: PrefixCache) -> None:
+        """Fill an empty request's KV cache with the stored chunks its prompt begins with."""
+        blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden)
+        if not blocks:
+            return
+        self.target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
+        n = len(blocks) * cache.chunk_tokens
+        if req.want_hidden:
+            req.session.extend_hidden(torch.cat([b.hidden for b in blocks]))  # type: ignore[union-attr, misc]
+        req.prefilled = n
+        req.stats.num_cached_prompt_tokens = n
+
+    def _store_chunk(self, req: Request, cache: PrefixCache, start: int, hidden: Optional[torch.Tensor]) -> None:
+        """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden states)."""
+        stop = start + cache.chunk_tokens
+        key = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)[-1]
+        if not cache.wants(key, need_hidden=hidden is not None):
+            return
+        kv = self.target.export_kv(req.state, start, stop)  # type: ignore[attr-defined]
+        cache.store(key, req.prompt_ids[start:stop], kv, None if hidden is None else hidden.detach().clone())
 
     def _draft(
         self,

@@ -401,9 +401,14 @@ class AcceptanceModel:
         prior_next: float = 0.8,
         prior_weight: float = 2.0,
         calibrated_sources: tuple[str, ...] = ("eagle",),
+        long_match_priors: Optional[tuple[float, float]] = (0.9, 0.95),
     ) -> None:
         self.prior_first = prior_first
         self.prior_next = prior_next
+        # a suffix match of 16+ tokens (the last bucket) is a copy in progress: a repeated
+        # question's earlier answer (a response cache), a passage quoted at length. Its
+        # (first, deeper) nodes' priors; None: the formula of the shorter matches
+        self.long_match_priors = long_match_priors
         self.prior_weight = prior_weight
         # sources whose scores are already acceptance estimates (EAGLE-2's draft
         # confidence, Li et al. 2024b, section 3): their prior factor is 1 at every depth
@@ -422,6 +427,8 @@ class AcceptanceModel:
             # longer suffix matches (higher bucket) are more trustworthy a priori
             if d == 0 and m:
                 prior = min(0.9, prior + 0.07 * (m - 1))
+            if m == 7 and self.long_match_priors is not None:
+                prior = self.long_match_priors[0 if d == 0 else 1]
             if key[0] in self.calibrated_sources:
                 prior = 1.0
             b = _Beta(prior * self.prior_weight, self.prior_weight)

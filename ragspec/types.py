@@ -211,8 +211,11 @@ class GenerationStats:
     queue_s: float = 0.0
     """From :meth:`~ragspec.Engine.start` to the request's first step."""
     num_prefill_chunks: int = 0
-    """Forwards its prompt took (chunked prefill: ceil(prompt / chunk)); counted in
-    ``num_forward_passes``, one of them as the prefill."""
+    """Forwards its prompt took (chunked prefill: ceil(prompt / chunk), less the chunks served
+    by the prefix cache); counted in ``num_forward_passes``, one of them as the prefill."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV entries came from the engine's prefix cache (not prefilled;
+    OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
     finish_reason: str = ""
     accepted_histogram: dict[int, int] = field(default_factory=dict)
     accepted_per_position: dict[int, int] = field(default_factory=dict)
@@ -258,6 +261,7 @@ class GenerationStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "queue_s": self.queue_s,
             "num_prefill_chunks": self.num_prefill_chunks,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "tokens_per_s": self.tokens_per_s,
             "finish_reason": self.finish_reason,
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},

@@ -52,6 +52,9 @@ class Capability:
       for a drafter's own modules.
     * ``CONFIG`` (value: the model's transformers-style config): sizes and the model type,
       for fingerprints of heads trained for this target.
+    * ``PREFIX_KV`` (value: True): ``export_kv(state, start, stop)`` copies a state's KV
+      entries and ``import_kv(state, blocks)`` appends such copies to a state, bit for bit
+      (an engine's prefix cache, :mod:`ragspec.prefix_cache`).
     """
 
     HIDDEN_STATES = "hidden_states"
@@ -60,6 +63,7 @@ class Capability:
     DECODER_LAYOUT = "decoder_layout"
     FAST_LINEAR = "fast_linear"
     CONFIG = "config"
+    PREFIX_KV = "prefix_kv"
 
 
 @dataclass(frozen=True)

@@ -365,7 +365,7 @@ class HFTarget:
         hidden states, lazy output rows, the embeddings, the decoder layout (for decoders with
         ``layers`` and ``rotary_emb``: Llama-like architectures) and, once :meth:`speed_up`
         routed this model's linears, its fast few-row linear kernels."""
-        if name in (Capability.HIDDEN_STATES, Capability.LAZY_ROWS):
+        if name in (Capability.HIDDEN_STATES, Capability.LAZY_ROWS, Capability.PREFIX_KV):
             return True
         if name == Capability.CONFIG:
             return self.config
@@ -1144,6 +1144,53 @@ class HFTarget:
                 layer.keys = layer.keys.index_select(-2, full)
                 layer.values = layer.values.index_select(-2, full)
         state.length = keep
+
+    def export_kv(self, state: Union[KVState, NativeKVState], start: int, stop: int) -> torch.Tensor:
+        """A copy of the KV entries of positions ``start .. stop - 1`` of ``state``, for a
+        prefix cache (:class:`~ragspec.prefix_cache.PrefixCache`): ``[L, 2, H_kv, stop -
+        start, d]`` in the cache's dtype (float16 in fast numerics).
+
+        Raises:
+            ConfigError: the positions are not all in ``state``.
+        """
+        if not 0 <= start <= stop <= state.length:
+            raise ConfigError(f"export_kv: positions {start}..{stop} not in a state of {state.length}")
+        if isinstance(state, NativeKVState):
+            return state.buffer[:, :, :, start:stop].clone()
+        return torch.stack(
+            [
+                torch.stack([layer.keys[0, :, start:stop], layer.values[0, :, start:stop]])
+                for layer in state.cache.layers
+            ]
+        )
+
+    def import_kv(self, state: Union[KVState, NativeKVState], blocks: Sequence[torch.Tensor]) -> None:
+        """Append exported KV entries (:meth:`export_kv` of this target, in order) to
+        ``state``: afterwards it holds exactly what prefilling their tokens would have written
+        where the exports came from the same positions (a prefix cache's chunks).
+
+        Raises:
+            ConfigError: an export of another shape or dtype than this target's cache.
+        """
+        if not blocks:
+            return
+        kv = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=3)
+        past, n = state.length, int(kv.shape[3])
+        if isinstance(state, NativeKVState):
+            want = (*state.buffer.shape[:3], state.buffer.shape[4])
+            if (*kv.shape[:3], kv.shape[4]) != want or kv.dtype != state.buffer.dtype:
+                raise ConfigError(f"import_kv: entries of shape {tuple(kv.shape)} do not fit this model's cache")
+            self._native_decoder().reserve(state, past + n)
+            state.buffer[:, :, :, past : past + n].copy_(kv)
+            state.length = past + n
+            return
+        layers = int(kv.shape[0])
+        text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        if layers != int(getattr(text_cfg, "num_hidden_layers", layers)) or kv.dtype != self.dtype:
+            raise ConfigError(f"import_kv: entries of shape {tuple(kv.shape)} do not fit this model's cache")
+        for i in range(layers):
+            state.cache.update(kv[i, 0][None].to(self.device), kv[i, 1][None].to(self.device), i)
+        state.length = past + n
 
     def rollback(self, state: Union[KVState, NativeKVState], length: int) -> None:
         """Drop every cache entry from position ``length`` on (keys/values are views, so

@@ -51,6 +51,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_active=args.max_active,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         max_draft_tokens=args.max_draft_tokens,
         adaptive=False if args.fixed_draft else None,
         speculative=False if args.no_speculation else None,
@@ -167,6 +168,13 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefill-chunk-tokens", type=int, default=None, help="prompt tokens prefilled per step (default 256; 0 = off)"
+    )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="prefix caching: KV entries of up to this many prompt tokens kept across requests, so prompts that "
+        "begin alike skip that prefill, output unchanged (default 4096; 0 = off)",
     )
     p.add_argument(
         "--default-max-tokens",

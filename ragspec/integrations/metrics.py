@@ -77,6 +77,11 @@ class ServerMetrics:
         self.cancelled = Counter(p + "cancelled_requests", "Generations dropped because the client left.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished generations.", registry=r)
         self.generated_tokens = Counter(p + "generated_tokens", "Generated tokens.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            p + "cached_prompt_tokens",
+            "Prompt tokens of finished generations served by the prefix cache (not prefilled).",
+            registry=r,
+        )
         self.drafted_tokens = Counter(p + "drafted_tokens", "Draft tokens verified.", registry=r)
         self.accepted_tokens = Counter(p + "accepted_tokens", "Draft tokens accepted.", registry=r)
         self.invalid_draft_tokens = Counter(
@@ -155,6 +160,7 @@ class ServerMetrics:
     def observe_generation(self, stats: GenerationStats) -> None:
         """Add one finished generation's counters (called from the worker thread)."""
         self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.num_cached_prompt_tokens)
         self.generated_tokens.inc(stats.num_generated_tokens)
         self.drafted_tokens.inc(stats.num_drafted_tokens)
         self.accepted_tokens.inc(stats.num_accepted_tokens)

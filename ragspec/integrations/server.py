@@ -140,7 +140,13 @@ def build_summary_prompt(documents: list[str], instruction: Optional[str] = None
 def _usage(stats: Optional[GenerationStats]) -> dict:
     p = stats.num_prompt_tokens if stats else 0
     c = stats.num_generated_tokens if stats else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = stats.num_cached_prompt_tokens if stats else 0
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's field: served by the prefix cache
+    }
 
 
 def _finish(reason: Optional[str]) -> Optional[str]:
@@ -166,6 +172,7 @@ def _load_engine(settings: ServerSettings):
             max_draft_tokens=settings.max_draft_tokens,
             adaptive=settings.adaptive,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
         ),
         calibrate=settings.calibrate,
         numerics=settings.numerics,

@@ -33,6 +33,7 @@ ENV_VARS = {
     "RAGSPEC_MAX_ACTIVE": "max_active",
     "RAGSPEC_MAX_STEP_TOKENS": "max_step_tokens",
     "RAGSPEC_PREFILL_CHUNK_TOKENS": "prefill_chunk_tokens",
+    "RAGSPEC_PREFIX_CACHE_TOKENS": "prefix_cache_tokens",
     "RAGSPEC_MAX_BODY_BYTES": "max_body_bytes",
     "RAGSPEC_MAX_PROMPT_CHARS": "max_prompt_chars",
     "RAGSPEC_MAX_DOCUMENT_CHARS": "max_document_chars",
@@ -46,6 +47,7 @@ _INT_VARS = (
     "max_active",
     "max_step_tokens",
     "prefill_chunk_tokens",
+    "prefix_cache_tokens",
     "max_body_bytes",
     "max_prompt_chars",
     "max_document_chars",
@@ -126,6 +128,10 @@ class ServerSettings:
     active generations): a waiting request starts only while it fits (one always runs)."""
     prefill_chunk_tokens: int = 256
     """Prompt tokens prefilled per step (chunked prefill; 0 = whole prompts at once)."""
+    prefix_cache_tokens: int = 4096
+    """Prefix caching: KV entries of up to this many prompt tokens (whole chunks) kept across
+    requests, so prompts that begin alike (the same documents, system prompt or earlier
+    turns) skip that prefill, output unchanged (:mod:`ragspec.prefix_cache`; 0 = off)."""
     retry_after_s: int = 1
     """The ``Retry-After`` of a 429."""
     max_draft_tokens: int = 8
@@ -182,6 +188,8 @@ class ServerSettings:
             raise ConfigError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+        if self.prefix_cache_tokens < 0:
+            raise ConfigError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:

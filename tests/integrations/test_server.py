@@ -7,6 +7,7 @@ Every request loop here is bounded in count and time."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import re
 import threading
@@ -111,6 +112,23 @@ def test_langchain_chatopenai_against_the_server(live_server, tiny_engine):
     assert "".join(ch.content for ch in llm.stream("hello there")) == want.text
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_keeps_its_answer(live_server, tiny_engine):
+    """The prefix cache through the API: the second ask of a 300-token prompt takes its
+    first chunk (256 tokens) from the cache, says so in OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` and ``/metrics``, and answers the same."""
+    prompt = "a dog ran in the park while the cat sat on the mat. " * 6  # 312 tokens
+    want = tiny_engine.with_drafter(
+        tiny_engine.drafter, policy=dataclasses.replace(tiny_engine.policy, prefix_cache_tokens=0)
+    ).generate(prompt, max_new_tokens=16, chat=False)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16}
+    before = metric(httpx.get(live_server.url + "/metrics").text, "ragspec_cached_prompt_tokens_total")
+    outs = [httpx.post(live_server.url + "/v1/completions", json=body, timeout=TIMEOUT).json() for _ in range(2)]
+    assert [o["choices"][0]["text"] for o in outs] == [want.text, want.text]
+    assert outs[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    after = metric(httpx.get(live_server.url + "/metrics").text, "ragspec_cached_prompt_tokens_total")
+    assert after - before >= 256
+
+
 # ---------------------------------------------------------------------- summarize
 def test_summarize_plain_and_streaming(live_server, tiny_engine):
     docs = ["the cat sat on the mat.", "a dog ran in the park."]
@@ -125,6 +143,7 @@ def test_summarize_plain_and_streaming(live_server, tiny_engine):
         "prompt_tokens": want.stats.num_prompt_tokens,
         "completion_tokens": 24,
         "total_tokens": want.stats.num_prompt_tokens + 24,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert out["stats"]["num_generated_tokens"] == 24 and "mean_accepted_tokens" in out["stats"]
     r = httpx.post(live_server.url + "/v1/summarize", json={**body, "stream": True}, timeout=TIMEOUT)

@@ -92,8 +92,9 @@ def test_prompts_arriving_together_prefill_one_chunk_per_step_earliest_first(tok
     to run a chunk each per step, so every first token came after all three prefills and a
     decoding stream waited 3 chunks a step. Now a step prefills one chunk (the budget), the
     earliest request first: first tokens come in arrival order, one prefill apart, a running
-    stream waits at most one chunk per step, and every output equals its solo one."""
-    eng = _engine(tok, 256)
+    stream waits at most one chunk per step, and every output equals its solo one (no
+    prefix cache: the solo runs would serve the batched ones' chunks)."""
+    eng = _engine(tok, 256, prefix_cache_tokens=0)
     prompts = [_text(600, 20 + i) for i in range(3)]
     solo = [eng.generate(p, max_new_tokens=8, chat=False).token_ids for p in prompts]
     running = eng.request(_text(40, 7), max_new_tokens=40, chat=False)

@@ -1,0 +1,171 @@
+"""Prefix caching: the KV entries of prompt chunks kept across requests.
+
+A request whose prompt starts with the same tokens as an earlier one (the same system prompt,
+the same retrieved documents, a follow-up turn) skips those tokens' prefill: its KV cache is
+filled with the stored entries and prefill resumes after them. This is vLLM's automatic
+prefix caching (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", section 4.4, shared prefixes; vLLM's hash-per-block design) at
+the granularity of ragspec's prefill chunks (:attr:`~ragspec.config.PolicyConfig.prefill_chunk_tokens`).
+
+**Exact.** A prompt's chunks always start at multiples of the chunk size, and chunk ``j``'s
+keys and values are computed from tokens ``0 .. (j + 1) C - 1`` only (the same forward, the
+same shapes, over the same earlier entries), so a stored chunk holds bit for bit what the
+request's own prefill would have written: outputs with and without the cache are identical
+(greedy and seeded sampling), which the tests check. Only whole chunks are stored, and a
+request always prefills at least its last token itself (its first token needs the last
+position's logits).
+
+Entries are keyed by a chained BLAKE2b digest of the token ids up to the chunk's end (and the
+chunk's own tokens are compared on a hit), evicted least recently used beyond a budget of
+cached tokens. Not thread-safe: owned by one :class:`~ragspec.engine.Engine`, used from its
+stepping thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["PrefixCache", "PrefixBlock", "PrefixCacheStats"]
+
+
+@dataclass(frozen=True)
+class PrefixBlock:
+    """One stored chunk.
+
+    Attributes:
+        tokens: int64 [C] the chunk's token ids.
+        kv: the backend's export of the chunk's KV entries (:meth:`Target.export_kv`; the
+            transformers backend: ``[L, 2, H_kv, C, d]`` in the cache's dtype).
+        hidden: float32 [C, H] the chunk's last hidden states (for feature-level drafters,
+            e.g. EAGLE), or None when the request that stored it did not compute them.
+    """
+
+    tokens: torch.Tensor
+    kv: torch.Tensor
+    hidden: Optional[torch.Tensor]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since the cache was made (tokens).
+
+    Attributes:
+        queried_tokens: prompt tokens of the requests looked up.
+        hit_tokens: prompt tokens served from the cache (not prefilled).
+        stored_tokens: tokens of the chunks stored.
+        evicted_tokens: tokens of the chunks evicted.
+    """
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    stored_tokens: int = 0
+    evicted_tokens: int = 0
+
+
+_ROOT = b"ragspec-prefix-v1"
+
+
+def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class PrefixCache:
+    """KV entries of whole prefill chunks, shared by the requests of one engine.
+
+    Args:
+        max_tokens: most cached tokens (LRU eviction beyond; a multiple of ``chunk_tokens``
+            is useful, each chunk costing ``chunk_tokens`` of it).
+        chunk_tokens: the engine's prefill chunk size C (tokens per block).
+
+    Raises:
+        ConfigError: ``max_tokens`` < 0 or ``chunk_tokens`` < 1.
+    """
+
+    def __init__(self, max_tokens: int, chunk_tokens: int) -> None:
+        if isinstance(max_tokens, bool) or int(max_tokens) < 0:
+            raise ConfigError(f"prefix cache size must be >= 0 tokens, got {max_tokens}")
+        if isinstance(chunk_tokens, bool) or int(chunk_tokens) < 1:
+            raise ConfigError(f"prefix cache chunks must be >= 1 token, got {chunk_tokens}")
+        self.max_tokens = int(max_tokens)
+        self.chunk_tokens = int(chunk_tokens)
+        self._blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()
+        self.stats = PrefixCacheStats()
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens held now."""
+        return len(self._blocks) * self.chunk_tokens
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        """Drop every entry (the counters stay)."""
+        self._blocks.clear()
+
+    def snapshot(self) -> "OrderedDict[bytes, PrefixBlock]":
+        """The entries now, in LRU order (the stored tensors shared, not copied): for
+        :meth:`restore`, e.g. a benchmark running several methods from the same cache state."""
+        return OrderedDict(self._blocks)
+
+    def restore(self, snapshot: "OrderedDict[bytes, PrefixBlock]") -> None:
+        """Hold exactly the entries of ``snapshot`` (from :meth:`snapshot`) again."""
+        self._blocks = OrderedDict(snapshot)
+
+    def digests(self, prompt_ids: Sequence[int], chunks: int) -> list[bytes]:
+        """The keys of the first ``chunks`` whole chunks of ``prompt_ids``."""
+        out, parent, c = [], _ROOT, self.chunk_tokens
+        for j in range(chunks):
+            parent = _digest(parent, prompt_ids[j * c : (j + 1) * c])
+            out.append(parent)
+        return out
+
+    def lookup(self, prompt_ids: Sequence[int], need_hidden: bool = False) -> list[PrefixBlock]:
+        """The stored chunks that begin ``prompt_ids``, in order: the longest run of whole
+        chunks found, leaving at least the prompt's last token to prefill (and, with
+        ``need_hidden``, only chunks stored with their hidden states). Marks them recently
+        used; counts the lookup."""
+        c = self.chunk_tokens
+        self.stats.queried_tokens += len(prompt_ids)
+        usable = (len(prompt_ids) - 1) // c
+        found: list[PrefixBlock] = []
+        for j, key in enumerate(self.digests(prompt_ids, usable)):
+            block = self._blocks.get(key)
+            if block is None or (need_hidden and block.hidden is None):
+                break
+            if block.tokens.tolist() != list(prompt_ids[j * c : (j + 1) * c]):  # a digest collision
+                break
+            self._blocks.move_to_end(key)
+            found.append(block)
+        self.stats.hit_tokens += len(found) * c
+        return found
+
+    def wants(self, key: bytes, need_hidden: bool = False) -> bool:
+        """Whether storing the chunk of key ``key`` would add something (not held, or held
+        without hidden states that this request has)."""
+        if self.max_tokens < self.chunk_tokens:
+            return False
+        block = self._blocks.get(key)
+        return block is None or (need_hidden and block.hidden is None)
+
+    def store(self, key: bytes, tokens: Sequence[int], kv: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
+        """Keep one chunk (``tokens`` C ids, its KV export and optional hidden [C, H]) under
+        ``key`` (from :meth:`digests`), evicting the least recently used beyond the budget."""
+        if len(tokens) != self.chunk_tokens or self.max_tokens < self.chunk_tokens:
+            return
+        if key in self._blocks:
+            self._blocks.pop(key)
+        else:
+            self.stats.stored_tokens += self.chunk_tokens
+        self._blocks[key] = PrefixBlock(torch.tensor(list(tokens), dtype=torch.long), kv, hidden)
+        while self.cached_tokens > self.max_tokens:
+            self._blocks.popitem(last=False)
+            self.stats.evicted_tokens += self.chunk_tokens

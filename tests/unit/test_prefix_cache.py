@@ -1,0 +1,182 @@
+"""Prefix caching (ragspec/prefix_cache.py): prompts that begin alike skip that prefill,
+and the output stays what it is without the cache, bit for bit. Tiny random Llamas built
+here; the native-step variant needs the compiled kernels (as test_native_step.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_native_step import _llama, _target, kernels  # noqa: F401 (a fixture)
+
+from ragspec.backend.hf import HFTarget
+from ragspec.config import PLDConfig, PolicyConfig
+from ragspec.drafters import PromptLookupDrafter
+from ragspec.engine import Engine
+from ragspec.errors import ConfigError
+from ragspec.prefix_cache import PrefixCache
+from ragspec.types import DraftTree
+from ragspec_testing import FakeTarget, make_char_tokenizer, make_tiny_llama
+
+DOC = "the cat sat on a mat and the dog ran off to the park while it rained. " * 6  # 438 characters
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_char_tokenizer()
+
+
+def _engines(target, tok, chunk=64, cache_tokens=1024, drafter=None):
+    """(an engine with a prefix cache, the same target's engine without one)"""
+    drafter = drafter if drafter is not None else PromptLookupDrafter(PLDConfig())
+    on = Engine(
+        target, tok, drafter=drafter, policy=PolicyConfig(prefill_chunk_tokens=chunk, prefix_cache_tokens=cache_tokens)
+    )
+    off = on.with_drafter(drafter, policy=dataclasses.replace(on.policy, prefix_cache_tokens=0))
+    assert on.prefix_cache is not None and off.prefix_cache is None
+    return on, off
+
+
+def test_prompts_sharing_documents_skip_their_prefill_with_the_same_output(tok):
+    """Questions after the same 438-token document: the second and later requests take the
+    document's whole chunks from the cache; greedy and seeded sampled outputs equal the
+    engine's without a cache."""
+    on, off = _engines(HFTarget(make_tiny_llama(seed=0, eos_token_id=None, max_position_embeddings=1024)), tok)
+    first = on.generate(DOC + "Q: what sat?", max_new_tokens=30, chat=False)
+    assert first.stats.num_cached_prompt_tokens == 0
+    for question, sampling in (("Q: who ran?", {}), ("Q: where?", {"temperature": 0.9, "seed": 5})):
+        prompt = DOC + question
+        got = on.generate(prompt, max_new_tokens=30, chat=False, **sampling)
+        want = off.generate(prompt, max_new_tokens=30, chat=False, **sampling)
+        assert got.token_ids == want.token_ids
+        assert got.stats.num_cached_prompt_tokens == 6 * 64  # the document's whole chunks (438 // 64)
+        assert got.stats.num_prefill_chunks == want.stats.num_prefill_chunks - 6
+    stats = on.prefix_cache.stats
+    assert stats.hit_tokens == 2 * 6 * 64 and stats.queried_tokens == sum(
+        len(DOC) + len(q) for q in ("Q: what sat?", "Q: who ran?", "Q: where?")
+    )
+
+
+def test_a_cached_chunk_holds_what_the_prefill_writes_bit_for_bit(tok):
+    target = HFTarget(make_tiny_llama(seed=1, eos_token_id=None, max_position_embeddings=1024))
+    ids = tok(DOC)["input_ids"]
+    fresh = target.new_state()
+    for a in range(0, 256, 64):
+        target.prefill(fresh, ids[a : a + 64])
+    blocks = [target.export_kv(fresh, a, a + 64) for a in range(0, 256, 64)]
+    rebuilt = target.new_state()
+    target.import_kv(rebuilt, blocks)
+    assert target.state_length(rebuilt) == 256
+    assert torch.equal(target.export_kv(rebuilt, 0, 256), target.export_kv(fresh, 0, 256))
+    a = target.prefill(fresh, ids[256:300]).logits
+    b = target.prefill(rebuilt, ids[256:300]).logits
+    assert torch.equal(a, b)
+    with pytest.raises(ConfigError):
+        target.export_kv(fresh, 0, 10_000)
+
+
+def test_a_prompt_equal_to_a_cached_one_still_prefills_its_last_token(tok):
+    """Its first token needs the last position's logits: a 128-token prompt seen before
+    takes one chunk from the cache and prefills the other."""
+    on, off = _engines(HFTarget(make_tiny_llama(seed=2, eos_token_id=None, max_position_embeddings=1024)), tok)
+    prompt = DOC[:128]
+    on.generate(prompt, max_new_tokens=10, chat=False)
+    again = on.generate(prompt, max_new_tokens=10, chat=False)
+    assert again.stats.num_cached_prompt_tokens == 64 and again.stats.num_prefill_chunks == 1
+    assert again.token_ids == off.generate(prompt, max_new_tokens=10, chat=False).token_ids
+
+
+def test_the_cache_keeps_its_token_budget_evicting_the_least_recently_used(tok):
+    on, _ = _engines(
+        HFTarget(make_tiny_llama(seed=3, eos_token_id=None, max_position_embeddings=1024)), tok, cache_tokens=128
+    )
+    cache = on.prefix_cache
+    texts = ["a" * 70 + "1", "b" * 70 + "2", "c" * 70 + "3"]  # one whole chunk each
+    for t in texts[:2]:
+        on.generate(t, max_new_tokens=2, chat=False)
+    assert len(cache) == 2 and cache.cached_tokens == 128
+    assert on.generate(texts[0], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64  # a's is used
+    on.generate(texts[2], max_new_tokens=2, chat=False)  # evicts b's, the least recently used
+    assert cache.cached_tokens <= 128 and cache.stats.evicted_tokens == 64
+    assert on.generate(texts[1], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # stored again
+    assert on.generate(texts[2], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64
+    assert on.generate(texts[0], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # a's evicted now
+
+
+def test_a_digest_collision_is_no_hit():
+    """Each hit compares the chunk's own tokens too."""
+    cache = PrefixCache(256, 4)
+    key = cache.digests([1, 2, 3, 4, 5], 1)[0]
+    cache.store(key, [9, 9, 9, 9], torch.zeros(1, 2, 1, 4, 2), None)  # stored under another prompt's key
+    assert cache.lookup([1, 2, 3, 4, 5]) == []
+    cache.store(key, [1, 2, 3, 4], torch.zeros(1, 2, 1, 4, 2), None)
+    assert len(cache.lookup([1, 2, 3, 4, 5])) == 1
+    snap = cache.snapshot()
+    cache.clear()
+    assert cache.lookup([1, 2, 3, 4, 5]) == []
+    cache.restore(snap)
+    assert len(cache.lookup([1, 2, 3, 4, 5])) == 1
+    with pytest.raises(ConfigError):
+        PrefixCache(-1, 4)
+    with pytest.raises(ConfigError):
+        PolicyConfig(prefix_cache_tokens=-5)
+
+
+def test_no_cache_when_off_unchunked_or_the_target_cannot_copy_kv(tok):
+    target = HFTarget(make_tiny_llama(seed=4, eos_token_id=None))
+    assert Engine(target, tok, policy=PolicyConfig(prefix_cache_tokens=0)).prefix_cache is None
+    assert Engine(target, tok, policy=PolicyConfig(prefill_chunk_tokens=0)).prefix_cache is None
+    assert Engine(FakeTarget(vocab_size=50), tok).prefix_cache is None
+    assert Engine(target, tok).prefix_cache is not None  # on by default
+
+
+class _HiddenRecorder:
+    """A drafter whose sessions record the hidden states the engine hands them (as an EAGLE
+    head's) and never propose."""
+
+    name = "hidden-recorder"
+
+    def __init__(self):
+        self.seen = []
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        parts = []
+        self.seen.append(parts)
+
+        class _Session:
+            def extend(self, token_ids):
+                pass
+
+            def extend_hidden(self, hidden):
+                parts.append(hidden.clone())
+
+            def propose(self, max_tokens):
+                return DraftTree.empty()
+
+            def observe(self, tree, result):
+                pass
+
+        return _Session()
+
+
+def _prompt_hidden(recorder, prompt_len):
+    return torch.cat(recorder.seen[-1])[:prompt_len]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_cached_prefixes_give_feature_drafters_the_same_hidden_states(tok, kernels, native):  # noqa: F811
+    """An EAGLE-style session gets the cached chunks' hidden states: bit for bit those of
+    its own prefill (the transformers path and the native step)."""
+    make = lambda: _target(kernels, _llama(seed=7, hidden=64, head_dim=32), native)  # noqa: E731
+    ids = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    rec_on, rec_off = _HiddenRecorder(), _HiddenRecorder()
+    target = make()
+    on = Engine(target, tok, drafter=rec_on, policy=PolicyConfig(prefill_chunk_tokens=64))
+    off = Engine(target, tok, drafter=rec_off, policy=PolicyConfig(prefill_chunk_tokens=64, prefix_cache_tokens=0))
+    on.generate(ids[:200] + [5, 6, 7], max_new_tokens=4, chat=False)
+    prompt = ids[:200] + ids[250:300]
+    got = on.generate(prompt, max_new_tokens=12, chat=False)
+    want = off.generate(prompt, max_new_tokens=12, chat=False)
+    assert got.stats.num_cached_prompt_tokens == 192 and got.token_ids == want.token_ids
+    assert torch.equal(_prompt_hidden(rec_on, len(prompt)), _prompt_hidden(rec_off, len(prompt)))
