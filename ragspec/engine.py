@@ -746,7 +746,7 @@ class Engine:
         key = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)[-1]
         if not cache.wants(key, need_hidden=hidden is not None):
             return
-        kv = self.target.export_kv(req.state, start, stop)  # type: ignore[attr-defined]
+        kv = self.target.export_kv(req.state, start, stop, out=cache.reusable())  # type: ignore[attr-defined]
         cache.store(key, req.prompt_ids[start:stop], kv, None if hidden is None else hidden.detach().clone())
 
     def _draft(

@@ -1145,10 +1145,13 @@ class HFTarget:
                 layer.values = layer.values.index_select(-2, full)
         state.length = keep
 
-    def export_kv(self, state: Union[KVState, NativeKVState], start: int, stop: int) -> torch.Tensor:
+    def export_kv(
+        self, state: Union[KVState, NativeKVState], start: int, stop: int, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """A copy of the KV entries of positions ``start .. stop - 1`` of ``state``, for a
         prefix cache (:class:`~ragspec.prefix_cache.PrefixCache`): ``[L, 2, H_kv, stop -
-        start, d]`` in the cache's dtype (float16 in fast numerics).
+        start, d]`` in the cache's dtype (float16 in fast numerics), written into ``out``
+        where that has this shape, dtype and device (an evicted entry's memory), else new.
 
         Raises:
             ConfigError: the positions are not all in ``state``.
@@ -1156,13 +1159,22 @@ class HFTarget:
         if not 0 <= start <= stop <= state.length:
             raise ConfigError(f"export_kv: positions {start}..{stop} not in a state of {state.length}")
         if isinstance(state, NativeKVState):
-            return state.buffer[:, :, :, start:stop].clone()
-        return torch.stack(
-            [
-                torch.stack([layer.keys[0, :, start:stop], layer.values[0, :, start:stop]])
-                for layer in state.cache.layers
-            ]
-        )
+            src = state.buffer[:, :, :, start:stop]  # [L, 2, H_kv, n, d]
+            shape, dtype, device = tuple(src.shape), src.dtype, src.device
+        else:
+            layers = state.cache.layers
+            k0 = layers[0].keys  # [1, H_kv, T, d]
+            shape = (len(layers), 2, int(k0.shape[1]), stop - start, int(k0.shape[3]))
+            dtype, device = k0.dtype, k0.device
+        if out is None or tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+            out = torch.empty(shape, dtype=dtype, device=device)
+        if isinstance(state, NativeKVState):
+            out.copy_(src)
+        else:
+            for i, layer in enumerate(layers):
+                out[i, 0].copy_(layer.keys[0, :, start:stop])
+                out[i, 1].copy_(layer.values[0, :, start:stop])
+        return out
 
     def import_kv(self, state: Union[KVState, NativeKVState], blocks: Sequence[torch.Tensor]) -> None:
         """Append exported KV entries (:meth:`export_kv` of this target, in order) to

@@ -88,7 +88,7 @@ def test_a_prompt_equal_to_a_cached_one_still_prefills_its_last_token(tok):
 
 
 def test_the_cache_keeps_its_token_budget_evicting_the_least_recently_used(tok):
-    on, _ = _engines(
+    on, off = _engines(
         HFTarget(make_tiny_llama(seed=3, eos_token_id=None, max_position_embeddings=1024)), tok, cache_tokens=128
     )
     cache = on.prefix_cache
@@ -102,6 +102,19 @@ def test_the_cache_keeps_its_token_budget_evicting_the_least_recently_used(tok):
     assert on.generate(texts[1], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # stored again
     assert on.generate(texts[2], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64
     assert on.generate(texts[0], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # a's evicted now
+    # the evicted entries' memory took the later stores: those hits still give the output
+    for t in texts:
+        assert (
+            on.generate(t, max_new_tokens=8, chat=False).token_ids
+            == off.generate(t, max_new_tokens=8, chat=False).token_ids
+        )
+    held = {b.kv.data_ptr() for b in cache._blocks.values()}
+    cache.clear()
+    assert cache.cached_tokens == 0 and len(cache._free) == 2 and {t.data_ptr() for t in cache._free} == held
+    reused = cache.reusable()
+    with torch.inference_mode():  # as the engine's steps
+        on.target.prefill(state := on.target.new_state(), tok(texts[0])["input_ids"])
+        assert on.target.export_kv(state, 0, 64, out=reused).data_ptr() == reused.data_ptr()
 
 
 def test_a_digest_collision_is_no_hit():
