@@ -129,7 +129,9 @@ class PolicyConfig:
     Needs chunked prefill; 0 = off. Default model: ~46 KB per token in float32."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefix_cache_tokens, bool) or self.prefix_cache_tokens < 0:
+        if type(self.prefix_cache_tokens) is not int:  # noqa: E721 (bool is an int subclass)
+            raise ConfigError(f"prefix_cache_tokens must be an integer (tokens), got {self.prefix_cache_tokens!r}")
+        if self.prefix_cache_tokens < 0:
             raise ConfigError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")

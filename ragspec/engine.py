@@ -289,7 +289,15 @@ class Engine:
 
     def _new_prefix_cache(self) -> Optional[PrefixCache]:
         tokens, chunk = int(self.policy.prefix_cache_tokens), int(self.policy.prefill_chunk_tokens)
-        if tokens < max(1, chunk) or not chunk or not self.target.capability(Capability.PREFIX_KV):
+        if tokens <= 0 or not self.target.capability(Capability.PREFIX_KV):
+            return None
+        if not chunk or tokens < chunk:
+            logger.warning(
+                "prefix cache off: it keeps whole prefill chunks, and %s",
+                "prefill is unchunked (prefill_chunk_tokens 0)"
+                if not chunk
+                else f"prefix_cache_tokens {tokens} is less than one chunk of {chunk} tokens",
+            )
             return None
         return PrefixCache(tokens, chunk)
 
@@ -743,11 +751,11 @@ class Engine:
     def _store_chunk(self, req: Request, cache: PrefixCache, start: int, hidden: Optional[torch.Tensor]) -> None:
         """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden states)."""
         stop = start + cache.chunk_tokens
-        key = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)[-1]
-        if not cache.wants(key, need_hidden=hidden is not None):
+        chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)
+        if not cache.wants(chain, need_hidden=hidden is not None):
             return
-        kv = self.target.export_kv(req.state, start, stop, out=cache.reusable())  # type: ignore[attr-defined]
-        cache.store(key, req.prompt_ids[start:stop], kv, None if hidden is None else hidden.detach().clone())
+        kv = self.target.export_kv(req.state, start, stop, out=cache.reusable(chain))  # type: ignore[attr-defined]
+        cache.store(chain, req.prompt_ids[start:stop], kv, None if hidden is None else hidden.detach().clone())
 
     def _draft(
         self,

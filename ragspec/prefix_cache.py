@@ -122,18 +122,6 @@ class PrefixCache:
         if len(self._free) + len(self._blocks) < self.max_tokens // self.chunk_tokens:
             self._free.append(kv)
 
-    def reusable(self) -> Optional[torch.Tensor]:
-        """Memory for the next store's export to write into (``Target.export_kv``'s
-        ``out``): an evicted or cleared entry's KV tensor, or, with the cache full, that of
-        the least recently used entry, evicted now; None while the cache has room."""
-        if self._free:
-            return self._free.pop()
-        if self._blocks and self.cached_tokens + self.chunk_tokens > self.max_tokens:
-            _, oldest = self._blocks.popitem(last=False)
-            self.stats.evicted_tokens += self.chunk_tokens
-            return oldest.kv
-        return None
-
     def snapshot(self) -> "OrderedDict[bytes, PrefixBlock]":
         """The entries now, in LRU order (the stored tensors shared, not copied): for
         :meth:`restore`, e.g. a benchmark running several methods from the same cache state."""
@@ -151,6 +139,14 @@ class PrefixCache:
             out.append(parent)
         return out
 
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Mark a chain of held chunks recently used, its first chunk the most recent: the
+        deepest chunks of a prompt are evicted before the ones that lead to them, so what
+        stays is always reachable from a prompt's start (a prompt longer than the budget
+        keeps its first chunks, not its last)."""
+        for key in reversed(keys):
+            self._blocks.move_to_end(key)
+
     def lookup(self, prompt_ids: Sequence[int], need_hidden: bool = False) -> list[PrefixBlock]:
         """The stored chunks that begin ``prompt_ids``, in order: the longest run of whole
         chunks found, leaving at least the prompt's last token to prefill (and, with
@@ -160,36 +156,71 @@ class PrefixCache:
         self.stats.queried_tokens += len(prompt_ids)
         usable = (len(prompt_ids) - 1) // c
         found: list[PrefixBlock] = []
+        keys: list[bytes] = []
         for j, key in enumerate(self.digests(prompt_ids, usable)):
             block = self._blocks.get(key)
             if block is None or (need_hidden and block.hidden is None):
                 break
             if block.tokens.tolist() != list(prompt_ids[j * c : (j + 1) * c]):  # a digest collision
                 break
-            self._blocks.move_to_end(key)
             found.append(block)
+            keys.append(key)
+        self._touch(keys)
         self.stats.hit_tokens += len(found) * c
         return found
 
-    def wants(self, key: bytes, need_hidden: bool = False) -> bool:
-        """Whether storing the chunk of key ``key`` would add something (not held, or held
-        without hidden states that this request has)."""
-        if self.max_tokens < self.chunk_tokens:
-            return False
-        block = self._blocks.get(key)
-        return block is None or (need_hidden and block.hidden is None)
+    def _victim(self, chain: Sequence[bytes]) -> Optional[bytes]:
+        """The least recently used entry outside ``chain``, or None."""
+        protect = set(chain)
+        return next((key for key in self._blocks if key not in protect), None)
 
-    def store(self, key: bytes, tokens: Sequence[int], kv: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
+    def wants(self, chain: Sequence[bytes], need_hidden: bool = False) -> bool:
+        """Whether storing the last chunk of ``chain`` (the keys of a prompt's chunks 0 .. j,
+        from :meth:`digests`) would add something: it is not held (or held without hidden
+        states that this request has), the chunks before it are held (a chunk is only ever
+        reached through them), and there is room, or an entry outside the chain to evict."""
+        if self.max_tokens < self.chunk_tokens or not chain:
+            return False
+        block = self._blocks.get(chain[-1])
+        if block is not None and not (need_hidden and block.hidden is None):
+            return False
+        if any(key not in self._blocks for key in chain[:-1]):
+            return False
+        full = block is None and self.cached_tokens + self.chunk_tokens > self.max_tokens
+        return not full or self._victim(chain) is not None
+
+    def reusable(self, chain: Sequence[bytes] = ()) -> Optional[torch.Tensor]:
+        """Memory for the next store's export to write into (``Target.export_kv``'s
+        ``out``): an evicted or cleared entry's KV tensor, or, with the cache full, that of
+        the least recently used entry outside ``chain``, evicted now; None while the cache
+        has room."""
+        if self._free:
+            return self._free.pop()
+        if self._blocks and self.cached_tokens + self.chunk_tokens > self.max_tokens:
+            victim = self._victim(chain)
+            if victim is not None:
+                self.stats.evicted_tokens += self.chunk_tokens
+                return self._blocks.pop(victim).kv
+        return None
+
+    def store(
+        self, chain: Sequence[bytes], tokens: Sequence[int], kv: torch.Tensor, hidden: Optional[torch.Tensor]
+    ) -> None:
         """Keep one chunk (``tokens`` C ids, its KV export and optional hidden [C, H]) under
-        ``key`` (from :meth:`digests`), evicting the least recently used beyond the budget."""
-        if len(tokens) != self.chunk_tokens or self.max_tokens < self.chunk_tokens:
+        the last key of ``chain`` (see :meth:`wants`), evicting least recently used entries
+        outside the chain beyond the budget (none left: the chunk is not kept)."""
+        if len(tokens) != self.chunk_tokens or not chain:
             return
+        key = chain[-1]
         if key in self._blocks:
             self._recycle(self._blocks.pop(key).kv)
-        else:
-            self.stats.stored_tokens += self.chunk_tokens
-        self._blocks[key] = PrefixBlock(torch.tensor(list(tokens), dtype=torch.long), kv, hidden)
-        while self.cached_tokens > self.max_tokens:
-            _, evicted = self._blocks.popitem(last=False)
-            self._recycle(evicted.kv)
+        while self.cached_tokens + self.chunk_tokens > self.max_tokens:
+            victim = self._victim(chain)
+            if victim is None:
+                self._recycle(kv)
+                return
+            self._recycle(self._blocks.pop(victim).kv)
             self.stats.evicted_tokens += self.chunk_tokens
+        self.stats.stored_tokens += self.chunk_tokens
+        self._blocks[key] = PrefixBlock(torch.tensor(list(tokens), dtype=torch.long), kv, hidden)
+        self._touch([k for k in chain if k in self._blocks])

@@ -174,7 +174,8 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prefix caching: KV entries of up to this many prompt tokens kept across requests, so prompts that "
-        "begin alike skip that prefill, output unchanged (default 4096; 0 = off)",
+        "begin alike skip that prefill, output unchanged (default 4096; 0 = off; whole prefill chunks: needs "
+        "--prefill-chunk-tokens > 0)",
     )
     p.add_argument(
         "--default-max-tokens",

@@ -121,9 +121,9 @@ def test_a_digest_collision_is_no_hit():
     """Each hit compares the chunk's own tokens too."""
     cache = PrefixCache(256, 4)
     key = cache.digests([1, 2, 3, 4, 5], 1)[0]
-    cache.store(key, [9, 9, 9, 9], torch.zeros(1, 2, 1, 4, 2), None)  # stored under another prompt's key
+    cache.store([key], [9, 9, 9, 9], torch.zeros(1, 2, 1, 4, 2), None)  # stored under another prompt's key
     assert cache.lookup([1, 2, 3, 4, 5]) == []
-    cache.store(key, [1, 2, 3, 4], torch.zeros(1, 2, 1, 4, 2), None)
+    cache.store([key], [1, 2, 3, 4], torch.zeros(1, 2, 1, 4, 2), None)
     assert len(cache.lookup([1, 2, 3, 4, 5])) == 1
     snap = cache.snapshot()
     cache.clear()
@@ -132,8 +132,37 @@ def test_a_digest_collision_is_no_hit():
     assert len(cache.lookup([1, 2, 3, 4, 5])) == 1
     with pytest.raises(ConfigError):
         PrefixCache(-1, 4)
-    with pytest.raises(ConfigError):
-        PolicyConfig(prefix_cache_tokens=-5)
+    for bad in (-5, 1.5, "abc", True):
+        with pytest.raises(ConfigError):
+            PolicyConfig(prefix_cache_tokens=bad)
+
+
+def test_a_prompt_longer_than_the_budget_keeps_its_first_chunks_regression(tok):
+    """A repeated prompt longer than the cache used to never hit: least recently used
+    evicted its first chunks for its later ones, and the later ones cannot be reached
+    without them. The deepest chunks go first now, and a chunk whose parents are gone is
+    not stored."""
+    on, off = _engines(
+        HFTarget(make_tiny_llama(seed=5, eos_token_id=None, max_position_embeddings=1024)), tok, cache_tokens=128
+    )
+    prompt = DOC[:400]  # 6 whole chunks of 64, against a budget of 2
+    for _ in range(2):
+        out = on.generate(prompt, max_new_tokens=8, chat=False)
+    assert out.stats.num_cached_prompt_tokens == 128
+    assert out.token_ids == off.generate(prompt, max_new_tokens=8, chat=False).token_ids
+    assert on.generate(DOC[:200], max_new_tokens=4, chat=False).stats.num_cached_prompt_tokens == 128
+    # another prompt's chunks evict the least recently used: the deeper chunk first
+    on.generate("x" * 70, max_new_tokens=2, chat=False)
+    assert len(on.prefix_cache) == 2
+    assert on.generate(prompt, max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64
+
+
+def test_a_cache_that_cannot_hold_a_chunk_is_off_with_a_warning(tok, caplog):
+    target = HFTarget(make_tiny_llama(seed=6, eos_token_id=None))
+    with caplog.at_level("WARNING", logger="ragspec.engine"):
+        assert Engine(target, tok, policy=PolicyConfig(prefix_cache_tokens=100)).prefix_cache is None
+        assert Engine(target, tok, policy=PolicyConfig(prefill_chunk_tokens=0)).prefix_cache is None
+    assert "less than one chunk" in caplog.text and "unchunked" in caplog.text
 
 
 def test_no_cache_when_off_unchunked_or_the_target_cannot_copy_kv(tok):
