@@ -708,26 +708,38 @@ class Engine:
         last one, its first token (from that chunk's last logits). Returns the tokens run."""
         t0 = time.perf_counter()
         cache = self.prefix_cache if req.prefill_chunk == getattr(self.prefix_cache, "chunk_tokens", -1) else None
+        logits = None
         if cache is not None and req.prefilled == 0:
-            self._load_cached_prefix(req, cache)
-        n = req.next_prefill_tokens()
-        start = req.prefilled
-        chunk = req.prompt_ids[start : start + n]
-        want_hidden = req.want_hidden or (cache is not None and self._hidden_states and n == req.prefill_chunk)
-        out = self.target.prefill(req.state, chunk, return_hidden=want_hidden)
-        req.prefilled += n
-        if req.want_hidden:
-            req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
-        if cache is not None and n == cache.chunk_tokens and start % n == 0:
-            self._store_chunk(req, cache, start, out.hidden)
+            logits = self._load_cached_prefix(req, cache)  # the stored last logits: the whole prompt was cached
         stats = req.stats
-        stats.num_prefill_chunks += 1
-        if req.prefilled < len(req.prompt_ids):
-            stats.prefill_s += time.perf_counter() - t0
-            return n
-        assert out.logits is not None, "a prefill returns the last position's logits"
-        res = req.verifier(DraftTree.empty(), out.logits, req.generator)
+        n = 0
+        if logits is None:
+            n = req.next_prefill_tokens()
+            start = req.prefilled
+            chunk = req.prompt_ids[start : start + n]
+            final = start + n == len(req.prompt_ids)
+            want_hidden = req.want_hidden or (
+                cache is not None and self._hidden_states and (n == req.prefill_chunk or final)
+            )
+            out = self.target.prefill(req.state, chunk, return_hidden=want_hidden)
+            req.prefilled += n
+            if req.want_hidden:
+                req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+            if cache is not None and start % cache.chunk_tokens == 0:
+                if n == cache.chunk_tokens:
+                    self._store_chunk(req, cache, start, out.hidden)
+                if final:
+                    self._store_chunk(req, cache, start, out.hidden, out.logits)
+            stats.num_prefill_chunks += 1
+            if req.prefilled < len(req.prompt_ids):
+                stats.prefill_s += time.perf_counter() - t0
+                return n
+            assert out.logits is not None, "a prefill returns the last position's logits"
+            logits = out.logits
+        # the prefill counts as one forward, also when the prefix cache served all of it
+        # (decode steps stay num_forward_passes - 1)
         stats.num_forward_passes += 1
+        res = req.verifier(DraftTree.empty(), logits, req.generator)
         stats.prefill_s += time.perf_counter() - t0
         stats.time_to_first_token_s = time.perf_counter() - req.started_s
         req.root = res.bonus_token
@@ -736,26 +748,48 @@ class Engine:
             req.session.extend([req.root])
         return n
 
-    def _load_cached_prefix(self, req: Request, cache: PrefixCache) -> None:
-        """Fill an empty request's KV cache with the stored chunks its prompt begins with."""
+    def _load_cached_prefix(self, req: Request, cache: PrefixCache) -> Optional[torch.Tensor]:
+        """Fill an empty request's KV cache with the stored chunks its prompt begins with.
+        Returns the last position's logits float32 [1, V] when the whole prompt was stored
+        (an identical prompt's final part), else None."""
         blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden)
         if not blocks:
-            return
+            return None
         self.target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
-        n = len(blocks) * cache.chunk_tokens
+        n = sum(int(b.tokens.numel()) for b in blocks)
         if req.want_hidden:
             req.session.extend_hidden(torch.cat([b.hidden for b in blocks]))  # type: ignore[union-attr, misc]
         req.prefilled = n
         req.stats.num_cached_prompt_tokens = n
+        return blocks[-1].logits
 
-    def _store_chunk(self, req: Request, cache: PrefixCache, start: int, hidden: Optional[torch.Tensor]) -> None:
-        """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden states)."""
-        stop = start + cache.chunk_tokens
-        chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)
-        if not cache.wants(chain, need_hidden=hidden is not None):
+    def _store_chunk(
+        self,
+        req: Request,
+        cache: PrefixCache,
+        start: int,
+        hidden: Optional[torch.Tensor],
+        logits: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden
+        states), or with ``logits`` the prompt's final part from ``start`` on."""
+        if logits is None:
+            stop = start + cache.chunk_tokens
+            chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)
+        else:
+            stop = len(req.prompt_ids)
+            chain = cache.final_chain(req.prompt_ids)
+        if not cache.wants(chain, need_hidden=hidden is not None, tokens=None if logits is None else stop - start):
             return
-        kv = self.target.export_kv(req.state, start, stop, out=cache.reusable(chain))  # type: ignore[attr-defined]
-        cache.store(chain, req.prompt_ids[start:stop], kv, None if hidden is None else hidden.detach().clone())
+        out = cache.reusable(chain) if logits is None else None
+        kv = self.target.export_kv(req.state, start, stop, out=out)  # type: ignore[attr-defined]
+        cache.store(
+            chain,
+            req.prompt_ids[start:stop],
+            kv,
+            None if hidden is None else hidden.detach().clone(),
+            None if logits is None else logits.detach().clone(),
+        )
 
     def _draft(
         self,

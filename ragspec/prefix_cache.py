@@ -51,6 +51,10 @@ class PrefixBlock:
     tokens: torch.Tensor
     kv: torch.Tensor
     hidden: Optional[torch.Tensor]
+    logits: Optional[torch.Tensor] = None
+    """float32 [1, V]: for a prompt's final part (its last, possibly partial, chunk), the
+    last position's logits, so that an identical prompt needs no forward at all; None for a
+    whole chunk that other prompts may continue."""
 
 
 @dataclass
@@ -71,6 +75,7 @@ class PrefixCacheStats:
 
 
 _ROOT = b"ragspec-prefix-v1"
+_FINAL = b"final"
 
 
 def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -101,12 +106,13 @@ class PrefixCache:
         # 12 MB tensor (a default-model chunk) cost ~20 ms of page faults on the 2-core VM,
         # a copy into a used one ~2 ms. Held + free never exceed the budget's blocks.
         self._free: list[torch.Tensor] = []
+        self._tokens = 0  # tokens of the entries held
         self.stats = PrefixCacheStats()
 
     @property
     def cached_tokens(self) -> int:
         """Tokens held now."""
-        return len(self._blocks) * self.chunk_tokens
+        return self._tokens
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -115,12 +121,14 @@ class PrefixCache:
         """Drop every entry (the counters stay; their memory is kept for later stores)."""
         held = list(self._blocks.values())
         self._blocks.clear()
+        self._tokens = 0
         for block in held:
-            self._recycle(block.kv)
+            self._recycle(block)
 
-    def _recycle(self, kv: torch.Tensor) -> None:
-        if len(self._free) + len(self._blocks) < self.max_tokens // self.chunk_tokens:
-            self._free.append(kv)
+    def _recycle(self, block: PrefixBlock) -> None:
+        # a whole chunk's memory (a final part's is of another size)
+        if block.logits is None and len(self._free) + len(self._blocks) < self.max_tokens // self.chunk_tokens:
+            self._free.append(block.kv)
 
     def snapshot(self) -> "OrderedDict[bytes, PrefixBlock]":
         """The entries now, in LRU order (the stored tensors shared, not copied): for
@@ -130,6 +138,12 @@ class PrefixCache:
     def restore(self, snapshot: "OrderedDict[bytes, PrefixBlock]") -> None:
         """Hold exactly the entries of ``snapshot`` (from :meth:`snapshot`) again."""
         self._blocks = OrderedDict(snapshot)
+        self._tokens = sum(int(b.tokens.numel()) for b in self._blocks.values())
+
+    def _pop(self, key: bytes) -> PrefixBlock:
+        block = self._blocks.pop(key)
+        self._tokens -= int(block.tokens.numel())
+        return block
 
     def digests(self, prompt_ids: Sequence[int], chunks: int) -> list[bytes]:
         """The keys of the first ``chunks`` whole chunks of ``prompt_ids``."""
@@ -138,6 +152,15 @@ class PrefixCache:
             parent = _digest(parent, prompt_ids[j * c : (j + 1) * c])
             out.append(parent)
         return out
+
+    def final_chain(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        """The keys of the whole prompt: its whole chunks before its last chunk (the first
+        ``(len - 1) // C``), then the key of its final part (the rest, 1 to C tokens, and
+        the last logits): an entry that only an identical prompt reaches."""
+        k = (len(prompt_ids) - 1) // self.chunk_tokens
+        chain = self.digests(prompt_ids, k)
+        tail = prompt_ids[k * self.chunk_tokens :]
+        return chain + [_digest((chain[-1] if chain else _ROOT) + _FINAL, tail)]
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         """Mark a chain of held chunks recently used, its first chunk the most recent: the
@@ -150,14 +173,15 @@ class PrefixCache:
     def lookup(self, prompt_ids: Sequence[int], need_hidden: bool = False) -> list[PrefixBlock]:
         """The stored chunks that begin ``prompt_ids``, in order: the longest run of whole
         chunks found, leaving at least the prompt's last token to prefill (and, with
-        ``need_hidden``, only chunks stored with their hidden states). Marks them recently
-        used; counts the lookup."""
+        ``need_hidden``, only chunks stored with their hidden states); when all of those are
+        found and an identical prompt stored its final part, that part last (its ``logits``
+        set: the whole prompt is cached). Marks them recently used; counts the lookup."""
         c = self.chunk_tokens
         self.stats.queried_tokens += len(prompt_ids)
-        usable = (len(prompt_ids) - 1) // c
+        chain = self.final_chain(prompt_ids)
         found: list[PrefixBlock] = []
         keys: list[bytes] = []
-        for j, key in enumerate(self.digests(prompt_ids, usable)):
+        for j, key in enumerate(chain):
             block = self._blocks.get(key)
             if block is None or (need_hidden and block.hidden is None):
                 break
@@ -166,19 +190,25 @@ class PrefixCache:
             found.append(block)
             keys.append(key)
         self._touch(keys)
-        self.stats.hit_tokens += len(found) * c
+        self.stats.hit_tokens += sum(int(b.tokens.numel()) for b in found)
         return found
 
-    def _victim(self, chain: Sequence[bytes]) -> Optional[bytes]:
-        """The least recently used entry outside ``chain``, or None."""
+    def _victim(self, chain: Sequence[bytes], finals_only: bool = False) -> Optional[bytes]:
+        """The least recently used entry outside ``chain`` (with ``finals_only``: a prompt's
+        final part, never a whole chunk that other prompts may continue), or None."""
         protect = set(chain)
-        return next((key for key in self._blocks if key not in protect), None)
+        return next(
+            (k for k, b in self._blocks.items() if k not in protect and (b.logits is not None or not finals_only)),
+            None,
+        )
 
-    def wants(self, chain: Sequence[bytes], need_hidden: bool = False) -> bool:
+    def wants(self, chain: Sequence[bytes], need_hidden: bool = False, tokens: Optional[int] = None) -> bool:
         """Whether storing the last chunk of ``chain`` (the keys of a prompt's chunks 0 .. j,
         from :meth:`digests`) would add something: it is not held (or held without hidden
         states that this request has), the chunks before it are held (a chunk is only ever
-        reached through them), and there is room, or an entry outside the chain to evict."""
+        reached through them), and there is room, or an entry outside the chain to evict
+        (``tokens``: the entry's size, default a whole chunk; a final part of fewer tokens may
+        only evict other final parts)."""
         if self.max_tokens < self.chunk_tokens or not chain:
             return False
         block = self._blocks.get(chain[-1])
@@ -186,8 +216,9 @@ class PrefixCache:
             return False
         if any(key not in self._blocks for key in chain[:-1]):
             return False
-        full = block is None and self.cached_tokens + self.chunk_tokens > self.max_tokens
-        return not full or self._victim(chain) is not None
+        size = self.chunk_tokens if tokens is None else int(tokens)
+        full = block is None and self._tokens + size > self.max_tokens
+        return not full or self._victim(chain, finals_only=tokens is not None) is not None
 
     def reusable(self, chain: Sequence[bytes] = ()) -> Optional[torch.Tensor]:
         """Memory for the next store's export to write into (``Target.export_kv``'s
@@ -196,31 +227,46 @@ class PrefixCache:
         has room."""
         if self._free:
             return self._free.pop()
-        if self._blocks and self.cached_tokens + self.chunk_tokens > self.max_tokens:
+        while self._blocks and self._tokens + self.chunk_tokens > self.max_tokens:
             victim = self._victim(chain)
-            if victim is not None:
-                self.stats.evicted_tokens += self.chunk_tokens
-                return self._blocks.pop(victim).kv
+            if victim is None:
+                break
+            evicted = self._pop(victim)
+            self.stats.evicted_tokens += int(evicted.tokens.numel())
+            if evicted.logits is None:
+                return evicted.kv
         return None
 
     def store(
-        self, chain: Sequence[bytes], tokens: Sequence[int], kv: torch.Tensor, hidden: Optional[torch.Tensor]
+        self,
+        chain: Sequence[bytes],
+        tokens: Sequence[int],
+        kv: torch.Tensor,
+        hidden: Optional[torch.Tensor],
+        logits: Optional[torch.Tensor] = None,
     ) -> None:
         """Keep one chunk (``tokens`` C ids, its KV export and optional hidden [C, H]) under
-        the last key of ``chain`` (see :meth:`wants`), evicting least recently used entries
-        outside the chain beyond the budget (none left: the chunk is not kept)."""
-        if len(tokens) != self.chunk_tokens or not chain:
+        the last key of ``chain`` (see :meth:`wants`), or with ``logits`` a prompt's final
+        part (1 to C tokens, the last key of :meth:`final_chain`), evicting least recently
+        used entries outside the chain beyond the budget (a final part only other final
+        parts; none left: nothing is kept). Entries cost their tokens."""
+        if not chain or not (
+            len(tokens) == self.chunk_tokens or (logits is not None and 0 < len(tokens) <= self.chunk_tokens)
+        ):
             return
         key = chain[-1]
+        entry = PrefixBlock(torch.tensor(list(tokens), dtype=torch.long), kv, hidden, logits)
         if key in self._blocks:
-            self._recycle(self._blocks.pop(key).kv)
-        while self.cached_tokens + self.chunk_tokens > self.max_tokens:
-            victim = self._victim(chain)
+            self._recycle(self._pop(key))
+        while self._tokens + len(tokens) > self.max_tokens:
+            victim = self._victim(chain, finals_only=logits is not None)
             if victim is None:
-                self._recycle(kv)
+                self._recycle(entry)
                 return
-            self._recycle(self._blocks.pop(victim).kv)
-            self.stats.evicted_tokens += self.chunk_tokens
-        self.stats.stored_tokens += self.chunk_tokens
-        self._blocks[key] = PrefixBlock(torch.tensor(list(tokens), dtype=torch.long), kv, hidden)
+            evicted = self._pop(victim)
+            self._recycle(evicted)
+            self.stats.evicted_tokens += int(evicted.tokens.numel())
+        self.stats.stored_tokens += len(tokens)
+        self._blocks[key] = entry
+        self._tokens += len(tokens)
         self._touch([k for k in chain if k in self._blocks])

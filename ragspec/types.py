@@ -189,7 +189,7 @@ class GenerationStats:
     """Counters and timings of one generation (times in seconds, counts in tokens).
 
     ``num_forward_passes`` counts target forwards including the prefill (a chunked prefill
-    counts once); decode steps are ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
+    counts once, as does one the prefix cache served whole); decode steps are ``num_forward_passes - 1``. ``mean_accepted_tokens`` is committed tokens per decode
     step, bonus included (plain decoding gives 1.0). ``num_invalid_draft_tokens`` counts
     proposed draft nodes dropped before verification because a drafter returned token ids
     outside the vocabulary or a malformed tree (see :func:`ragspec.tree.drop_invalid_nodes`);

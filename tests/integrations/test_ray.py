@@ -304,8 +304,10 @@ def sse_events(text: str) -> list:
 
 
 def answer(body: dict) -> dict:
-    """The parts of an answer that must not depend on which server gave it."""
-    out = {"usage": body.get("usage"), "choices": []}
+    """The parts of an answer that must not depend on which server gave it (not the
+    prompt tokens a server's prefix cache served: that depends on what it answered before)."""
+    usage = {k: v for k, v in (body.get("usage") or {}).items() if k != "prompt_tokens_details"}
+    out = {"usage": usage or None, "choices": []}
     for c in body["choices"]:
         out["choices"].append({"text": c.get("text"), "message": c.get("message"), "finish_reason": c["finish_reason"]})
     return out

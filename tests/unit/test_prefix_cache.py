@@ -76,15 +76,22 @@ def test_a_cached_chunk_holds_what_the_prefill_writes_bit_for_bit(tok):
         target.export_kv(fresh, 0, 10_000)
 
 
-def test_a_prompt_equal_to_a_cached_one_still_prefills_its_last_token(tok):
-    """Its first token needs the last position's logits: a 128-token prompt seen before
-    takes one chunk from the cache and prefills the other."""
+def test_an_identical_prompt_needs_no_prefill_forward(tok):
+    """A prompt asked again (a repeated question, a regenerated answer) finds its final part
+    too, with the last position's logits: no prefill forward, the same output (greedy and
+    seeded sampling). A prompt that continues it reuses its whole chunks only."""
     on, off = _engines(HFTarget(make_tiny_llama(seed=2, eos_token_id=None, max_position_embeddings=1024)), tok)
-    prompt = DOC[:128]
-    on.generate(prompt, max_new_tokens=10, chat=False)
-    again = on.generate(prompt, max_new_tokens=10, chat=False)
-    assert again.stats.num_cached_prompt_tokens == 64 and again.stats.num_prefill_chunks == 1
-    assert again.token_ids == off.generate(prompt, max_new_tokens=10, chat=False).token_ids
+    for prompt in (DOC[:128], DOC[:150], DOC[:40]):  # a chunk boundary at its end, past it, one part only
+        for sampling in ({}, {"temperature": 0.9, "seed": 3}):
+            first = on.generate(prompt, max_new_tokens=10, chat=False, **sampling)
+            again = on.generate(prompt, max_new_tokens=10, chat=False, **sampling)
+            want = off.generate(prompt, max_new_tokens=10, chat=False, **sampling)
+            assert first.token_ids == again.token_ids == want.token_ids
+            assert again.stats.num_cached_prompt_tokens == len(prompt) and again.stats.num_prefill_chunks == 0
+            assert again.stats.num_forward_passes == want.stats.num_forward_passes  # the prefill counts once
+    longer = on.generate(DOC[:129], max_new_tokens=10, chat=False)
+    assert longer.stats.num_cached_prompt_tokens == 128 and longer.stats.num_prefill_chunks == 1
+    assert longer.token_ids == off.generate(DOC[:129], max_new_tokens=10, chat=False).token_ids
 
 
 def test_the_cache_keeps_its_token_budget_evicting_the_least_recently_used(tok):
@@ -98,7 +105,9 @@ def test_the_cache_keeps_its_token_budget_evicting_the_least_recently_used(tok):
     assert len(cache) == 2 and cache.cached_tokens == 128
     assert on.generate(texts[0], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64  # a's is used
     on.generate(texts[2], max_new_tokens=2, chat=False)  # evicts b's, the least recently used
-    assert cache.cached_tokens <= 128 and cache.stats.evicted_tokens == 64
+    # evicted: b's chunk, and before it a's final part (7 tokens) to make room for b's chunk
+    # (a final part, only an identical prompt's, never evicts a whole chunk)
+    assert cache.cached_tokens <= 128 and cache.stats.evicted_tokens == 64 + 7
     assert on.generate(texts[1], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # stored again
     assert on.generate(texts[2], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 64
     assert on.generate(texts[0], max_new_tokens=2, chat=False).stats.num_cached_prompt_tokens == 0  # a's evicted now
