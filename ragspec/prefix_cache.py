@@ -11,13 +11,13 @@ the granularity of ragspec's prefill chunks (:attr:`~ragspec.config.PolicyConfig
 keys and values are computed from tokens ``0 .. (j + 1) C - 1`` only (the same forward, the
 same shapes, over the same earlier entries), so a stored chunk holds bit for bit what the
 request's own prefill would have written: outputs with and without the cache are identical
-(greedy and seeded sampling), which the tests check. Only whole chunks are stored, and a
-request always prefills at least its last token itself (its first token needs the last
-position's logits).
+(greedy and seeded sampling), which the tests check. Whole chunks serve every prompt that
+begins with them; a prompt's final part (its last, possibly partial, chunk) is stored with the
+last position's logits and serves only an identical prompt, which then runs no prefill forward.
 
 Entries are keyed by a chained BLAKE2b digest of the token ids up to the chunk's end (and the
 chunk's own tokens are compared on a hit), evicted least recently used beyond a budget of
-cached tokens. Not thread-safe: owned by one :class:`~ragspec.engine.Engine`, used from its
+cached tokens, a prompt's deeper entries before the ones leading to them. Not thread-safe: owned by one :class:`~ragspec.engine.Engine`, used from its
 stepping thread.
 """
 
@@ -38,10 +38,10 @@ __all__ = ["PrefixCache", "PrefixBlock", "PrefixCacheStats"]
 
 @dataclass(frozen=True)
 class PrefixBlock:
-    """One stored chunk.
+    """One stored chunk, or a prompt's final part.
 
     Attributes:
-        tokens: int64 [C] the chunk's token ids.
+        tokens: int64 [n] its token ids (n = C for a whole chunk, 1 to C for a final part).
         kv: the backend's export of the chunk's KV entries (:meth:`Target.export_kv`; the
             transformers backend: ``[L, 2, H_kv, C, d]`` in the cache's dtype).
         hidden: float32 [C, H] the chunk's last hidden states (for feature-level drafters,
@@ -64,8 +64,8 @@ class PrefixCacheStats:
     Attributes:
         queried_tokens: prompt tokens of the requests looked up.
         hit_tokens: prompt tokens served from the cache (not prefilled).
-        stored_tokens: tokens of the chunks stored.
-        evicted_tokens: tokens of the chunks evicted.
+        stored_tokens: tokens of the entries stored.
+        evicted_tokens: tokens of the entries evicted.
     """
 
     queried_tokens: int = 0
@@ -86,8 +86,8 @@ class PrefixCache:
     """KV entries of whole prefill chunks, shared by the requests of one engine.
 
     Args:
-        max_tokens: most cached tokens (LRU eviction beyond; a multiple of ``chunk_tokens``
-            is useful, each chunk costing ``chunk_tokens`` of it).
+        max_tokens: most cached tokens (LRU eviction beyond; each entry costs its tokens,
+            a whole chunk ``chunk_tokens``).
         chunk_tokens: the engine's prefill chunk size C (tokens per block).
 
     Raises:
@@ -143,6 +143,11 @@ class PrefixCache:
     def _pop(self, key: bytes) -> PrefixBlock:
         block = self._blocks.pop(key)
         self._tokens -= int(block.tokens.numel())
+        return block
+
+    def _evict(self, key: bytes) -> PrefixBlock:
+        block = self._pop(key)
+        self.stats.evicted_tokens += int(block.tokens.numel())
         return block
 
     def digests(self, prompt_ids: Sequence[int], chunks: int) -> list[bytes]:
@@ -231,8 +236,7 @@ class PrefixCache:
             victim = self._victim(chain)
             if victim is None:
                 break
-            evicted = self._pop(victim)
-            self.stats.evicted_tokens += int(evicted.tokens.numel())
+            evicted = self._evict(victim)
             if evicted.logits is None:
                 return evicted.kv
         return None
@@ -263,9 +267,7 @@ class PrefixCache:
             if victim is None:
                 self._recycle(entry)
                 return
-            evicted = self._pop(victim)
-            self._recycle(evicted)
-            self.stats.evicted_tokens += int(evicted.tokens.numel())
+            self._recycle(self._evict(victim))
         self.stats.stored_tokens += len(tokens)
         self._blocks[key] = entry
         self._tokens += len(tokens)
