@@ -108,6 +108,11 @@ class PolicyConfig:
     one's draft for the committed tokens per second of the whole step, within
     ``max_step_rows`` (drafts shrink as the batch grows; see :meth:`Engine.step`). Seeded
     sampled requests keep their solo choice (same seed, same output)."""
+    draft_time_gate: bool = True
+    """With ``batch_aware``: in a batched step, a request drafts only while its drafting has
+    been adding more committed tokens than its drafting seconds and draft rows cost the
+    whole step (:class:`~ragspec.policy.DraftTimeGate`); otherwise its steps are plain ones,
+    with a retry every few steps. Seeded sampled requests are never gated."""
     max_step_rows: Optional[int] = None
     """Most verification rows (roots + draft nodes of all requests) one step budgets for
     (None: the latency model's largest measured q, where the cost model knows the cost; at
@@ -137,6 +142,9 @@ class PolicyConfig:
             raise ConfigError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if isinstance(self.prefill_chunk_tokens, bool) or self.prefill_chunk_tokens < 0:
             raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+        for name in ("adaptive", "batch_aware", "draft_time_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_step_rows is not None and self.max_step_rows < 1:
             raise ConfigError(f"max_step_rows must be >= 1 or None, got {self.max_step_rows}")
         if self.prefill_step_tokens is not None and (

@@ -36,7 +36,7 @@ from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
 from .drafters.base import Drafter, DraftSession, reproducible_drafter
 from .errors import ConfigError, PromptTooLongError
-from .policy import AcceptanceModel, LatencyModel, choose_draft
+from .policy import AcceptanceModel, DraftTimeGate, LatencyModel, choose_draft
 from .prefix_cache import PrefixCache
 from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk, VerifyResult
@@ -131,6 +131,8 @@ class Request:
     """Prompt tokens already in ``state`` (chunked prefill progress)."""
     batch_independent: bool = False
     """Its drafts never depend on the other requests of a step (seeded sampling)."""
+    draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate)
+    """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -516,13 +518,19 @@ class Engine:
                 chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
             cap = self._per_request_drafts(len(decoding)) if batch else None
+            gate = batch and self.policy.draft_time_gate
+            gated: list[bool] = []  # drafted under the gate: observed after the step
+            t_decode = time.perf_counter()
             other_rows, other_committed = 0, 0.0
             for j, (i, req) in enumerate(decoding):
                 later = len(decoding) - 1 - j  # not drafted yet: one row, one token each
                 if batch and not req.batch_independent:
-                    p = self._draft(i, req, other_rows + later, other_committed + later, cap)
+                    skip = gate and req.session is not None and not req.draft_gate.should_draft()
+                    p = self._draft(i, req, other_rows + later, other_committed + later, cap, skip=skip)
+                    gated.append(gate and req.session is not None and not skip)
                 else:
                     p = self._draft(i, req)
+                    gated.append(False)
                 pending.append(p)
                 other_rows += 1 + p.tree.num_nodes
                 other_committed += 1.0 + p.predicted
@@ -533,8 +541,9 @@ class Engine:
                 ]
                 t1 = time.perf_counter()
                 outs = self.target.verify(items)
-                for p, out in zip(pending, outs):
-                    self._accept(p, out, t1, solo=len(pending) == 1)
+                results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
+                if any(gated):
+                    self._observe_gates(pending, results, gated, time.perf_counter() - t_decode)
         self.last_step = StepReport(
             requests=len(requests),
             verified=len(pending),
@@ -544,6 +553,23 @@ class Engine:
             seconds=time.perf_counter() - t_step,
         )
         return [self._emit(req) for req in requests]
+
+    @staticmethod
+    def _observe_gates(
+        pending: Sequence[_Pending], results: Sequence[VerifyResult], gated: Sequence[bool], seconds: float
+    ) -> None:
+        """Feed each gated request's :class:`~ragspec.policy.DraftTimeGate` with this batched
+        step (``seconds``: its decoding part, drafting to commit)."""
+        if seconds <= 0:
+            return
+        rate = sum(len(r.tokens) for r in results) / seconds  # committed tokens per second
+        rows = sum(1 + p.tree.num_nodes for p in pending)
+        for p, res, g in zip(pending, results, gated):
+            if not g:
+                continue
+            nodes = p.tree.num_nodes
+            rows_s = p.request.latency(rows) - p.request.latency(rows - nodes) if nodes else 0.0
+            p.request.draft_gate.observe(res.num_accepted, rate, p.draft_s, rows_s)
 
     def _prefill_budget(self) -> Optional[int]:
         """Prompt tokens one step may prefill (``PolicyConfig.prefill_step_tokens``; None:
@@ -798,10 +824,11 @@ class Engine:
         other_rows: int = 0,
         other_committed: float = 0.0,
         cap: Optional[int] = None,
+        skip: bool = False,
     ) -> _Pending:
         """Stage 1: the part of the session's proposal worth verifying (``other_rows``,
         ``other_committed``: the rest of a batched step, see :meth:`step`; ``cap``: most
-        draft nodes)."""
+        draft nodes; ``skip``: no proposal, a plain step)."""
         max_draft = self.policy.max_draft_tokens if cap is None else min(cap, self.policy.max_draft_tokens)
         remaining = req.decode.max_new_tokens - req.num_generated_tokens
         past = self.target.state_length(req.state)
@@ -814,7 +841,7 @@ class Engine:
         tree = DraftTree.empty()
         predicted = 0.0
         lazy = greedy
-        if req.session is not None and budget > 0:
+        if req.session is not None and budget > 0 and not skip:
             raw = req.session.propose(budget)
             # a misbehaving drafter (a damaged datastore, ...) never reaches the target
             proposal, dropped = drop_invalid_nodes(raw, self.target.vocab_size)
@@ -855,9 +882,10 @@ class Engine:
                 dropped,
             )
 
-    def _accept(self, p: _Pending, out: Any, t1: float, solo: bool) -> None:
+    def _accept(self, p: _Pending, out: Any, t1: float, solo: bool) -> VerifyResult:
         """Stages 2-4 for one request: verify its tree against ``out`` (the backend's
-        :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back."""
+        :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
+        verification's result."""
         req, tree = p.request, p.tree
         if type(req.verifier) is GreedyVerifier:
             res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
@@ -886,6 +914,7 @@ class Engine:
             req.session.extend(committed)
         req.root = committed[-1]
         self._record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
+        return res
 
     def _commit_tokens(self, req: Request, tokens: Sequence[int]) -> int:
         """Pass committed tokens one by one through the stop conditions.

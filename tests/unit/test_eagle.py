@@ -651,3 +651,24 @@ def test_head_through_the_fused_step_drafts_like_transformers_layer(kernels):  #
     eng = Engine(native_t, make_char_tokenizer(), drafter=int8, policy=PolicyConfig(adaptive=False))
     for p in ([3, 4, 5, 6, 7, 3, 4, 5, 6], prompt[:30]):
         assert eng.generate(p, max_new_tokens=20, chat=False).token_ids == greedy_reference(model, p, 20)
+
+
+def test_the_head_catches_up_only_its_context_window_at_its_first_proposal(head, target, tok, model):
+    # a long prompt's first catch-up feeds the head only its last CONTEXT_WINDOW pairs (the
+    # rest would cost one head layer per prompt token); drafting and greedy output go on
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
+    drafter.CONTEXT_WINDOW = 8
+    prompt = tok(PROMPTS[0] + " " + PROMPTS[1])["input_ids"]
+    ref = greedy_reference(model, prompt, 24)
+    s, _ = _prefilled_session(drafter, target, prompt, ref[0])
+    tree = s.propose(6)
+    assert tree.num_nodes
+    assert s._cache_len == 8 and s._fed == len(prompt)  # 8 entries, positions kept absolute
+    full = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
+    full.CONTEXT_WINDOW = None
+    f, _ = _prefilled_session(full, target, prompt, ref[0])
+    f.propose(6)
+    assert f._cache_len == f._fed == len(prompt)
+    eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=6, adaptive=False))
+    out = eng.generate(prompt, max_new_tokens=24, chat=False)
+    assert out.token_ids == ref and out.stats.num_drafted_tokens > 0

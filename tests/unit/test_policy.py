@@ -117,3 +117,104 @@ def test_a_copy_in_progress_is_trusted_a_priori():
     chosen = choose_draft(tree, latency, acc, 8)
     assert chosen.tree.num_nodes >= 7  # 4 with the shorter matches' priors
     assert choose_draft(tree, latency, plain, 8).tree.num_nodes <= 4
+
+
+# ---------------------------------------------------------------- drafting time in a batch
+def test_draft_time_gate_skips_drafting_that_costs_more_than_it_adds_and_retries():
+    from ragspec.errors import ConfigError
+    from ragspec.policy import DraftTimeGate
+
+    gate = DraftTimeGate(prior=0.5, ema=0.5, retry=3)
+    assert gate.should_draft()
+    # 0 accepted, 10 ms of drafting in a step committing 200 tokens/s: 2 tokens lost
+    assert gate.observe(0, 200.0, 0.010, 0.0) == pytest.approx(-2.0)
+    assert gate.mean == pytest.approx(-0.75)
+    assert [gate.should_draft() for _ in range(4)] == [False, False, False, True]  # the retry
+    assert gate.observe(3, 200.0, 0.0, 0.0) == pytest.approx(3.0)  # a copy started
+    assert gate.mean == pytest.approx(1.125) and gate.should_draft()
+    # the draft's rows are charged too
+    assert gate.observe(1, 100.0, 0.0, 0.02) == pytest.approx(-1.0)
+    for bad in (dict(ema=0.0), dict(ema=1.5), dict(retry=0)):
+        with pytest.raises(ConfigError):
+            DraftTimeGate(**bad)
+    with pytest.raises(Exception, match="draft_time_gate must be True or False"):
+        PolicyConfig(draft_time_gate="yes")
+
+
+class _SlowWrongDrafter:
+    """Sessions that take ``delay`` seconds to propose a chain no greedy step accepts
+    (token ``bad`` every time), counting their proposals."""
+
+    name = "slow"
+
+    def __init__(self, bad: int, delay: float) -> None:
+        self.bad, self.delay, self.calls = bad, delay, 0
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        return _SlowWrongSession(self)
+
+
+class _SlowWrongSession:
+    def __init__(self, owner: _SlowWrongDrafter) -> None:
+        self._o = owner
+
+    def extend(self, token_ids):
+        pass
+
+    def propose(self, max_tokens):
+        import time
+
+        self._o.calls += 1
+        time.sleep(self._o.delay)
+        return DraftTree.chain([self._o.bad] * min(2, max_tokens), match_len=8)
+
+    def observe(self, tree, result):
+        pass
+
+
+def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tokenizer):
+    # in a batch every request waits for every other's drafting: slow drafts that are never
+    # accepted are skipped (with a retry now and then); outputs stay the solo greedy ones
+    from ragspec.config import DecodeConfig
+
+    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
+    prompts = [char_tokenizer(p)["input_ids"] for p in ("Hello there, friend", "The cat sat", "abc abc abc abc")]
+    refs = [greedy_reference(model, p, 24) for p in prompts]
+    bad = min(set(range(model.config.vocab_size)) - {t for r in refs for t in r})  # never accepted
+    calls = {}
+    for gate in (True, False):
+        drafter = _SlowWrongDrafter(bad=bad, delay=0.01)
+        eng = Engine(
+            HFTarget(model),
+            char_tokenizer,
+            drafter=drafter,
+            policy=PolicyConfig(draft_time_gate=gate, prefix_cache_tokens=0),
+            latency=LatencyModel(dict(GPU_LIKE), ema=0.0),  # rows ~free: only the drafting time is a cost
+        )
+        reqs = [eng.start(p, DecodeConfig(max_new_tokens=24), chat=False) for p in prompts]
+        out = {i: [] for i in range(len(reqs))}
+        steps = 0
+        while not all(r.done for r in reqs):
+            live = [(i, r) for i, r in enumerate(reqs) if not r.done]
+            for (i, _), chunk in zip(live, eng.step([r for _, r in live])):
+                out[i].extend(chunk.token_ids)
+            steps += 1
+        assert [out[i] for i in range(len(reqs))] == refs
+        calls[gate] = drafter.calls
+    # every request drafted every step but its last (a budget of 0 tokens): the first token
+    # comes from the prefill
+    assert calls[False] == sum(len(r) - 2 for r in refs)
+    assert calls[True] <= calls[False] // 2  # the gate skipped most of them
+    assert calls[True] >= 3 * 2  # ... and retried
+
+
+def test_a_request_alone_is_not_gated(char_tokenizer):
+    # alone, a request pays its own drafting time, which its drafter's own calibration weighs
+    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
+    prompt = char_tokenizer("Hello there")["input_ids"]
+    ref = greedy_reference(model, prompt, 12)
+    drafter = _SlowWrongDrafter(bad=min(set(range(model.config.vocab_size)) - set(ref)), delay=0.005)
+    eng = Engine(HFTarget(model), char_tokenizer, drafter=drafter, policy=PolicyConfig(prefix_cache_tokens=0))
+    out = eng.generate(prompt, max_new_tokens=12, chat=False)
+    assert out.token_ids == ref
+    assert drafter.calls == 10  # every step but the last (a budget of 0 tokens)
