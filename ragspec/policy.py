@@ -551,9 +551,9 @@ class DraftTimeGate:
     spends proposing it (prompt lookup's Python, the EAGLE head's forwards and catch-ups).
     Alone, a request pays those seconds itself and its drafter's own calibration weighs
     them (:mod:`ragspec.drafters.merged`). In a batched step every request waits for every
-    other's drafting: on the 2-core CPU, 8 requests drafting cost ~4.7 ms of a ~44 ms
-    step (the head's catch-ups 2.8) and gained 0.3 committed tokens of 8.3, so the step
-    committed fewer tokens per second than with drafting off.
+    other's drafting: on the 2-core CPU, 8 rag/summarization requests drafting cost ~4.1 ms
+    of a ~44 ms step (the EAGLE head's catch-ups most of it) and gained 0.3 committed tokens
+    of 8.3, so the step committed fewer tokens per second than with drafting off.
 
     Per request, after each batched step it drafted in, the net tokens its drafting added::
 
