@@ -109,7 +109,7 @@ class PolicyConfig:
     ``max_step_rows`` (drafts shrink as the batch grows; see :meth:`Engine.step`). Seeded
     sampled requests keep their solo choice (same seed, same output)."""
     draft_time_gate: bool = True
-    """With ``batch_aware``: in a batched step, a request drafts only while its drafting has
+    """With ``adaptive`` and ``batch_aware``: in a batched step, a request drafts only while its drafting has
     been adding more committed tokens than its drafting seconds and draft rows cost the
     whole step (:class:`~ragspec.policy.DraftTimeGate`); otherwise its steps are plain ones,
     with a retry every few steps. Seeded sampled requests are never gated."""

@@ -199,6 +199,8 @@ class _Pending:
     lazy: bool
     draft_s: float
     past: int
+    proposed: bool = False
+    """The session was asked for a proposal (a budget above 0, not skipped)."""
 
 
 def _check_text(text: str, what: str) -> None:
@@ -527,7 +529,7 @@ class Engine:
                 if batch and not req.batch_independent:
                     skip = gate and req.session is not None and not req.draft_gate.should_draft()
                     p = self._draft(i, req, other_rows + later, other_committed + later, cap, skip=skip)
-                    gated.append(gate and req.session is not None and not skip)
+                    gated.append(gate and p.proposed)
                 else:
                     p = self._draft(i, req)
                     gated.append(False)
@@ -841,8 +843,9 @@ class Engine:
         tree = DraftTree.empty()
         predicted = 0.0
         lazy = greedy
-        if req.session is not None and budget > 0 and not skip:
-            raw = req.session.propose(budget)
+        proposed = req.session is not None and budget > 0 and not skip
+        if proposed:
+            raw = req.session.propose(budget)  # type: ignore[union-attr]
             # a misbehaving drafter (a damaged datastore, ...) never reaches the target
             proposal, dropped = drop_invalid_nodes(raw, self.target.vocab_size)
             if dropped:
@@ -863,7 +866,7 @@ class Engine:
                     lazy = greedy and choice.lazy_logits
                 else:
                     tree = proposal.truncate(budget)
-        return _Pending(index, req, tree, predicted, lazy, time.perf_counter() - t0, past)
+        return _Pending(index, req, tree, predicted, lazy, time.perf_counter() - t0, past, proposed)
 
     def _dropped_invalid_drafts(self, stats: GenerationStats, raw: DraftTree, kept: DraftTree, dropped: int) -> None:
         """Count draft nodes dropped by :func:`~ragspec.tree.drop_invalid_nodes`; warn once

@@ -20,6 +20,7 @@ expected committed tokens per second: ``(1 + E[accepted]) / latency(1 + n)``.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Optional, Sequence
@@ -552,8 +553,9 @@ class DraftTimeGate:
     Alone, a request pays those seconds itself and its drafter's own calibration weighs
     them (:mod:`ragspec.drafters.merged`). In a batched step every request waits for every
     other's drafting: on the 2-core CPU, 8 rag/summarization requests drafting cost ~4.1 ms
-    of a ~44 ms step (the EAGLE head's catch-ups most of it) and gained 0.3 committed tokens
-    of 8.3, so the step committed fewer tokens per second than with drafting off.
+    of a ~44 ms step (the EAGLE head's whole-prompt catch-ups most of it) and gained 0.3
+    committed tokens of 8.3, so the step committed fewer tokens per second than with
+    drafting off.
 
     Per request, after each batched step it drafted in, the net tokens its drafting added::
 
@@ -568,15 +570,24 @@ class DraftTimeGate:
     One per request; greedy outputs never depend on it (the engine does not gate seeded
     sampled requests, whose drafts must not depend on timing).
 
+    Raises:
+        ConfigError: ``prior`` not a finite number, ``ema`` not in (0, 1], ``retry`` not an
+            integer >= 1.
+
     Example: prior 0.5, ema 0.5, a step with net -2.0: mean -0.75 -> skip ``retry``
     steps, then draft once; net +3.0: mean 1.125 -> draft.
     """
 
     def __init__(self, prior: float = 0.5, ema: float = 0.3, retry: int = 8) -> None:
-        if not 0.0 < ema <= 1.0:
-            raise ConfigError(f"ema must be in (0, 1], got {ema}")
-        if retry < 1:
-            raise ConfigError(f"retry must be >= 1, got {retry}")
+        def real(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not real(prior):
+            raise ConfigError(f"prior must be a finite number (tokens), got {prior!r}")
+        if not real(ema) or not 0.0 < ema <= 1.0:
+            raise ConfigError(f"ema must be a number in (0, 1], got {ema!r}")
+        if type(retry) is not int or retry < 1:
+            raise ConfigError(f"retry must be an integer >= 1 (steps), got {retry!r}")
         self.mean = float(prior)
         self.ema = float(ema)
         self.retry = int(retry)

@@ -11,8 +11,9 @@ So per step:
 
 1. retrieval proposes its tree R (prompt lookup, documents, datastore, response cache);
 2. the head proposes its EAGLE-2 tree E, unless R's first level is likely enough accepted
-   (``head_skip_p``) or, with ``calibrate``, the head's draft time is not worth what it
-   adds (below);
+   (``head_skip_p``), the step's budget is under ``head_min_tokens`` nodes (a batched
+   step's share), or, with ``calibrate``, the head's draft time is not worth what it adds
+   (below);
 3. for each node of E in its first ``seed_levels`` levels, retrieval proposes the tree
    that would follow the context extended by that node's path (its ``propose_after``:
    lookup of the suffix ..., root, child), hung under the node, its sources tagged
@@ -119,6 +120,12 @@ class MergedDrafter:
     prior_alone = (0.0, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0)  # accepted tokens of R alone
     prior_weight = 3.0  # steps each prior is worth
     head_retry = 16  # skipped head steps before the head is tried again
+    # the head is not run for a proposal of fewer nodes: its fixed cost per proposal (a
+    # catch-up and a forward per level, ~1.5-2 ms on the 2-core CPU, its first catch-up in a
+    # request ~20 ms) is not paid back by one or two nodes. A batched step's share of rows is
+    # that small (8 requests sharing 16 rows: 1 node each), and there every request waits
+    # for every other's drafting (ragspec.policy.DraftTimeGate)
+    head_min_tokens = 3
 
     def __init__(
         self,
@@ -302,6 +309,7 @@ class _MergedSession:
         # the timed head gate (module docstring); None without calibration
         self._clock = owner.clock if owner.calibrate else None
         self._head_retry = owner.head_retry
+        self._head_min_tokens = owner.head_min_tokens
         priors: dict[object, float] = {("gain", b): g for b, g in enumerate(owner.prior_gain)}
         priors.update({("alone", b): a for b, a in enumerate(owner.prior_alone)})
         self._gain = AcceptedPerStep(priors, owner.prior_weight)
@@ -384,7 +392,9 @@ class _MergedSession:
         self._last_r = r
         pool = _Pool(self._acc)
         pool.add(r)
-        trusted = self._head_skip_p < 1.0 and r.num_nodes and self._first_level_p(r) >= self._head_skip_p
+        trusted = max_tokens < self._head_min_tokens or (
+            self._head_skip_p < 1.0 and r.num_nodes and self._first_level_p(r) >= self._head_skip_p
+        )
         self._state = _retrieval_state(r)
         if not trusted and self._head_pays_off(self._state):
             self._skipped = 0

@@ -78,6 +78,12 @@ class EagleDrafter:
             quarter of float32's bytes, the draft step being memory-bound (a 4-level draft
             ~6 -> ~3 ms on the 2-core Xeon); drafts change by the weights' rounding, the
             output never (drafts are verified).
+        context_window: most committed pairs fed to the head at its first proposal in a
+            request (default :attr:`CONTEXT_WINDOW`; None: the whole prompt).
+
+    Raises:
+        ConfigError: ``context_window`` not None or a positive integer; a target without
+            a decoder layout.
 
     Trees have source ``"eagle"``, ``match_len`` 0 (so a composite in ``longest_match``
     mode prefers any retrieval draft), ``scores`` = each node's conditional draft
@@ -90,13 +96,13 @@ class EagleDrafter:
     CATCH_UP_ROWS = 32
     """Rows per fused-step call when the head catches up on committed pairs."""
 
-    CONTEXT_WINDOW: Optional[int] = 256
-    """Most committed pairs fed to the head at its first proposal in a request: the head's
-    KV cache starts that many positions before the first proposal (positions stay
-    absolute), not at the prompt's start. Its first catch-up costs ~0.075 ms per pair on
-    the 2-core CPU (one decoder layer over each pair): ~50-60 ms, four decode steps, for a
-    700-token RAG prompt, paid even where the head then proposes a handful of times. None:
-    the whole prompt. Drafts only: the output never depends on it."""
+    CONTEXT_WINDOW = 256
+    """Default ``context_window``: most committed pairs fed to the head at its first
+    proposal in a request. The head's KV cache starts that many positions before the first
+    proposal (positions stay absolute), not at the prompt's start. A catch-up costs ~0.075
+    ms per pair on the 2-core CPU (one decoder layer over each pair): 46 ms, about four
+    decode steps, for a 611-token prompt, paid even where the head then proposes a handful
+    of times. Drafts only: the output never depends on it."""
 
     def __init__(
         self,
@@ -106,7 +112,11 @@ class EagleDrafter:
         *,
         fast: Optional[bool] = None,
         int8: bool = True,
+        context_window: Optional[int] = CONTEXT_WINDOW,
     ) -> None:
+        if context_window is not None and (type(context_window) is not int or context_window < 1):
+            raise ConfigError(f"context_window must be a positive integer or None, got {context_window!r}")
+        self.context_window = context_window
         self.head = head
         self.tree = tree
         # derived from the target's output layer once, shared by all sessions (read-only)
@@ -261,7 +271,7 @@ class EagleSession:
         if end <= self._fed:
             return self._last_pred is not None and end == self._fed
         feats = torch.cat(self._pending, dim=0)  # [num_features - fed, H]
-        window = self._d.CONTEXT_WINDOW
+        window = self._d.context_window
         if self._cache_len == 0 and window is not None and end - self._fed > window:
             # the first catch-up: the head's context starts ``window`` pairs back
             drop = end - self._fed - window

@@ -656,19 +656,27 @@ def test_head_through_the_fused_step_drafts_like_transformers_layer(kernels):  #
 def test_the_head_catches_up_only_its_context_window_at_its_first_proposal(head, target, tok, model):
     # a long prompt's first catch-up feeds the head only its last CONTEXT_WINDOW pairs (the
     # rest would cost one head layer per prompt token); drafting and greedy output go on
-    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
-    drafter.CONTEXT_WINDOW = 8
+    drafter = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0), context_window=8)
     prompt = tok(PROMPTS[0] + " " + PROMPTS[1])["input_ids"]
     ref = greedy_reference(model, prompt, 24)
     s, _ = _prefilled_session(drafter, target, prompt, ref[0])
     tree = s.propose(6)
     assert tree.num_nodes
     assert s._cache_len == 8 and s._fed == len(prompt)  # 8 entries, positions kept absolute
-    full = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0))
-    full.CONTEXT_WINDOW = None
+    full = EagleDrafter(head, target, EagleTreeConfig(depth=3, top_k=2, min_path_prob=0.0), context_window=None)
     f, _ = _prefilled_session(full, target, prompt, ref[0])
     f.propose(6)
     assert f._cache_len == f._fed == len(prompt)
     eng = Engine(target, tok, drafter=drafter, policy=PolicyConfig(max_draft_tokens=6, adaptive=False))
     out = eng.generate(prompt, max_new_tokens=24, chat=False)
     assert out.token_ids == ref and out.stats.num_drafted_tokens > 0
+
+
+def test_a_context_window_that_is_not_a_positive_integer_is_a_config_error_regression(head, target):
+    # a fresh user's trial: a window of 0 dropped every pair (a segfault in the fused step),
+    # a negative one failed inside torch.arange
+    for bad in (0, -5, 2.5, True, "256"):
+        with pytest.raises(ConfigError, match="context_window"):
+            EagleDrafter(head, target, context_window=bad)
+    assert EagleDrafter(head, target).context_window == EagleDrafter.CONTEXT_WINDOW
+    assert EagleDrafter(head, target, context_window=None).context_window is None

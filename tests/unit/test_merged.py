@@ -186,6 +186,28 @@ def test_head_is_skipped_where_retrieval_is_trusted():
         MergedDrafter(PromptLookupDrafter(), _head(), head_skip_p=0.0)
 
 
+def test_head_is_not_run_for_a_budget_of_one_or_two_nodes():
+    # a batched step's share of rows (8 requests, 16 rows: 1 node each) does not pay for the
+    # head's fixed cost per proposal: retrieval alone proposes
+    calls = []
+
+    class _Counting(FixedDrafter):
+        def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+            s = super().start_request(prompt_ids, documents)
+            inner = s.propose
+            s.propose = lambda n: calls.append(n) or inner(n)
+            return s
+
+    merged = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE), head_skip_p=1.0)
+    s = merged.start_request([9, 4, 5, 1, 9])
+    for budget in (1, 2):
+        tree = s.propose(budget)
+        assert set(tree.sources) == {"prompt"} and tree.num_nodes == budget
+    assert calls == []
+    assert "eagle" in s.propose(MergedDrafter.head_min_tokens).sources
+    assert calls == [MergedDrafter.head_min_tokens]
+
+
 class _Clock:
     """A scripted clock: ``advance(s)`` moves it; reading it does not."""
 

@@ -141,6 +141,31 @@ def test_draft_time_gate_skips_drafting_that_costs_more_than_it_adds_and_retries
         PolicyConfig(draft_time_gate="yes")
 
 
+def test_draft_time_gate_rejects_arguments_of_the_wrong_type_regression():
+    # a fresh user's trial: strings and None gave raw TypeErrors naming no argument, 1.5
+    # steps were truncated, NaN priors kept the gate skipping forever
+    from ragspec.errors import ConfigError
+    from ragspec.policy import DraftTimeGate
+
+    for bad, name in [
+        (dict(ema="0.5"), "ema"),
+        (dict(ema=None), "ema"),
+        (dict(ema=True), "ema"),
+        (dict(ema=float("nan")), "ema"),
+        (dict(retry="8"), "retry"),
+        (dict(retry=1.5), "retry"),
+        (dict(retry=True), "retry"),
+        (dict(retry=float("inf")), "retry"),
+        (dict(prior="x"), "prior"),
+        (dict(prior=None), "prior"),
+        (dict(prior=float("nan")), "prior"),
+        (dict(prior=float("inf")), "prior"),
+    ]:
+        with pytest.raises(ConfigError, match=name):
+            DraftTimeGate(**bad)
+    assert DraftTimeGate(prior=0, ema=1, retry=2).mean == 0.0
+
+
 class _SlowWrongDrafter:
     """Sessions that take ``delay`` seconds to propose a chain no greedy step accepts
     (token ``bad`` every time), counting their proposals."""
@@ -192,6 +217,9 @@ def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tok
             latency=LatencyModel(dict(GPU_LIKE), ema=0.0),  # rows ~free: only the drafting time is a cost
         )
         reqs = [eng.start(p, DecodeConfig(max_new_tokens=24), chat=False) for p in prompts]
+        observed = []
+        for r in reqs:  # count what each request's gate is fed
+            r.draft_gate.observe = lambda *a, _o=r.draft_gate.observe: observed.append(a) or _o(*a)
         out = {i: [] for i in range(len(reqs))}
         steps = 0
         while not all(r.done for r in reqs):
@@ -201,11 +229,29 @@ def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tok
             steps += 1
         assert [out[i] for i in range(len(reqs))] == refs
         calls[gate] = drafter.calls
+        assert len(observed) <= drafter.calls if gate else observed == []
     # every request drafted every step but its last (a budget of 0 tokens): the first token
     # comes from the prefill
     assert calls[False] == sum(len(r) - 2 for r in refs)
     assert calls[True] <= calls[False] // 2  # the gate skipped most of them
     assert calls[True] >= 3 * 2  # ... and retried
+
+
+def test_a_batched_step_without_a_proposal_does_not_feed_the_gate_regression(char_tokenizer):
+    # a fresh user's trial: a request's last step (a budget of 0 draft tokens) proposed
+    # nothing, yet counted in its gate as a drafting step that accepted nothing
+    from ragspec.config import DecodeConfig
+
+    model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
+    drafter = _SlowWrongDrafter(bad=0, delay=0.0)
+    eng = Engine(HFTarget(model), char_tokenizer, drafter=drafter, policy=PolicyConfig(prefix_cache_tokens=0))
+    reqs = [eng.start(char_tokenizer(p)["input_ids"], DecodeConfig(max_new_tokens=2), chat=False) for p in ("ab", "cd")]
+    while any(r.root is None for r in reqs):
+        eng.step([r for r in reqs if not r.done])
+    means = [r.draft_gate.mean for r in reqs]
+    eng.step(reqs)  # both decode their second and last token: no room for a draft
+    assert all(r.done for r in reqs) and drafter.calls == 0
+    assert [r.draft_gate.mean for r in reqs] == means
 
 
 def test_a_request_alone_is_not_gated(char_tokenizer):
