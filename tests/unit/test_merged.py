@@ -163,21 +163,27 @@ def test_merged_tree_shares_nodes_both_sources_propose():
     assert seen[-1][first[0]] == "eagle"
 
 
+class _Counting(FixedDrafter):
+    """A fixed head whose sessions append each proposal's budget to ``calls``."""
+
+    def __init__(self, tree, calls):
+        super().__init__(tree)
+        self.calls = calls
+
+    def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
+        s = super().start_request(prompt_ids, documents)
+        inner = s.propose
+        s.propose = lambda n: self.calls.append(n) or inner(n)
+        return s
+
+
 def test_head_is_skipped_where_retrieval_is_trusted():
     calls = []
-
-    class _Counting(FixedDrafter):
-        def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
-            s = super().start_request(prompt_ids, documents)
-            inner = s.propose
-            s.propose = lambda n: calls.append(n) or inner(n)
-            return s
-
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]  # retrieval matches 4 tokens: 5, 6, 1, ...
-    trusting = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE), head_skip_p=0.3)
+    trusting = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE, calls), head_skip_p=0.3)
     tree = trusting.start_request(prompt).propose(8)
     assert calls == [] and set(tree.sources) == {"prompt"}
-    always = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE), head_skip_p=1.0)
+    always = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE, calls), head_skip_p=1.0)
     tree = always.start_request(prompt).propose(8)
     assert calls == [8] and "eagle" in tree.sources
     with pytest.raises(ConfigError):
@@ -190,15 +196,7 @@ def test_head_is_not_run_for_a_budget_of_one_or_two_nodes():
     # a batched step's share of rows (8 requests, 16 rows: 1 node each) does not pay for the
     # head's fixed cost per proposal: retrieval alone proposes
     calls = []
-
-    class _Counting(FixedDrafter):
-        def start_request(self, prompt_ids, documents=(), *, eos_token_ids=()):
-            s = super().start_request(prompt_ids, documents)
-            inner = s.propose
-            s.propose = lambda n: calls.append(n) or inner(n)
-            return s
-
-    merged = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE), head_skip_p=1.0)
+    merged = MergedDrafter(PromptLookupDrafter(), _Counting(HEAD_TREE, calls), head_skip_p=1.0)
     s = merged.start_request([9, 4, 5, 1, 9])
     for budget in (1, 2):
         tree = s.propose(budget)
