@@ -83,7 +83,7 @@ def test_quant_linear_equals_skinny_bit_for_bit_on_each_path(isa, module, fmt, o
     q = _random_blocks(out_features, in_features, fmt, gen)
     deq = q.dequantize()
     bias = torch.randn(out_features, generator=gen)
-    for rows in (1, 2, 3, 4, 5, 7, 16, 17):
+    for rows in (1, 2, 3, 4, 5, 7, 9, 10, 11, 13, 16, 17):  # 9+: even tiles of up to 5 rows
         x = torch.randn(rows, in_features, generator=gen)
         got = module.quant_linear(x, q.qs, q.scales, q.fmt, None)
         assert torch.equal(got, module.skinny_linear(x, deq, None)), (isa, rows)
@@ -111,7 +111,7 @@ def test_each_row_is_computed_as_if_alone_on_each_path(isa, module, fmt):
     batched = run(x)
     for r in range(17):
         assert torch.equal(batched[r], run(x[r : r + 1])[0]), r
-    for n in (2, 3, 4, 5):
+    for n in (2, 3, 4, 5, 9, 10, 13):
         assert torch.equal(run(x[:n]), batched[:n]), n
 
 

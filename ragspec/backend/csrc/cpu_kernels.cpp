@@ -519,15 +519,21 @@ inline void qpair_all(const uint8_t* q, const float* s, int64_t qrow, int64_t sr
     }
     return;
   }
-  const int64_t tile = R <= 5 ? 5 : 4;
-  for (int64_t r = 0; r < R; r += tile) {
-    switch (std::min<int64_t>(tile, R - r)) {
+  // above 8 rows, ceil(R / 5) tiles as even as possible (9 rows: 5 + 4, not 4 + 4 + 1: a
+  // third de-quantization of the pair for one row cost a batched step of 8 requests and one
+  // draft token 2.3 ms more linear time than 8 rows)
+  const int64_t tiles = R <= 5 ? 1 : R <= 8 ? (R + 3) / 4 : (R + 4) / 5;
+  const bool even = R > 8;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t n = even ? R / tiles + (t < R % tiles ? 1 : 0) : std::min<int64_t>(R <= 5 ? 5 : 4, R - r);
+    switch (n) {
       case 5: qpair_rows<F, 5>(q, s, qrow, srow, x, y, o, r, I, O); break;
       case 4: qpair_rows<F, 4>(q, s, qrow, srow, x, y, o, r, I, O); break;
       case 3: qpair_rows<F, 3>(q, s, qrow, srow, x, y, o, r, I, O); break;
       case 2: qpair_rows<F, 2>(q, s, qrow, srow, x, y, o, r, I, O); break;
       default: qpair_rows<F, 1>(q, s, qrow, srow, x, y, o, r, I, O); break;
     }
+    r += n;
   }
 }
 
