@@ -4,9 +4,9 @@ and their runtime dispatch (``RAGSPEC_CPU_ISA``, :func:`ragspec.backend.kernels.
 Each path is checked against torch's float32 reference (F.linear / SDPA) within float32
 rounding, ``quant_linear`` against ``skinny_linear`` over the de-quantized weight bit for
 bit within one path, and every output row against the same row computed alone (batched
-verification relies on it). ``few_query_attention`` runs the same 8-lane code on both paths
-(checked under both settings all the same). The AVX-512 cases are skipped, with that reason, on a CPU
-without AVX-512."""
+verification relies on it). ``few_query_attention`` gives the same bits on both paths (each
+row's sums in the same order; AVX-512 shares the loads across rows), checked bit for bit.
+The AVX-512 cases are skipped, with that reason, on a CPU without AVX-512."""
 
 from __future__ import annotations
 
@@ -139,6 +139,38 @@ def test_few_query_attention_matches_sdpa_on_each_path(isa, module, q_len, head_
     torch.testing.assert_close(
         module.few_query_attention(q, k, v, None, 0.3), _sdpa(q, k, v, None, 0.3), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 2), (128, 8, 2), (256, 4, 1), (64, 6, 6)])
+def test_few_query_attention_is_bit_identical_on_both_paths(module, half, head_dim, heads, kv_heads):
+    """The AVX-512 path (position_rows for classes of fewer than 4 rows, the transposed tiles
+    above) gives every row attend_row's bits: a row keeps its values whichever path, tile
+    or ISA computes it, so a one-position step and a verification row agree bit for bit."""
+    if not _has_avx512():
+        pytest.skip("this CPU lacks AVX-512 (F, BW, VL, DQ)")
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    previous = kernels.cpu_isa()
+    try:
+        for keys in (1, 7, 63, 64, 65, 130, 741):
+            for q_len in (1, 2, 3, 5):
+                if q_len > keys:
+                    continue
+                q = torch.randn(1, heads, q_len, head_dim, generator=gen)
+                k = torch.randn(1, kv_heads, keys, head_dim, generator=gen)
+                v = torch.randn(1, kv_heads, keys, head_dim, generator=gen)
+                if half:
+                    k, v = k.half(), v.half()
+                mask = torch.rand(1, 1, q_len, keys, generator=gen) > 0.3
+                mask[..., 0] = True
+                for m in (None, mask):
+                    kernels.set_cpu_isa("avx2")
+                    ref = module.few_query_attention(q, k, v, m, head_dim**-0.5)
+                    kernels.set_cpu_isa("avx512")
+                    got = module.few_query_attention(q, k, v, m, head_dim**-0.5)
+                    assert torch.equal(got, ref), (keys, q_len, m is None)
+    finally:
+        kernels.set_cpu_isa(previous)
 
 
 def test_dispatch_picks_the_cpus_best_and_the_environment_masks_avx512(module):

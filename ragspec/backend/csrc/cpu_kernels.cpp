@@ -85,6 +85,22 @@ inline void rows_block(const float* w, const float* x, float* y, int64_t o, int6
 // transformers loads a GGUF.
 namespace {
 
+// Prefetch the cache lines of p .. p + bytes (HINT: _MM_HINT_T0 into L1, T1 into L2). The
+// few-row linear layers stream their weights once per step, and on the 2-core Xeon the
+// hardware prefetchers alone kept a one-row layer of GGUF blocks at ~13 GB/s, about twice
+// its time with the weight in cache (a 1536 x 576 Q4_1 layer 52 against 22 us). The next
+// block of 4 weight rows, requested while this one is computed: the decoder's linear
+// layers at 1 / 2 / 4 / 8 rows 6.1 / 6.8 / 7.8 / 12.1 -> 4.7 / 5.3 / 6.8 / 11.3 ms a step
+// (one process, interleaved), the output layer's one row 2.4 -> 2.0 ms, and with its rows
+// 8 blocks ahead into L2 as well (a 49152 x 576 weight; it hurt the decoder's small ones)
+// 1.7 ms.
+template <int HINT>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, static_cast<_mm_hint>(HINT));
+}
+constexpr int64_t kFarPrefetchMinOut = 16384;  // output features from which the L2 prefetch runs too
+
 constexpr int64_t kQBlock = 32;  // weights per GGUF block (Q4_1, Q8_0), and per step of every format
 constexpr int64_t kQ6Block = 16;  // weights per scale of format 2 (Q6_K)
 
@@ -277,8 +293,31 @@ __attribute__((always_inline)) inline void attend_row(const AttnArgs& a, int64_t
   }
 }
 
+// Prefetch into L1 the key and value rows r0 .. r1 - 1 of one head (every cache line),
+// at a work item's start, before its first loads, so that the block's keys and values
+// stream from memory while its scores are computed. A batched step's attention reads each
+// request's keys and values once, from memory (8 requests of ~600 cached tokens: ~220 MB
+// of a float32 cache per step), and with the hardware prefetchers alone it ran near half
+// the memory bandwidth. One-position calls over 740 cold keys: 0.080 -> 0.064 ms (float16
+// keys 0.054 -> 0.043 ms; in one process, interleaved).
+template <class T>
+inline void prefetch_rows(const T* kh, const T* vh, int64_t ks, int64_t vs, int64_t r0, int64_t r1, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = r0; t < r1; ++t) {
+    const char* kp = reinterpret_cast<const char*>(kh + t * ks);
+    const char* vp = reinterpret_cast<const char*>(vh + t * vs);
+    for (int64_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch(kp + o, _MM_HINT_T0);
+      _mm_prefetch(vp + o, _MM_HINT_T0);
+    }
+  }
+}
+
 template <int ND, class T>
 void attend_block(const AttnArgs& a, int64_t h, int64_t b, float* score) {
+  const int64_t j0 = b * kKeyBlock;
+  prefetch_rows(keys_of<T>(a) + h * a.ksH, values_of<T>(a) + h * a.vsH, a.ksS, a.vsS, j0,
+                std::min(a.S, j0 + kKeyBlock), 8 * ND);
   for (int64_t r = 0; r < a.G * a.Q; ++r) attend_row<ND, T>(a, h, b, r, score);
 }
 
@@ -390,7 +429,14 @@ inline void rows_block4(const float* w, const float* x, float* y, int64_t o, int
 
 // skinny_linear's blocks of 4 weight rows b0 .. b1, and one row o
 void skinny_blocks(const float* w, const float* x, float* y, int64_t b0, int64_t b1, int64_t R, int64_t I, int64_t O) {
-  for (int64_t b = b0; b < b1; ++b) rows_block4(w + 4 * b * I, x, y, 4 * b, R, I, O);
+  // from 3 rows on, the next block of weight rows prefetched (prefetch_lines): 1536 x 576
+  // float32 layers from memory at 4 / 8 rows 16.5 / 20.1 -> 12.0 / 16.1 ms per 60 (at 1-2
+  // rows, where the hardware prefetchers keep up, it cost 0-8%)
+  const bool ahead = R >= 3;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (ahead && b + 1 < b1) prefetch_lines<_MM_HINT_T0>(w + 4 * (b + 1) * I, 4 * I * static_cast<int64_t>(sizeof(float)));
+    rows_block4(w + 4 * b * I, x, y, 4 * b, R, I, O);
+  }
 }
 void skinny_row(const float* w, const float* x, float* y, int64_t o, int64_t R, int64_t I, int64_t O) {
   rows_block<1>(w + o * I, x, y, o, R, I, O);
@@ -540,10 +586,22 @@ inline void qpair_all(const uint8_t* q, const float* s, int64_t qrow, int64_t sr
 template <class F>
 inline void qblocks(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const float* x, float* y, int64_t b0,
                     int64_t b1, int64_t R, int64_t I, int64_t O, int64_t alone) {
+  // the next block's codes and scales into L1 while this one is computed (and, for the
+  // output layer at few rows, 8 blocks ahead into L2), see prefetch_lines
+  const int64_t qbytes = 4 * qrow, sbytes = 4 * srow * static_cast<int64_t>(sizeof(float));
+  const bool far = O >= kFarPrefetchMinOut && R <= 4;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t o = 4 * b;
     const uint8_t* qb = q + o * qrow;
     const float* sb = s + o * srow;
+    if (b + 1 < b1) {
+      prefetch_lines<_MM_HINT_T0>(qb + qbytes, qbytes);
+      prefetch_lines<_MM_HINT_T0>(sb + 4 * srow, sbytes);
+    }
+    if (far && b + 8 < b1) {
+      prefetch_lines<_MM_HINT_T1>(qb + 8 * qbytes, qbytes);
+      prefetch_lines<_MM_HINT_T1>(sb + 32 * srow, sbytes);
+    }
     // pairs of weight rows over tiles of activation rows (the rows stay in L1 between
     // tiles): every (weight row, activation row) pair sums in the same order whatever R
     // and whichever tile computes it
@@ -923,6 +981,10 @@ void vrows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const A
     for (; o + 2 <= o1; o += 2) {
       const uint8_t* qo = q + o * qrow;
       const float* so = s + o * srow;
+      if (o + 6 <= o1) {  // rows o + 4, o + 5 (see prefetch_lines)
+        prefetch_lines<_MM_HINT_T0>(qo + 4 * qrow, 2 * qrow);
+        prefetch_lines<_MM_HINT_T0>(so + 4 * srow, 2 * srow * static_cast<int64_t>(sizeof(float)));
+      }
       int64_t r = 0;
       for (; r + 4 <= R; r += 4) vpair_rows<FMT, 4>(qo, so, qrow, srow, a, y, o, r, O);
       switch (R - r) {
@@ -935,6 +997,10 @@ void vrows(const uint8_t* q, const float* s, int64_t qrow, int64_t srow, const A
   for (; o < o1; ++o) {
     const uint8_t* qo = q + o * qrow;
     const float* so = s + o * srow;
+    if (o + 4 < o1) {
+      prefetch_lines<_MM_HINT_T0>(qo + 4 * qrow, qrow);
+      prefetch_lines<_MM_HINT_T0>(so + 4 * srow, srow * static_cast<int64_t>(sizeof(float)));
+    }
     int64_t r = 0;
     for (; r + 8 <= R; r += 8) vrow_rows<FMT, 8>(qo, so, a, y, o, r, O);
     switch (R - r) {
@@ -1072,7 +1138,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
 //
 // Each row's arithmetic (its score's sum over d in order, its max, its exp, its lane-wise
 // sums over the keys) depends only on its own query and keys, never on which rows share its
-// tile or class: a row gets the same bits in a 1-row step as in any verification.
+// tile or class: a row gets the same bits in a 1-row step as in any verification. Classes
+// of fewer than kMinTiled rows (a one-position step: the G query heads of one position)
+// take position_rows: attend_row's arithmetic without the transpose. Every item first
+// prefetches its block's keys and values (prefetch_rows).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
 namespace {
@@ -1098,10 +1167,10 @@ inline __m512 exp512(__m512 x) {
 }
 
 constexpr int kTile = 4;  // query rows per tile
-// classes of fewer rows take attend_row (the same bits): the default model's one-position
-// step (3 rows) ran 1.1x faster tiled with its keys in cache but 0.75x in the model's step,
-// its keys read from memory (1.75 against 1.3 ms per step at 512 keys); gemma3's (4 rows at
-// d = 256, where attend_row's query no longer fits in registers) is tiled
+// classes of fewer rows take position_rows below (attend_row's bits): the default model's
+// one-position step (3 rows) ran 1.1x faster tiled with its keys in cache but 0.75x in the
+// model's step, its keys read from memory (1.75 against 1.3 ms per step at 512 keys);
+// gemma3's (4 rows at d = 256, where attend_row's query no longer fits in registers) is tiled
 constexpr int64_t kMinTiled = 4;
 
 // out[c][t] = key slots[t] (c0 + c), c, t < 16 (zero where slots[t] < 0): key rows at kh,
@@ -1221,6 +1290,146 @@ void tile_rows(const AttnArgs& a, int64_t d, const float* kt, __mmask16 present[
   }
 }
 
+// The nr (<= kTile) rows that see the same keys of one block (the G query heads of one
+// position), with attend_row's arithmetic and so its bits: each row's score sums over d
+// in 8 lanes in the same order and hsum8, the same max, exp and lane order of the sum of
+// exps, and its value sums over the present keys in logical order (lane-wise fused
+// multiply-adds: 16 lanes give each lane what 8 give it). What differs is the work around
+// that arithmetic: the keys' slots are found once for all the rows (slot null: the block's
+// n keys are all present, at slots j0 .. j0 + n - 1, the common case of cached keys in
+// order) instead of per row, -inf and the max are 8-lane vector operations instead of
+// per-key scalar loops, and each key and value row is loaded once for all NR rows (the
+// queries are FMA memory operands). attend_row spent more on that work than on its fused
+// multiply-adds: a one-position call over 740 cached keys (9 query heads, 3 key/value
+// heads, d = 64, keys in cache) took 45.7 -> 27.0 us on one thread of the 2-core Xeon,
+// 27.2 -> 18.1 us on two.
+template <int ND, int NR, class T>
+void position_rows(const AttnArgs& a, int64_t d, const T* kh, const T* vh, const int64_t* slot, int64_t j0, int64_t n,
+                   const float* const* qp, float* const* st, float* const* pr, float* pbuf) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  const int64_t n8 = (n + 7) / 8 * 8;
+  // the rows' scaled queries (attend_row's qv), read as FMA memory operands
+  alignas(32) float qs[NR][8 * ND];
+  for (int z = 0; z < NR; ++z)
+    for (int c = 0; c < ND; ++c)
+      _mm256_store_ps(qs[z] + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qp[z] + 8 * c), _mm256_set1_ps(a.scale)));
+  // scores: each key row loaded once for all NR rows (8 keys x NR rows of accumulators,
+  // each the chain attend_row builds: q[0] k[0], then + q[c] k[c] for c = 1 ..)
+  __m256 vmax[NR];
+  for (int z = 0; z < NR; ++z) vmax[z] = ninf;
+  for (int64_t j = 0; j < n8; j += 8) {
+    __m256 acc[NR][8];
+    unsigned bits = 0;
+    int64_t sls[8];
+    for (int t = 0; t < 8; ++t) {
+      sls[t] = j + t < n ? (slot ? slot[j + t] : j0 + j + t) : -1;
+      bits |= (sls[t] >= 0 ? 1u : 0u) << t;
+    }
+    for (int t = 0; t < 8; ++t) {
+      if (sls[t] < 0) {
+        for (int z = 0; z < NR; ++z) acc[z][t] = _mm256_setzero_ps();
+        continue;
+      }
+      const T* krow = kh + sls[t] * a.ksS;
+      const __m256 k0 = load8(krow);
+      for (int z = 0; z < NR; ++z) acc[z][t] = _mm256_mul_ps(_mm256_load_ps(qs[z]), k0);
+      for (int c = 1; c < ND; ++c) {
+        const __m256 kc = load8(krow + 8 * c);
+        for (int z = 0; z < NR; ++z) acc[z][t] = _mm256_fmadd_ps(_mm256_load_ps(qs[z] + 8 * c), kc, acc[z][t]);
+      }
+    }
+    for (int z = 0; z < NR; ++z) {
+      const __m256 sv = _mm256_mask_blend_ps(static_cast<__mmask8>(bits), ninf, hsum8(acc[z]));
+      vmax[z] = _mm256_max_ps(vmax[z], sv);
+      _mm256_store_ps(pbuf + z * kKeyBlock + j, sv);
+    }
+  }
+  for (int z = 0; z < NR; ++z) {
+    float* sc = pbuf + z * kKeyBlock;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax[z]), _mm256_extractf128_ps(vmax[z], 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float mx = _mm_cvtss_f32(m4);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n8; j += 8) {
+      const __m256 sv = _mm256_load_ps(sc + j);
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(sv, vmx)));
+      _mm256_store_ps(sc + j, e);
+      lsum = _mm256_add_ps(lsum, e);
+    }
+    st[z][0] = mx;
+    st[z][1] = hsum(lsum);
+  }
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, (d - d0) / 16));
+    __m512 o[NR][4];
+    for (int z = 0; z < NR; ++z)
+      for (int k = 0; k < 4; ++k) o[z][k] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t sl = slot ? slot[t] : j0 + t;
+      if (sl < 0) continue;
+      const T* vrow = vh + sl * a.vsS + d0;
+      __m512 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = k < nc ? load16(vrow + 16 * k) : _mm512_setzero_ps();
+      for (int z = 0; z < NR; ++z) {
+        const __m512 pb = _mm512_set1_ps(pbuf[z * kKeyBlock + t]);
+        for (int k = 0; k < 4; ++k) o[z][k] = _mm512_fmadd_ps(pb, v[k], o[z][k]);
+      }
+    }
+    for (int z = 0; z < NR; ++z)
+      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(pr[z] + d0 + 16 * k, o[z][k]);
+  }
+}
+
+template <int NR, class T>
+inline void position_rows_d(const AttnArgs& a, int64_t d, const T* kh, const T* vh, const int64_t* slot, int64_t j0,
+                            int64_t n, const float* const* qp, float* const* st, float* const* pr, float* pbuf) {
+  if (d == 32) position_rows<4, NR, T>(a, d, kh, vh, slot, j0, n, qp, st, pr, pbuf);
+  else if (d == 64) position_rows<8, NR, T>(a, d, kh, vh, slot, j0, n, qp, st, pr, pbuf);
+  else position_rows<16, NR, T>(a, d, kh, vh, slot, j0, n, qp, st, pr, pbuf);
+}
+
+// the query, statistics and partial-output pointers of rows[0 .. nr) in item (h, b)
+inline void row_pointers(const AttnArgs& a, int64_t h, int64_t b, int64_t d, const int64_t* rows, int nr,
+                         const float** qp, float** st, float** pr) {
+  const int64_t R = a.G * a.Q, Q = a.Q;
+  for (int z = 0; z < nr; ++z) {
+    const int64_t r = rows[z], g = r / Q, u = r % Q;
+    qp[z] = a.q + (h * a.G + g) * a.qsH + u * a.qsQ;
+    st[z] = a.stats + ((h * a.nb + b) * R + r) * 2;
+    pr[z] = a.part + ((h * a.nb + b) * R + r) * d;
+  }
+}
+
+// rows (all seeing keys sl[0 .. 64) of block b, or, with sl null, keys j0 .. j0 + n - 1)
+// through position_rows in tiles of up to kTile; d = 256 (whose query does not fit in
+// registers) through attend_row, the same bits
+template <class T>
+__attribute__((noinline)) void small_class(const AttnArgs& a, int64_t h, int64_t b, int64_t d, const int64_t* rows, int64_t nrows,
+                 const int64_t* sl, int64_t n, float* pbuf, float* score) {
+  const int64_t j0 = b * kKeyBlock;
+  if (d > 128) {
+    for (int64_t z = 0; z < nrows; ++z) attend_row_d<T>(a, d, h, b, rows[z], score);
+    return;
+  }
+  const T* kh = keys_of<T>(a) + h * a.ksH;
+  const T* vh = values_of<T>(a) + h * a.vsH;
+  constexpr int64_t kRows = 3;  // rows per position_rows call: 3 x 8 score accumulators
+  for (int64_t r0 = 0; r0 < nrows; r0 += kRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, nrows - r0));
+    const float* qp[kRows];
+    float* st[kRows];
+    float* pr[kRows];
+    row_pointers(a, h, b, d, rows + r0, nr, qp, st, pr);
+    switch (nr) {
+      case 3: position_rows_d<3, T>(a, d, kh, vh, sl, j0, n, qp, st, pr, pbuf); break;
+      case 2: position_rows_d<2, T>(a, d, kh, vh, sl, j0, n, qp, st, pr, pbuf); break;
+      default: position_rows_d<1, T>(a, d, kh, vh, sl, j0, n, qp, st, pr, pbuf); break;
+    }
+  }
+}
+
 // one work item: key/value head h, key block b, every query row of the head's group (the
 // same item and outputs as attend_block)
 template <class T>
@@ -1231,6 +1440,14 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, int64_t d, float* kt,
   const int64_t j0 = b * kKeyBlock;
   const T* kh = keys_of<T>(a) + h * a.ksH;
   const T* vh = values_of<T>(a) + h * a.vsH;
+  prefetch_rows(kh, vh, a.ksS, a.vsS, j0, std::min(a.S, j0 + kKeyBlock), d);
+  if (!a.mask && R < kMinTiled) {  // every row sees every key (no mask): keys j0 .. in order, one class
+    int64_t rr[kMinTiled];
+    for (int64_t r = 0; r < R; ++r) rr[r] = r;
+    const int64_t nk = std::min(a.S, j0 + kKeyBlock) - j0;
+    small_class<T>(a, h, b, d, rr, R, nullptr, nk, pbuf, score);
+    return;
+  }
   // each position's logical keys in this block: n[i] and slot[i][t] (-1 absent)
   std::vector<int64_t> slots(Q * kKeyBlock), n(Q), cls(Q, -1);
   std::vector<char> any(Q, 0);
@@ -1271,8 +1488,12 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, int64_t d, float* kt,
       }
       continue;
     }
-    if (static_cast<int64_t>(rows.size()) < kMinTiled) {  // the per-row item (same bits)
-      for (const int64_t r : rows) attend_row_d<T>(a, d, h, b, r, score);
+    if (static_cast<int64_t>(rows.size()) < kMinTiled) {  // attend_row's arithmetic (same bits)
+      const int64_t* sl = slots.data() + i * kKeyBlock;
+      bool in_order = true;  // all n[i] keys present at slots j0 .. j0 + n[i] - 1
+      for (int64_t t = 0; t < n[i] && in_order; ++t) in_order = sl[t] == j0 + t;
+      small_class<T>(a, h, b, d, rows.data(), static_cast<int64_t>(rows.size()), in_order ? nullptr : sl, n[i], pbuf,
+                     score);
       continue;
     }
     const int64_t* sl = slots.data() + i * kKeyBlock;
@@ -1295,12 +1516,7 @@ void attend_block(const AttnArgs& a, int64_t h, int64_t b, int64_t d, float* kt,
       const float* qp[kTile];
       float* st[kTile];
       float* pr[kTile];
-      for (int z = 0; z < nr; ++z) {
-        const int64_t r = rows[r0 + z], g = r / Q, u = r % Q;
-        qp[z] = a.q + (h * a.G + g) * a.qsH + u * a.qsQ;
-        st[z] = a.stats + ((h * a.nb + b) * R + r) * 2;
-        pr[z] = a.part + ((h * a.nb + b) * R + r) * d;
-      }
+      row_pointers(a, h, b, d, rows.data() + r0, nr, qp, st, pr);
       switch (nr) {
         case 4: tile_rows<4, T>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
         case 3: tile_rows<3, T>(a, d, kt, present, sl, n[i], vh, qp, st, pr, pbuf); break;
@@ -1378,7 +1594,7 @@ struct AttnJob {
       a.k16 = reinterpret_cast<const uint16_t*>(key.data_ptr());
       a.v16 = reinterpret_cast<const uint16_t*>(value.data_ptr());
     }
-    tiled = current_isa() == kIsaAvx512 && G * Q >= k512attn::kMinTiled;
+    tiled = current_isa() == kIsaAvx512;  // k512attn: tiles, and position_rows below kMinTiled rows
   }
   AttnJob(const AttnJob&) = delete;
   AttnJob& operator=(const AttnJob&) = delete;
