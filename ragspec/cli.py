@@ -450,6 +450,12 @@ def cmd_bench(args) -> int:
             r.close()
     table = bench.summarize(records)
     print(bench.format_table(table, sampling=args.temperature > 0))
+    if getattr(engine.target, "numerics", "exact") == "fast" and args.temperature <= 0:
+        print(
+            "# --numerics fast: 'identical' compares with transformers' float32 greedy, which int8 activations "
+            "need not match; --also-numerics fast beside --numerics exact reports speculative == the mode's "
+            "own plain decoding"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
