@@ -1538,11 +1538,50 @@ namespace {
 // arguments (AttnArgs, pointing into the members: a job is never moved once made) and
 // its outputs.
 struct AttnJob {
-  torch::Tensor query, key, value, m2, stats, part, out;
+  torch::Tensor query, key, value, m2, out;
+  std::vector<float> stats, part;  // [Hkv, nb, R, 2], [Hkv, nb, R, d]
+  float* out_p = nullptr;          // [Q, Hq, d] contiguous: out's data, or the caller's buffer
   std::vector<int64_t> chain, chain_len;
   AttnArgs a{};
   int64_t Hq = 0, Hkv = 0, d = 0, R = 0, nb = 0;
   bool half = false, tiled = false;
+
+  // from raw pointers (AttnRequest: the native step's views of its buffers, no tensors)
+  AttnJob(const AttnRequest& r, int64_t hq, int64_t hkv, int64_t dim, double scale) {
+    Hq = hq;
+    Hkv = hkv;
+    d = dim;
+    half = r.half;
+    const int64_t Q = r.Q, S = r.S, G = Hq / Hkv;
+    R = G * Q;
+    nb = (S + kKeyBlock - 1) / kKeyBlock;
+    stats.resize(Hkv * nb * R * 2);
+    part.resize(Hkv * nb * R * d);
+    out_p = r.out;
+    init_chain(Q, S, r.mask);
+    a = AttnArgs{r.q, half ? nullptr : static_cast<const float*>(r.k), half ? nullptr : static_cast<const float*>(r.v),
+                 r.mask, stats.data(), part.data(), G, Q, S, nb, r.qsH, r.qsQ, r.ksH, r.ksS, r.vsH, r.vsS,
+                 static_cast<float>(scale), std::max<int64_t>(0, S - Q), chain.data(), chain_len.data()};
+    if (half) {
+      a.k16 = static_cast<const uint16_t*>(r.k);
+      a.v16 = static_cast<const uint16_t*>(r.v);
+    }
+    tiled = current_isa() == kIsaAvx512;
+  }
+
+  // each row's new slots (the last Q, or all S keys when fewer) that it attends, in order:
+  // its logical keys past .. past + chain_len - 1
+  void init_chain(int64_t Q, int64_t S, const bool* mp) {
+    const int64_t past = std::max<int64_t>(0, S - Q), fresh = S - past;
+    chain.assign(Q * fresh, 0);
+    chain_len.assign(Q, 0);
+    for (int64_t i = 0; i < Q; ++i) {
+      int64_t c = 0;
+      for (int64_t u = 0; u < fresh; ++u)
+        if (!mp || mp[i * S + past + u]) chain[i * fresh + c++] = past + u;
+      chain_len[i] = c;
+    }
+  }
 
   AttnJob(torch::Tensor q, torch::Tensor k, torch::Tensor v, const c10::optional<torch::Tensor>& mask, double scale) {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1,
@@ -1569,25 +1608,16 @@ struct AttnJob {
     const int64_t G = Hq / Hkv;
     R = G * Q;  // query rows per key/value head
     nb = (S + kKeyBlock - 1) / kKeyBlock;
-    stats = torch::empty({Hkv, nb, R, 2}, query.options());
-    part = torch::empty({Hkv, nb, R, d}, query.options());
+    stats.resize(Hkv * nb * R * 2);
+    part.resize(Hkv * nb * R * d);
     out = torch::empty({1, Q, Hq, d}, query.options());
-    // each row's new slots (the last Q, or all S keys when fewer) that it attends, in order:
-    // its logical keys past .. past + chain_len - 1
-    const int64_t past = std::max<int64_t>(0, S - Q), fresh = S - past;
-    chain.assign(Q * fresh, 0);
-    chain_len.assign(Q, 0);
+    out_p = out.data_ptr<float>();
     const bool* mp = m2.defined() ? m2.data_ptr<bool>() : nullptr;
-    for (int64_t i = 0; i < Q; ++i) {
-      int64_t c = 0;
-      for (int64_t u = 0; u < fresh; ++u)
-        if (!mp || mp[i * S + past + u]) chain[i * fresh + c++] = past + u;
-      chain_len[i] = c;
-    }
+    init_chain(Q, S, mp);
     a = AttnArgs{query.data_ptr<float>(), half ? nullptr : key.data_ptr<float>(), half ? nullptr : value.data_ptr<float>(),
-                 mp, stats.data_ptr<float>(), part.data_ptr<float>(),
+                 mp, stats.data(), part.data(),
                  G, Q, S, nb, query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1),
-                 value.stride(2), static_cast<float>(scale), past, chain.data(), chain_len.data()};
+                 value.stride(2), static_cast<float>(scale), std::max<int64_t>(0, S - Q), chain.data(), chain_len.data()};
     // float16 keys/values (a float16 KV cache): the same kernels loading them widened to
     // float32 (exact), so a row's result is bit for bit the float32 call's over key.float()
     if (half) {
@@ -1613,9 +1643,9 @@ struct AttnJob {
   // merge the key blocks of (kv head, query row) hr = h * R + r:
   // out = sum_b e^(m_b - M) part_b / sum_b e^(m_b - M) l_b
   void merge(int64_t hr) const {
-    const float* sp = stats.data_ptr<float>();
-    const float* pp = part.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+    const float* sp = stats.data();
+    const float* pp = part.data();
+    float* op = out_p;
     const int64_t Q = a.Q, G = a.G;
     const int64_t h = hr / R, r = hr % R;
     const int64_t g = r / Q, i = r % Q;
@@ -1713,6 +1743,19 @@ std::vector<torch::Tensor> few_query_attention_many(const std::vector<torch::Ten
   outs.reserve(jobs.size());
   for (const auto& job : jobs) outs.push_back(job->out);
   return outs;
+}
+
+void few_query_attention_into(const std::vector<AttnRequest>& requests, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, double scale) {
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256),
+              "few_query_attention_into: shape mismatch");
+  std::vector<std::unique_ptr<AttnJob>> jobs;
+  jobs.reserve(requests.size());
+  for (const auto& r : requests) {
+    TORCH_CHECK(r.Q > 0 && r.S >= r.Q, "few_query_attention_into: every request needs rows and their keys");
+    jobs.push_back(std::make_unique<AttnJob>(r, heads, kv_heads, head_dim, scale));
+  }
+  run_jobs(jobs);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -27,5 +27,28 @@ std::vector<torch::Tensor> few_query_attention_many(const std::vector<torch::Ten
                                                     const std::vector<c10::optional<torch::Tensor>>& masks,
                                                     double scale);
 
+// One request of few_query_attention_into: raw pointers into the caller's buffers (the
+// native step's, no tensors made per request and layer). q: float32 queries, row i of
+// head h at q + h * qsH + i * qsQ (Q rows); k, v: float32, or float16 bits where half, key
+// t of head h at k + h * ksH + t * ksS (S keys, the last Q the rows' own); mask: bool
+// [Q, S] contiguous (true = attend) or null (every row sees every key); out: float32
+// [Q, Hq, d] contiguous.
+struct AttnRequest {
+  const float* q;
+  int64_t qsH, qsQ;
+  const void* k;
+  const void* v;
+  bool half;
+  int64_t ksH, ksS, vsH, vsS;
+  const bool* mask;
+  int64_t Q, S;
+  float* out;
+};
+
+// few_query_attention_many over raw pointers, each output written to its request's out:
+// bit for bit the tensor call's.
+void few_query_attention_into(const std::vector<AttnRequest>& requests, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, double scale);
+
 // Registers the fused decoder step (decoder_step.cpp) with the extension module.
 void register_decoder_step(pybind11::module& m);

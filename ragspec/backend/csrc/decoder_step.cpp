@@ -273,6 +273,8 @@ class DecoderStep {
     auto sq = torch::empty({R, H_}, opts);
     auto q = torch::empty({R, Hq_, d_}, opts);
     auto act = torch::empty({R, I_}, opts);
+    auto attn = torch::empty({R, Hq_ * d_}, opts);  // the attention's output, every layer
+    float* attnp = attn.data_ptr<float>();
     float* xp = x.data_ptr<float>();
     const int64_t QKV = (Hq_ + 2 * Hkv_) * d_;
     for (int64_t l = 0; l < L; ++l) {
@@ -313,20 +315,31 @@ class DecoderStep {
         }
       }
       tick(kRope, t0);
-      torch::Tensor attn;  // [R, Hq d]
-      std::vector<torch::Tensor> queries, keys, values;
-      std::vector<c10::optional<torch::Tensor>> ms;
+      // every request's attention in one parallel region, written into attn [R, Hq d]:
+      // request i's queries q[a_i .. a_i + Q_i) ([Q, Hq, d]), its layer's keys and values
+      // (positions 0 .. past_i + Q_i of [Hkv, C, d]) by pointers into the buffers, no
+      // tensor views per request and layer
+      std::vector<AttnRequest> reqs(n);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t a = bounds[i], Q = bounds[i + 1] - a, S = pasts[i] + Q;
-        queries.push_back(q.narrow(0, a, Q).permute({1, 0, 2}).unsqueeze(0));  // [1, Hq, Q, d]
-        auto layer_kv = kv[i].select(0, l);                                     // [2, Hkv, C, d]
-        keys.push_back(layer_kv.select(0, 0).narrow(1, 0, S).unsqueeze(0));     // [1, Hkv, S, d]
-        values.push_back(layer_kv.select(0, 1).narrow(1, 0, S).unsqueeze(0));
-        ms.push_back(mask[i].defined() ? c10::optional<torch::Tensor>(mask[i]) : c10::nullopt);
+        const int64_t a = bounds[i], Q = bounds[i + 1] - a, S = pasts[i] + Q, C = kv[i].size(3);
+        const bool half = kv[i].scalar_type() == at::kHalf;
+        const int64_t esz = half ? 2 : 4;
+        const char* base = static_cast<const char*>(kv[i].data_ptr());
+        AttnRequest& r = reqs[i];
+        r.q = qp + a * Hq_ * d_;
+        r.qsH = d_;
+        r.qsQ = Hq_ * d_;
+        r.k = base + (l * 2 + 0) * Hkv_ * C * d_ * esz;
+        r.v = base + (l * 2 + 1) * Hkv_ * C * d_ * esz;
+        r.half = half;
+        r.ksH = r.vsH = C * d_;
+        r.ksS = r.vsS = d_;
+        r.mask = mask[i].defined() ? mask[i].data_ptr<bool>() : nullptr;
+        r.Q = Q;
+        r.S = S;
+        r.out = attnp + a * Hq_ * d_;
       }
-      // every request's attention in one parallel region ([1, Q_i, Hq, d] each)
-      auto outs = few_query_attention_many(queries, keys, values, ms, scale_);
-      attn = (n == 1 ? outs[0] : at::cat(outs, 1)).view({R, Hq_ * d_});
+      few_query_attention_into(reqs, Hq_, Hkv_, d_, scale_);
       tick(kAttention, t0);
       auto o = layer.o(attn);  // [R, H]
       tick(kLinear, t0);
