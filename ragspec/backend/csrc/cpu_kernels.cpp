@@ -1290,7 +1290,7 @@ void tile_rows(const AttnArgs& a, int64_t d, const float* kt, __mmask16 present[
   }
 }
 
-// The nr (<= kTile) rows that see the same keys of one block (the G query heads of one
+// The NR (<= 3) rows that see the same keys of one block (the G query heads of one
 // position), with attend_row's arithmetic and so its bits: each row's score sums over d
 // in 8 lanes in the same order and hsum8, the same max, exp and lane order of the sum of
 // exps, and its value sums over the present keys in logical order (lane-wise fused
@@ -1403,7 +1403,7 @@ inline void row_pointers(const AttnArgs& a, int64_t h, int64_t b, int64_t d, con
 }
 
 // rows (all seeing keys sl[0 .. 64) of block b, or, with sl null, keys j0 .. j0 + n - 1)
-// through position_rows in tiles of up to kTile; d = 256 (whose query does not fit in
+// through position_rows, 3 rows a call; d = 256 (whose query does not fit in
 // registers) through attend_row, the same bits
 template <class T>
 __attribute__((noinline)) void small_class(const AttnArgs& a, int64_t h, int64_t b, int64_t d, const int64_t* rows, int64_t nrows,
@@ -1547,7 +1547,10 @@ struct AttnJob {
   bool half = false, tiled = false;
 
   // from raw pointers (AttnRequest: the native step's views of its buffers, no tensors)
-  AttnJob(const AttnRequest& r, int64_t hq, int64_t hkv, int64_t dim, double scale) {
+  AttnJob(const AttnRequest& r, int64_t hq, int64_t hkv, int64_t dim, double scale) { init(r, hq, hkv, dim, scale); }
+
+  // the job's arguments, statistics buffers and chains for request r (both constructors)
+  void init(const AttnRequest& r, int64_t hq, int64_t hkv, int64_t dim, double scale) {
     Hq = hq;
     Hkv = hkv;
     d = dim;
@@ -1562,11 +1565,13 @@ struct AttnJob {
     a = AttnArgs{r.q, half ? nullptr : static_cast<const float*>(r.k), half ? nullptr : static_cast<const float*>(r.v),
                  r.mask, stats.data(), part.data(), G, Q, S, nb, r.qsH, r.qsQ, r.ksH, r.ksS, r.vsH, r.vsS,
                  static_cast<float>(scale), std::max<int64_t>(0, S - Q), chain.data(), chain_len.data()};
+    // float16 keys/values (a float16 KV cache): the same kernels loading them widened to
+    // float32 (exact), so a row's result is bit for bit the float32 call's over key.float()
     if (half) {
       a.k16 = static_cast<const uint16_t*>(r.k);
       a.v16 = static_cast<const uint16_t*>(r.v);
     }
-    tiled = current_isa() == kIsaAvx512;
+    tiled = current_isa() == kIsaAvx512;  // k512attn: tiles, and position_rows below kMinTiled rows
   }
 
   // each row's new slots (the last Q, or all S keys when fewer) that it attends, in order:
@@ -1605,26 +1610,11 @@ struct AttnJob {
                   "few_query_attention: mask must be bool [1, 1, Q, S]");
       m2 = mask->reshape({Q, S}).contiguous();
     }
-    const int64_t G = Hq / Hkv;
-    R = G * Q;  // query rows per key/value head
-    nb = (S + kKeyBlock - 1) / kKeyBlock;
-    stats.resize(Hkv * nb * R * 2);
-    part.resize(Hkv * nb * R * d);
     out = torch::empty({1, Q, Hq, d}, query.options());
-    out_p = out.data_ptr<float>();
-    const bool* mp = m2.defined() ? m2.data_ptr<bool>() : nullptr;
-    init_chain(Q, S, mp);
-    a = AttnArgs{query.data_ptr<float>(), half ? nullptr : key.data_ptr<float>(), half ? nullptr : value.data_ptr<float>(),
-                 mp, stats.data(), part.data(),
-                 G, Q, S, nb, query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1),
-                 value.stride(2), static_cast<float>(scale), std::max<int64_t>(0, S - Q), chain.data(), chain_len.data()};
-    // float16 keys/values (a float16 KV cache): the same kernels loading them widened to
-    // float32 (exact), so a row's result is bit for bit the float32 call's over key.float()
-    if (half) {
-      a.k16 = reinterpret_cast<const uint16_t*>(key.data_ptr());
-      a.v16 = reinterpret_cast<const uint16_t*>(value.data_ptr());
-    }
-    tiled = current_isa() == kIsaAvx512;  // k512attn: tiles, and position_rows below kMinTiled rows
+    AttnRequest r{query.data_ptr<float>(), query.stride(1), query.stride(2), key.data_ptr(), value.data_ptr(), half,
+                  key.stride(1), key.stride(2), value.stride(1), value.stride(2),
+                  m2.defined() ? m2.data_ptr<bool>() : nullptr, Q, S, out.data_ptr<float>()};
+    init(r, Hq, Hkv, d, scale);
   }
   AttnJob(const AttnJob&) = delete;
   AttnJob& operator=(const AttnJob&) = delete;
