@@ -48,6 +48,15 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
         "decoding bit for bit within the mode, output may differ from transformers'",
     )
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
+    p.add_argument(
+        "--drafting",
+        choices=("auto", "merged", "select", "retrieval"),
+        default=os.environ.get("RAGSPEC_DRAFTING") or "auto",
+        help="with a head: 'merged' one draft tree from retrieval, the head and retrieval's copies after the "
+        "head's tokens; 'select' one source per step (the behaviour before issue 22); 'retrieval' retrieval's "
+        "drafts only (the head unused); 'auto' (default) merged on CUDA, retrieval on a CPU, where the head's "
+        "proposals cost more than they add (RAGSPEC_DRAFTING)",
+    )
     if datastore:
         p.add_argument(
             "--datastore",
@@ -58,13 +67,6 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
             "--eagle",
             default=os.environ.get("RAGSPEC_EAGLE") or "auto",  # empty = unset, as for the server
             help="EAGLE draft head directory; 'auto' (default): the head shipped for the model, if any; 'none': no head",
-        )
-        p.add_argument(
-            "--drafting",
-            choices=("merged", "select"),
-            default="merged",
-            help="with a head: 'merged' (default) one draft tree from retrieval, the head and retrieval's copies "
-            "after the head's tokens; 'select' one source per step (the behaviour before issue 22)",
         )
 
 
@@ -91,7 +93,7 @@ def _engine(args, calibrate: bool = True):
             prefix_cache_tokens=getattr(args, "prefix_cache_tokens", PolicyConfig.prefix_cache_tokens),
         ),
         calibrate=calibrate,
-        drafting=getattr(args, "drafting", None) or "merged",
+        drafting=getattr(args, "drafting", None) or "auto",
         numerics=getattr(args, "numerics", None) or "exact",
     )
 
@@ -582,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--also-drafting",
         default=None,
-        help="comma-separated drafting modes (merged, select) to run beside --drafting's, interleaved, as more "
+        help="comma-separated drafting modes (merged, select, retrieval) to run beside --drafting's, interleaved, as more "
         "ragspec columns: tokens/s, accepted tokens per step, identity",
     )
     b.add_argument(

@@ -83,7 +83,8 @@ class DrafterParts:
         response_cache: the cache of this model's earlier responses drafted from
             (:mod:`ragspec.drafters.response_cache`), or None.
         drafting: how retrieval and the head share a step (``ragspec.loading.DRAFTING_MODES``:
-            "merged", one tree from all sources; "select", one source per step).
+            "merged", one tree from all sources; "select", one source per step; "retrieval",
+            retrieval only).
     """
 
     pld: Optional["PLDConfig"] = None

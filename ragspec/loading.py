@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+import torch
+
 from .config import NUMERICS, PLDConfig, PolicyConfig
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
@@ -42,13 +44,46 @@ __all__ = [
     "with_datastore",
     "with_response_cache",
     "with_drafting",
+    "AUTO_DRAFTING",
+    "resolve_drafting",
 ]
 
-DRAFTING_MODES = ("merged", "select")
+DRAFTING_MODES = ("merged", "select", "retrieval")
 """How retrieval and an EAGLE head share a step: ``"merged"`` (default), one tree from
 all sources, retrieval's copies also hung under the head's tokens
 (:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
-(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22)."""
+(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
+``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
+returns no hidden states for it either)."""
+
+AUTO_DRAFTING = "auto"
+"""``load_engine``'s default: :func:`resolve_drafting` picks the mode from the device."""
+
+
+def resolve_drafting(drafting: str, device: torch.device) -> str:
+    """The drafting mode ``drafting`` names on ``device``: ``"auto"`` is ``"merged"`` on
+    CUDA and ``"retrieval"`` elsewhere; any mode of :data:`DRAFTING_MODES` is itself.
+
+    Why ``"retrieval"`` on a CPU: there the shipped head's proposal costs about a third of a
+    target step (a level ~0.8 ms: its layer 0.25 ms, the draft-vocabulary logits and top-k
+    0.35 ms, Python the rest; the root's level 0.22 ms) against a 6-7 ms step whose extra
+    verification rows cost ~1.2 ms each, so its nodes rarely pay. Measured on the 2-core
+    Xeon, 3 dev prompts x 6 categories, 128 tokens, interleaved in one ``ragspec bench
+    --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
+    drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
+    as fast or faster in every category (``docs/bench/issue22-retrieval-vs-merged-run{1,2}.json``).
+    On CUDA a head level is a small part of a step, as in EAGLE's own measurements.
+
+    Raises:
+        ConfigError: ``drafting`` is neither ``"auto"`` nor one of :data:`DRAFTING_MODES`.
+    """
+    if drafting == AUTO_DRAFTING:
+        return "merged" if torch.device(device).type == "cuda" else "retrieval"
+    if drafting not in DRAFTING_MODES:
+        raise ConfigError(
+            f"unknown drafting mode {drafting!r}: use {AUTO_DRAFTING} or one of {', '.join(DRAFTING_MODES)}"
+        )
+    return drafting
 
 
 def load_target(
@@ -140,7 +175,7 @@ def compose_drafter(
         base = retrieval[0]
     elif retrieval:
         base = CompositeDrafter(retrieval)
-    if eagle is None:
+    if eagle is None or drafting == "retrieval":
         return base
     if base is None:
         return eagle
@@ -164,7 +199,7 @@ def load_engine(
     calibrate: bool = True,
     cache: Optional[Union[str, Path]] = None,
     cpu_kernels: Optional[bool] = None,
-    drafting: str = "merged",
+    drafting: str = AUTO_DRAFTING,
     numerics: str = "exact",
 ) -> Engine:
     """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
@@ -188,7 +223,10 @@ def load_engine(
             layers and attention through ragspec's compiled kernels and, for a GGUF model,
             read the weights it holds in Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks from those blocks
             (the same output bit for bit). None (default): on unless ``RAGSPEC_CPU_KERNELS=0``.
-        drafting: how retrieval and the head share a step (:data:`DRAFTING_MODES`).
+        drafting: how retrieval and the head share a step (:data:`DRAFTING_MODES`);
+            ``"auto"`` (default): ``"merged"`` on CUDA, ``"retrieval"`` elsewhere
+            (:func:`resolve_drafting`; the head stays loaded, :func:`with_drafting`
+            switches to it without loading anything).
         numerics: the target's arithmetic, ``"exact"`` (default: float32, greedy output
             token-identical to transformers') or ``"fast"`` (opt-in: int8 activations in
             the GGUF-block linears on a CPU with AVX-512 VNNI; speculative == plain within
@@ -204,8 +242,8 @@ def load_engine(
     """
     from . import models
 
-    if drafting not in DRAFTING_MODES:
-        raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
+    if drafting != AUTO_DRAFTING:
+        resolve_drafting(drafting, torch.device("cpu"))  # an unknown mode fails before any load
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
     stores = []
     if datastore:
@@ -213,6 +251,7 @@ def load_engine(
 
         stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
+    drafting = resolve_drafting(drafting, target.device)
     latency = LatencyModel.measure(target) if calibrate else None
     return Engine(
         target,
@@ -288,7 +327,8 @@ def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engin
 def with_drafting(engine: Engine, drafting: str) -> Engine:
     """An engine over the same model, backend and drafter parts as ``engine`` (one composed
     by :func:`load_engine`), retrieval and the head sharing each step as ``drafting`` says
-    (:data:`DRAFTING_MODES`). No model is loaded.
+    (:data:`DRAFTING_MODES`, or ``"auto"``: :func:`resolve_drafting` on the engine's
+    device). No model is loaded.
 
     Raises:
         ConfigError: an unknown ``drafting``, or an engine whose drafter was not composed
@@ -297,6 +337,7 @@ def with_drafting(engine: Engine, drafting: str) -> Engine:
     parts = engine.parts
     if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
         raise ConfigError("this engine's drafter was not composed by ragspec.loading: no parts to recompose")
+    drafting = resolve_drafting(drafting, getattr(engine.target, "device", torch.device("cpu")))
     stores = [parts.datastore] if parts.datastore is not None else []
     drafter = compose_drafter(parts.pld, stores, parts.eagle, parts.response_cache, drafting)
     return engine.with_drafter(drafter, dataclasses.replace(parts, drafting=drafting))

@@ -46,6 +46,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         datastores=datastores,
         eagle=args.eagle,
         numerics=args.numerics,
+        drafting=args.drafting,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_active=args.max_active,

@@ -176,6 +176,7 @@ def _load_engine(settings: ServerSettings):
         ),
         calibrate=settings.calibrate,
         numerics=settings.numerics,
+        drafting=settings.drafting,
     )
 
 

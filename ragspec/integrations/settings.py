@@ -28,6 +28,7 @@ ENV_VARS = {
     "RAGSPEC_DATASTORES": "datastores",
     "RAGSPEC_EAGLE": "eagle",
     "RAGSPEC_NUMERICS": "numerics",
+    "RAGSPEC_DRAFTING": "drafting",
     "RAGSPEC_API_KEY": "api_key",
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
@@ -117,6 +118,9 @@ class ServerSettings:
     """The target's arithmetic: "exact" (float32, greedy output token-identical to
     transformers') or "fast" (opt-in: int8 activations, AVX-512 VNNI; see
     :data:`ragspec.config.NUMERICS`)."""
+    drafting: str = "auto"
+    """How retrieval and the EAGLE head share a step: "auto" (merged on CUDA, retrieval on a
+    CPU), "merged", "select" or "retrieval" (:func:`ragspec.loading.resolve_drafting`)."""
     api_key: Optional[str] = None
     """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
     max_active: int = 8
@@ -182,6 +186,8 @@ class ServerSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.numerics not in ("exact", "fast"):
             raise ConfigError(f"numerics must be 'exact' or 'fast', got {self.numerics!r}")
+        if self.drafting not in ("auto", "merged", "select", "retrieval"):
+            raise ConfigError(f"drafting must be 'auto', 'merged', 'select' or 'retrieval', got {self.drafting!r}")
         if self.max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
         if self.max_step_tokens < 1:

@@ -24,33 +24,38 @@ def test_dev_prompt_token_identical_to_generate(real_engine, dev_rows, category)
 
 
 def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, dev_rows):
-    """``Engine.from_pretrained()`` uses the EAGLE head shipped for the default model
+    """``Engine.from_pretrained()`` loads the EAGLE head shipped for the default model
     (``eagle="auto"``); with it, a translation prompt (where the head drafts) is still
     token-identical to ``model.generate``, and the head's drafts were verified.
 
     Regression (clean-clone CI while another job loaded the CPU): the default selection
     times head steps against plain ones, so on a loaded machine it may skip the head for a
     whole 48-token request and the check "the head's drafts were verified" failed. The
-    default engine is checked as loaded; the head's drafts are then checked through the
-    same head with the selection's timing off (retrieval when its match is long enough,
-    the head otherwise), which does not depend on the machine's load.
+    head's drafts are checked through its untimed form, which does not depend on the
+    machine's load.
 
-    Since issue 22 the default merges retrieval and the head into one tree
-    (``MergedDrafter``, its head gate timed the same way: the head's nodes are checked
-    through its untimed form); the old selection (``drafting="select"``) is checked too."""
-    from ragspec.drafters import MergedDrafter
+    Since issue 22 the head merges with retrieval into one tree (``MergedDrafter``, the
+    default on CUDA; on a CPU the default drafts from retrieval alone, the head loaded but
+    unused: ``ragspec.loading.resolve_drafting``); the old selection (``drafting="select"``)
+    is checked too."""
+    from ragspec.drafters import MergedDrafter, PromptLookupDrafter
     from ragspec.eagle import SHIPPED_HEADS
-    from ragspec.loading import with_drafting
+    from ragspec.loading import resolve_drafting, with_drafting
 
     assert real_engine.eagle is not None
     assert real_engine.eagle_path == str(SHIPPED_HEADS / "smollm2-135m-instruct")
-    assert isinstance(real_engine.drafter, MergedDrafter)
+    assert real_engine.parts.drafting == resolve_drafting("auto", real_engine.target.device)
+    if real_engine.parts.drafting == "retrieval":
+        assert isinstance(real_engine.drafter, PromptLookupDrafter)
     row = next(r for r in dev_rows if r["category"] == "translation")
     ids = real_engine.encode_prompt(row["turns"][0])
     ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
-    out = real_engine.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
+    assert real_engine.generate(ids, max_new_tokens=48, chat=False).token_ids == ref
+    merged = with_drafting(real_engine, "merged")
+    assert isinstance(merged.drafter, MergedDrafter)
+    out = merged.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
-    untimed = real_engine.with_drafter(real_engine.drafter.reproducible())
+    untimed = merged.with_drafter(merged.drafter.reproducible())
     out = untimed.generate(ids, max_new_tokens=48, chat=False, return_steps=True)
     assert out.token_ids == ref
     assert any("eagle" in s.source.split("+") for s in out.stats.steps)  # the head's nodes were verified

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from ragspec.backend.hf import HFTarget
-from ragspec.config import PLDConfig, PolicyConfig
+from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
 from ragspec.drafters import CompositeDrafter, MergedDrafter, NgramIndex, PromptLookupDrafter, SelectingDrafter
 from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import DrafterParts, Engine
 from ragspec.errors import ConfigError
-from ragspec.loading import compose_drafter, with_drafting
+from ragspec.loading import compose_drafter, resolve_drafting, with_drafting
 from ragspec.policy import AcceptanceModel, run_depths
 from ragspec.tree import merge_trees
 from ragspec.types import DraftTree, VerifyResult
@@ -281,6 +281,7 @@ def test_merged_reproducible_form_and_composition():
     # compose_drafter: merged by default, the old selection on request
     assert isinstance(compose_drafter(PLDConfig(), (), merged.eagle), MergedDrafter)
     assert isinstance(compose_drafter(PLDConfig(), (), merged.eagle, drafting="select"), SelectingDrafter)
+    assert isinstance(compose_drafter(PLDConfig(), (), merged.eagle, drafting="retrieval"), PromptLookupDrafter)
     with pytest.raises(ConfigError):
         compose_drafter(PLDConfig(), (), merged.eagle, drafting="both")
     assert merged.name == "prompt+fixed"
@@ -420,6 +421,36 @@ def test_with_drafting_switches_between_merged_and_select(target, head, tok, mod
     assert select.generate(ids, max_new_tokens=24, chat=False).token_ids == greedy_reference(model, ids, 24, 2)
     with pytest.raises(ConfigError):
         with_drafting(Engine(target, tok, drafter=PromptLookupDrafter()), "select")
+
+
+def test_retrieval_drafting_leaves_the_loaded_head_unused(target, head, tok, model):
+    # drafting="retrieval": prompt lookup alone, the head kept in the parts (a switch back to
+    # merged loads nothing), no hidden states asked of the target; greedy output unchanged
+    eagle = EagleDrafter(head, target)
+    parts = DrafterParts(pld=PLDConfig(), eagle=eagle)
+    engine = Engine(target, tok, drafter=compose_drafter(PLDConfig(), (), eagle), parts=parts, eos_token_ids=(2,))
+    retrieval = with_drafting(engine, "retrieval")
+    assert isinstance(retrieval.drafter, PromptLookupDrafter) and retrieval.parts.eagle is eagle
+    assert retrieval.parts.drafting == "retrieval"
+    assert isinstance(with_drafting(retrieval, "merged").drafter, MergedDrafter)
+    ids = tok("the cat sat on the mat. the cat sat on the hat.")["input_ids"]
+    assert engine.start(ids, DecodeConfig(max_new_tokens=24), chat=False).want_hidden  # the merged head's features
+    assert not retrieval.start(ids, DecodeConfig(max_new_tokens=24), chat=False).want_hidden
+    out = retrieval.generate(ids, max_new_tokens=24, chat=False, return_steps=True)
+    assert out.token_ids == greedy_reference(model, ids, 24, 2)
+    assert all("eagle" not in s.source for s in out.stats.steps)
+
+
+def test_auto_drafting_is_merged_on_cuda_and_retrieval_elsewhere(target):
+    assert resolve_drafting("auto", torch.device("cuda", 0)) == "merged"
+    assert resolve_drafting("auto", torch.device("cpu")) == "retrieval"
+    for mode in ("merged", "select", "retrieval"):
+        assert resolve_drafting(mode, torch.device("cpu")) == mode
+    with pytest.raises(ConfigError, match="unknown drafting mode"):
+        resolve_drafting("both", torch.device("cpu"))
+    parts = DrafterParts(pld=PLDConfig())
+    engine = Engine(target, make_char_tokenizer(), drafter=compose_drafter(PLDConfig()), parts=parts)
+    assert with_drafting(engine, "auto").parts.drafting == "retrieval"  # the tiny target is on the CPU
 
 
 def test_head_gate_counts_declined_head_drafts_as_no_gain():
