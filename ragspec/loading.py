@@ -49,8 +49,9 @@ __all__ = [
 ]
 
 DRAFTING_MODES = ("merged", "select", "retrieval")
-"""How retrieval and an EAGLE head share a step: ``"merged"`` (default), one tree from
-all sources, retrieval's copies also hung under the head's tokens
+"""How retrieval and an EAGLE head share a step (``load_engine``'s default ``"auto"`` picks
+one from the device: :func:`resolve_drafting`): ``"merged"``, one tree from all sources,
+retrieval's copies also hung under the head's tokens
 (:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
 (:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
 ``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
