@@ -382,11 +382,17 @@ def cmd_bench(args) -> int:
         gguf = resolve_model(args.model).gguf_file
         threads = args.threads or __import__("torch").get_num_threads()
         runners = [compare.open_runner(n, gguf=gguf, threads=threads) for n in dict.fromkeys(args.compare)]
+    if args.also_drafting:  # an unknown mode fails before the model loads
+        from .loading import resolve_drafting
+
+        for mode in args.also_drafting.split(","):
+            if mode.strip():
+                resolve_drafting(mode.strip(), __import__("torch").device("cpu"))
     engine = _engine(args, calibrate=not args.no_calibrate)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
         f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}, "
-        f"torch threads {__import__('torch').get_num_threads()}",
+        f"torch threads {__import__('torch').get_num_threads()}, drafting {engine.parts.drafting}",
         file=sys.stderr,
     )
     print(
@@ -412,9 +418,16 @@ def cmd_bench(args) -> int:
     budgets = [int(b) for b in args.draft_budgets.split(",") if b.strip()] if args.draft_budgets else []
     variants = {}
     if args.also_drafting:
-        from .loading import with_drafting
+        from .loading import resolve_drafting, with_drafting
 
         for mode in dict.fromkeys(m.strip() for m in args.also_drafting.split(",") if m.strip()):
+            mode = resolve_drafting(mode, engine.target.device)  # "auto" -> the mode it is here
+            if mode == engine.parts.drafting:
+                print(
+                    f"--also-drafting {mode}: already the main column's drafting (--drafting {args.drafting})",
+                    file=sys.stderr,
+                )
+                continue
             variants[mode] = with_drafting(engine, mode)
     also_drafting = list(variants)
     if args.also_numerics:

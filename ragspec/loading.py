@@ -82,7 +82,8 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
         return "merged" if torch.device(device).type == "cuda" else "retrieval"
     if drafting not in DRAFTING_MODES:
         raise ConfigError(
-            f"unknown drafting mode {drafting!r}: use {AUTO_DRAFTING} or one of {', '.join(DRAFTING_MODES)}"
+            f"unknown drafting mode {drafting!r}: use {AUTO_DRAFTING} or one of {', '.join(DRAFTING_MODES)} "
+            "(--drafting, --also-drafting, RAGSPEC_DRAFTING)"
         )
     return drafting
 

@@ -187,7 +187,10 @@ class ServerSettings:
         if self.numerics not in ("exact", "fast"):
             raise ConfigError(f"numerics must be 'exact' or 'fast', got {self.numerics!r}")
         if self.drafting not in ("auto", "merged", "select", "retrieval"):
-            raise ConfigError(f"drafting must be 'auto', 'merged', 'select' or 'retrieval', got {self.drafting!r}")
+            raise ConfigError(
+                f"drafting (--drafting, RAGSPEC_DRAFTING) must be 'auto', 'merged', 'select' or 'retrieval', "
+                f"got {self.drafting!r}"
+            )
         if self.max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
         if self.max_step_tokens < 1:

@@ -499,3 +499,30 @@ def test_head_gate_prices_the_rows_the_head_adds():
     assert fast_rows[0] and not fast_rows[1] and all(fast_rows[2:]), fast_rows  # step 1 times the baseline
     slow_rows = run(0.030)  # 2 tokens for 31 ms against 1 for 10: not
     assert slow_rows[0] and sum(slow_rows) <= 8, slow_rows
+
+
+def test_bench_rejects_an_unknown_also_drafting_mode_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    # fresh-user trial: `ragspec bench --also-drafting nonsense` failed only after the model
+    # load and the latency calibration (~5 s); it now fails first, naming the options
+    from ragspec import cli
+
+    data = tmp_path / "dev.jsonl"
+    data.write_text('{"question_id": 1, "category": "rag", "turns": ["a question"]}\n', encoding="utf-8")
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "_engine", no_load)
+    rc = cli.main(["bench", "--data", str(data), "--also-drafting", "merged,nonsense", "--no-hf-pld"])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "unknown drafting mode 'nonsense'" in err and "--also-drafting" in err
+
+
+def test_server_settings_name_the_drafting_variable_in_their_error():
+    # fresh-user trial: RAGSPEC_DRAFTING=bogus failed without naming the variable
+    from ragspec.integrations.settings import ServerSettings
+
+    with pytest.raises(ConfigError, match="RAGSPEC_DRAFTING"):
+        ServerSettings(drafting="bogus")
+    assert ServerSettings(drafting="retrieval").drafting == "retrieval"
