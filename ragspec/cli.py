@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .config import AUTO_DRAFTING, DRAFTING_MODES, check_drafting
 from .errors import ConfigError, RagspecError
 
 logger = logging.getLogger("ragspec")
@@ -50,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     p.add_argument(
         "--drafting",
-        choices=("auto", "merged", "select", "retrieval"),
+        choices=(AUTO_DRAFTING, *DRAFTING_MODES),
         default=os.environ.get("RAGSPEC_DRAFTING") or "auto",
         help="with a head: 'merged' one draft tree from retrieval, the head and retrieval's copies after the "
         "head's tokens; 'select' one source per step (the behaviour before issue 22); 'retrieval' retrieval's "
@@ -382,12 +383,9 @@ def cmd_bench(args) -> int:
         gguf = resolve_model(args.model).gguf_file
         threads = args.threads or __import__("torch").get_num_threads()
         runners = [compare.open_runner(n, gguf=gguf, threads=threads) for n in dict.fromkeys(args.compare)]
-    if args.also_drafting:  # an unknown mode fails before the model loads
-        from .loading import resolve_drafting
-
-        for mode in args.also_drafting.split(","):
-            if mode.strip():
-                resolve_drafting(mode.strip(), __import__("torch").device("cpu"))
+    also_modes = list(dict.fromkeys(m.strip() for m in (args.also_drafting or "").split(",") if m.strip()))
+    for mode in also_modes:
+        check_drafting(mode)  # an unknown mode fails before the model loads
     engine = _engine(args, calibrate=not args.no_calibrate)
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
@@ -417,10 +415,10 @@ def cmd_bench(args) -> int:
 
     budgets = [int(b) for b in args.draft_budgets.split(",") if b.strip()] if args.draft_budgets else []
     variants = {}
-    if args.also_drafting:
+    if also_modes:
         from .loading import resolve_drafting, with_drafting
 
-        for mode in dict.fromkeys(m.strip() for m in args.also_drafting.split(",") if m.strip()):
+        for mode in also_modes:
             mode = resolve_drafting(mode, engine.target.device)  # "auto" -> the mode it is here
             if mode == engine.parts.drafting:
                 print(

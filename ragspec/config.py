@@ -7,13 +7,48 @@ from typing import Optional
 
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "DecodeConfig", "PLDConfig", "PolicyConfig", "NUMERICS"]
+__all__ = [
+    "SamplingParams",
+    "DecodeConfig",
+    "PLDConfig",
+    "PolicyConfig",
+    "NUMERICS",
+    "DRAFTING_MODES",
+    "AUTO_DRAFTING",
+    "check_drafting",
+]
 
 NUMERICS = ("exact", "fast")
 """The target's arithmetic (``--numerics``): ``exact`` (default) float32 over the model's
 weights, greedy output token-identical to transformers'; ``fast`` (opt-in, CPU with AVX-512
 VNNI) int8 activations in the GGUF-block linears, speculative == plain decoding bit for bit
 within the mode (see :meth:`ragspec.backend.hf.HFTarget.use_gguf_weights`)."""
+
+DRAFTING_MODES = ("merged", "select", "retrieval")
+"""How retrieval and an EAGLE head share a step (``--drafting``; the default ``"auto"`` picks
+one from the device: :func:`ragspec.loading.resolve_drafting`): ``"merged"``, one tree from
+all sources, retrieval's copies also hung under the head's tokens
+(:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
+(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
+``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
+returns no hidden states for it either)."""
+
+AUTO_DRAFTING = "auto"
+"""The default drafting: :func:`ragspec.loading.resolve_drafting` picks the mode from the device."""
+
+
+def check_drafting(drafting: str) -> str:
+    """``drafting`` itself when it is ``"auto"`` or one of :data:`DRAFTING_MODES`.
+
+    Raises:
+        ConfigError: any other value (the message names the options that take it).
+    """
+    if drafting != AUTO_DRAFTING and drafting not in DRAFTING_MODES:
+        raise ConfigError(
+            f"unknown drafting mode {drafting!r}: use {AUTO_DRAFTING} or one of {', '.join(DRAFTING_MODES)} "
+            "(--drafting, --also-drafting, RAGSPEC_DRAFTING)"
+        )
+    return drafting
 
 
 @dataclass(frozen=True)

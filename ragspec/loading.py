@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
-from .config import NUMERICS, PLDConfig, PolicyConfig
+from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
@@ -48,18 +48,6 @@ __all__ = [
     "resolve_drafting",
 ]
 
-DRAFTING_MODES = ("merged", "select", "retrieval")
-"""How retrieval and an EAGLE head share a step (``load_engine``'s default ``"auto"`` picks
-one from the device: :func:`resolve_drafting`): ``"merged"``, one tree from all sources,
-retrieval's copies also hung under the head's tokens
-(:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
-(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
-``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
-returns no hidden states for it either)."""
-
-AUTO_DRAFTING = "auto"
-"""``load_engine``'s default: :func:`resolve_drafting` picks the mode from the device."""
-
 
 def resolve_drafting(drafting: str, device: torch.device) -> str:
     """The drafting mode ``drafting`` names on ``device``: ``"auto"`` is ``"merged"`` on
@@ -78,13 +66,8 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     Raises:
         ConfigError: ``drafting`` is neither ``"auto"`` nor one of :data:`DRAFTING_MODES`.
     """
-    if drafting == AUTO_DRAFTING:
+    if check_drafting(drafting) == AUTO_DRAFTING:
         return "merged" if torch.device(device).type == "cuda" else "retrieval"
-    if drafting not in DRAFTING_MODES:
-        raise ConfigError(
-            f"unknown drafting mode {drafting!r}: use {AUTO_DRAFTING} or one of {', '.join(DRAFTING_MODES)} "
-            "(--drafting, --also-drafting, RAGSPEC_DRAFTING)"
-        )
     return drafting
 
 
@@ -244,8 +227,7 @@ def load_engine(
     """
     from . import models
 
-    if drafting != AUTO_DRAFTING:
-        resolve_drafting(drafting, torch.device("cpu"))  # an unknown mode fails before any load
+    check_drafting(drafting)  # an unknown mode fails before any load
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
     stores = []
     if datastore:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from ragspec.config import check_drafting
 from ragspec.errors import ConfigError
 
 __all__ = ["ServerSettings", "RequestLimits", "parse_datastore", "ENV_VARS"]
@@ -186,11 +187,7 @@ class ServerSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.numerics not in ("exact", "fast"):
             raise ConfigError(f"numerics must be 'exact' or 'fast', got {self.numerics!r}")
-        if self.drafting not in ("auto", "merged", "select", "retrieval"):
-            raise ConfigError(
-                f"drafting (--drafting, RAGSPEC_DRAFTING) must be 'auto', 'merged', 'select' or 'retrieval', "
-                f"got {self.drafting!r}"
-            )
+        check_drafting(self.drafting)
         if self.max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
         if self.max_step_tokens < 1:
