@@ -123,11 +123,12 @@ def _read_text(path: str) -> str:
     return text
 
 
-def _print_stats(out, baseline=None, fast: bool = False) -> None:
+def _print_stats(out, baseline=None, fast: bool = False, drafting: str = "") -> None:
     s = out.stats
     print(
         f"\n[{s.num_generated_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_s:.1f} tok/s | "
-        f"{s.num_forward_passes} target forwards | mean accepted tokens per step {s.mean_accepted_tokens:.2f} | "
+        + (f"drafting {drafting} | " if drafting else "")
+        + f"{s.num_forward_passes} target forwards | mean accepted tokens per step {s.mean_accepted_tokens:.2f} | "
         f"acceptance rate {s.acceptance_rate:.2f} | draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s]",
         file=sys.stderr,
     )
@@ -187,7 +188,13 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
     )
     if args.json:
         out = engine.generate(prompt, **kw)
-        rec = {"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict(with_steps=True)}
+        rec = {
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "drafting": "off" if args.no_speculation else engine.drafting,
+            "numerics": getattr(engine.target, "numerics", "exact"),
+            "stats": out.stats.to_dict(with_steps=True),
+        }
         if compare:
             rec["baseline"] = _baseline(engine, prompt, args)
         print(json.dumps(rec, indent=1))
@@ -207,7 +214,12 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
     if compare:
         b = _baseline(engine, prompt, args)
         base = (b["token_ids"], b["seconds"])
-    _print_stats(out, base, fast=getattr(engine.target, "numerics", "exact") == "fast")
+    _print_stats(
+        out,
+        base,
+        fast=getattr(engine.target, "numerics", "exact") == "fast",
+        drafting="off" if args.no_speculation else engine.drafting,
+    )
     return 0
 
 
@@ -390,7 +402,7 @@ def cmd_bench(args) -> int:
     print(
         f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, "
         f"device {engine.target.device}, dtype {engine.target.dtype}, temperature {args.temperature}, "
-        f"torch threads {__import__('torch').get_num_threads()}, drafting {engine.parts.drafting}",
+        f"torch threads {__import__('torch').get_num_threads()}, drafting {engine.drafting}",
         file=sys.stderr,
     )
     print(
@@ -484,7 +496,7 @@ def cmd_bench(args) -> int:
                         "temperature": args.temperature,
                         "datastore": args.datastore,
                         "eagle": engine.eagle_path,
-                        "drafting": engine.parts.drafting,
+                        "drafting": engine.drafting,
                         "also_drafting": also_drafting,
                         "numerics": getattr(engine.target, "numerics", "exact"),
                         "also_numerics": args.also_numerics,

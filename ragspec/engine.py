@@ -263,6 +263,20 @@ class Engine:
         self.last_step = StepReport()
         """What the latest :meth:`step` call did."""
 
+    @property
+    def drafting(self) -> str:
+        """The drafting in effect (what ``generate --json``, the bench and ``/v1/models``
+        report): ``"off"`` without a drafter; ``"retrieval"`` when retrieval drafts alone
+        (``drafting="retrieval"``, or no EAGLE head composed: ``merged`` and ``select`` then
+        have nothing to merge or select); else ``DrafterParts.drafting`` (``"merged"`` or
+        ``"select"``); ``"custom"`` for a drafter not composed by :mod:`ragspec.loading`."""
+        if self.drafter is None:
+            return "off"
+        parts = self.parts
+        if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
+            return "custom"
+        return "retrieval" if parts.eagle is None else parts.drafting
+
     # ------------------------------------------------------------------ factories
     @classmethod
     def from_pretrained(
@@ -867,7 +881,9 @@ class Engine:
                     lazy = greedy and choice.lazy_logits
                 else:
                     tree = proposal.truncate(budget)
-        return _Pending(index, req, tree, predicted, lazy, time.perf_counter() - t0, past, proposed)
+        # a plain step (speculation off, no budget, skipped) spends no time drafting
+        draft_s = time.perf_counter() - t0 if proposed else 0.0
+        return _Pending(index, req, tree, predicted, lazy, draft_s, past, proposed)
 
     def _dropped_invalid_drafts(self, stats: GenerationStats, raw: DraftTree, kept: DraftTree, dropped: int) -> None:
         """Count draft nodes dropped by :func:`~ragspec.tree.drop_invalid_nodes`; warn once

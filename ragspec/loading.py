@@ -235,6 +235,13 @@ def load_engine(
 
         stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
+    if eagle_drafter is None and drafting in ("merged", "select"):
+        logger.warning(
+            "--drafting %s needs an EAGLE head, and none is loaded (--eagle none, or no head shipped for %s): "
+            "drafts come from retrieval alone",
+            drafting,
+            spec.name,
+        )
     drafting = resolve_drafting(drafting, target.device)
     latency = LatencyModel.measure(target) if calibrate else None
     return Engine(

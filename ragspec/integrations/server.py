@@ -916,6 +916,8 @@ def _add_v1_routes(router: APIRouter, settings: ServerSettings, metrics: ServerM
                     "created": request.app.state.started,
                     "owned_by": "ragspec",
                     "datastores": sorted(request.app.state.engines),
+                    # the default for requests that do not set "speculative"
+                    "drafting": request.app.state.engine.drafting if request.app.state.settings.speculative else "off",
                 }
             ],
         }

@@ -5,6 +5,7 @@ the one without it), and no failure prints a traceback."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -105,3 +106,27 @@ def test_cli_binary_empty_or_directory_inputs_are_typed_errors_regression(tmp_pa
         err = capsys.readouterr().err
         assert rc == 2, (argv, err)
         assert message in err and "Traceback" not in err and err.count("\n") == 1, (argv, err)
+
+
+def test_generate_json_reports_the_drafting_in_effect(tiny_folder, capsys, monkeypatch, caplog):
+    """``generate --json`` names the drafting that ran: retrieval alone without a head (the
+    CPU's default, and what ``--drafting merged --eagle none`` falls back to, with a
+    warning), ``off`` with ``--no-speculation``; the output is the same in each."""
+    monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
+    runs = {}
+    for name, extra in {
+        "default": (),
+        "plain": ("--no-speculation",),
+        "merged": ("--drafting", "merged"),
+    }.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ragspec.loading"):
+            rc, out, err = _generate(capsys, "--model", str(tiny_folder), *extra)
+        assert rc == 0, err
+        runs[name] = (json.loads(out), [r.getMessage() for r in caplog.records])
+    assert runs["default"][0]["drafting"] == "retrieval" and runs["default"][0]["numerics"] == "exact"
+    assert runs["plain"][0]["drafting"] == "off"
+    assert runs["merged"][0]["drafting"] == "retrieval"
+    assert any("--drafting merged needs an EAGLE head" in m for m in runs["merged"][1]), runs["merged"][1]
+    assert not any("needs an EAGLE head" in m for m in runs["default"][1])
+    assert runs["default"][0]["token_ids"] == runs["plain"][0]["token_ids"] == runs["merged"][0]["token_ids"]

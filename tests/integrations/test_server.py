@@ -486,6 +486,16 @@ def test_full_queue_gets_429_with_retry_after(tiny_engine):
         assert httpx.post(srv.url + "/v1/summarize", json=body, timeout=TIMEOUT).status_code == 200
 
 
+def test_models_name_the_drafting_in_effect(live_server, tiny_engine):
+    # the default of requests that leave "speculative" unset: the engine's drafting, or off
+    # on a --no-speculation server
+    model = httpx.get(live_server.url + "/v1/models").json()["data"][0]
+    assert model["drafting"] == tiny_engine.drafting != "off"
+    app = create_app(engine=tiny_engine, settings=ServerSettings(speculative=False))
+    with LiveServer(app) as srv:
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["drafting"] == "off"
+
+
 # ---------------------------------------------------------------------- datastores
 def test_datastores_by_name_only(tmp_path, tiny_engine):
     from ragspec.datastore import build_datastore

@@ -204,3 +204,18 @@ def test_cli_compare_with_stop_string_is_not_reported_as_mismatch():
     capped = SimpleNamespace(token_ids=[5, 6, 7], stats=SimpleNamespace(finish_reason="length"))
     assert _identity(capped, [5, 6, 7, 8]) == "NO"
     assert _identity(capped, [5, 6, 7]) == "yes"
+
+
+def test_plain_decoding_counts_no_draft_seconds(no_eos_setup, char_tokenizer):
+    """Regression (a ``--no-speculation`` server's ``ragspec_draft_seconds_total`` grew by
+    ~3 ms per 128-token request: each plain step timed the engine's own drafting stage, which
+    proposed nothing): a step that asks the drafter for nothing counts no draft seconds."""
+    model, prompt, ref = no_eos_setup
+    eng = make_engine(model, char_tokenizer, PromptLookupDrafter(), adaptive=True)
+    plain = eng.generate(prompt, max_new_tokens=24, chat=False, speculative=False, return_steps=True)
+    assert plain.token_ids == ref[:24]
+    assert plain.stats.draft_s == 0.0 and all(s.draft_s == 0.0 for s in plain.stats.steps)
+    assert make_engine(model, char_tokenizer).generate(prompt, max_new_tokens=8, chat=False).stats.draft_s == 0.0
+    spec = eng.generate(prompt, max_new_tokens=24, chat=False)
+    assert spec.token_ids == ref[:24]
+    assert spec.stats.draft_s > 0.0  # prompt lookup was asked every step

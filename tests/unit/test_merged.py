@@ -453,6 +453,23 @@ def test_auto_drafting_is_merged_on_cuda_and_retrieval_elsewhere(target):
     assert with_drafting(engine, "auto").parts.drafting == "retrieval"  # the tiny target is on the CPU
 
 
+def test_engine_reports_the_drafting_in_effect(target, head, tok):
+    # what generate --json, the bench and /v1/models show: the mode that drafts, not the one
+    # asked for (merged or select without a head draft from retrieval alone)
+    eagle = EagleDrafter(head, target)
+    with_head = Engine(
+        target, tok, drafter=compose_drafter(PLDConfig(), (), eagle), parts=DrafterParts(pld=PLDConfig(), eagle=eagle)
+    )
+    assert with_head.drafting == "merged"
+    assert with_drafting(with_head, "select").drafting == "select"
+    assert with_drafting(with_head, "retrieval").drafting == "retrieval"
+    no_head = Engine(target, tok, drafter=compose_drafter(PLDConfig()), parts=DrafterParts(pld=PLDConfig()))
+    assert no_head.parts.drafting == "merged" and no_head.drafting == "retrieval"
+    assert with_drafting(no_head, "select").drafting == "retrieval"
+    assert Engine(target, tok).drafting == "off"
+    assert Engine(target, tok, drafter=eagle).drafting == "custom"  # not composed by ragspec.loading
+
+
 def test_head_gate_counts_declined_head_drafts_as_no_gain():
     """Regression (Spec-Bench writing/qa, 2-core Xeon: drafting made writing 0.85x of drafts
     off; the head ran and the engine's cost model declined its whole tree in ~half of its
