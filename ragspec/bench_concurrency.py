@@ -22,6 +22,17 @@ Reported per level:
 of that many tokens arrives, with the engine's chunked prefill and with the whole prompt in
 one forward: chunked prefill bounds it by one chunk's forward.
 
+``level_ceilings`` (``--ceiling``): what no scheduler or drafter could beat on this machine,
+per level N, from the cost of one forward over N requests (:func:`ragspec.policy.measure_latency`
+with ``batch=N``, at the runs' median cache length) and the level-1 outputs: plain batched
+decoding (N tokens a forward of N rows), and the context oracle (every request drafting, each
+step, the longest span of its true output found in its context: every row accepted) in the
+same closed loop; end to end with the level-1 run's prefill seconds (compute-bound: a batch
+does not make them cheaper), and the mean request latency that throughput allows (Little's
+law: N in flight / requests per second). A model-based drafter can write what the context
+does not hold; the "all accepted" column bounds even a drafter that is never wrong (the most
+rows per second one forward of N requests verifies, over the measured rows per request).
+
 Source: the continuous-batching benchmarks of vLLM (``benchmark_serving.py``: request
 throughput, TTFT, P50/P99 latency) reduced to an in-process closed loop.
 """
@@ -49,6 +60,10 @@ __all__ = [
     "run_concurrency",
     "arrival_stall",
     "parse_levels",
+    "oracle_step_tokens",
+    "LevelCeiling",
+    "level_ceilings",
+    "format_ceilings",
     "cmd_concurrency",
 ]
 
@@ -324,6 +339,130 @@ def arrival_stall(
     return out
 
 
+def oracle_step_tokens(prompt_ids: Sequence[int], output_ids: Sequence[int], budget: int = 8) -> list[int]:
+    """Tokens committed by each decode step of the context oracle that drafts its whole span
+    (:func:`ragspec.replay.oracle_spans`) every step: ``[4, 1, 2]`` for an output of 8
+    tokens (the first from the prefill) whose steps commit a span of 3 + the bonus token,
+    then the bonus alone, then 1 + 1."""
+    from .replay import oracle_spans
+
+    spans = oracle_spans(prompt_ids, output_ids, budget)
+    steps, pos = [], 0
+    while pos < len(spans):
+        k = min(spans[pos] + 1, len(spans) - pos)
+        steps.append(k)
+        pos += k
+    return steps
+
+
+@dataclass
+class LevelCeiling:
+    """The ceilings of one level (see the module docstring). Seconds and tokens/s."""
+
+    concurrency: int
+    plain_step_s: float
+    """One forward over N requests, one row each (plain decoding)."""
+    plain_decode_tok_s: float
+    oracle_decode_tok_s: float
+    oracle_aggregate_tok_s: float
+    oracle_mean_latency_s: float
+    oracle_rows_per_request: float
+    """Mean verification rows per request and step under the oracle."""
+    all_accepted_tok_s: float = 0.0
+    """The most rows per second one forward over N requests verifies (the best q measured):
+    the decode throughput of a drafter whose every draft token is accepted, copied or not."""
+    latency_ms: dict[int, float] = field(default_factory=dict)
+    """q (rows per request) -> ms of one forward over N requests."""
+
+
+def level_ceilings(
+    levels: Sequence[int],
+    step_s: Callable[[int, float], float],
+    step_tokens: Sequence[Sequence[int]],
+    prefill_s: Sequence[float],
+) -> list[LevelCeiling]:
+    """Ceilings per level of a closed loop like :func:`run_level`'s (``max(prompts, N)``
+    requests, prompt ``k % prompts``, N in flight, a finished request's slot refilled in the
+    same round).
+
+    Args:
+        levels: the levels N.
+        step_s: ``step_s(n, q)`` seconds of one forward over ``n`` requests of ``q`` rows each
+            (q may be fractional: the mean rows of a step's requests).
+        step_tokens: per prompt, tokens committed per decode step (:func:`oracle_step_tokens`).
+        prefill_s: per prompt, its prefill seconds (solo).
+
+    Returns:
+        one :class:`LevelCeiling` per level, in order.
+    """
+    out = []
+    for n in levels:
+        total = max(len(step_tokens), n)
+        queue = [list(step_tokens[k % len(step_tokens)]) for k in range(total)]
+        active: list[list[int]] = []
+        nxt = 0
+        decode_s = 0.0
+        tokens = rows = row_steps = 0
+        while nxt < total or active:
+            while len(active) < n and nxt < total:
+                active.append(queue[nxt])
+                nxt += 1
+            live = [q for q in active if q]
+            if live:
+                r = sum(q[0] for q in live)
+                decode_s += step_s(len(live), r / len(live))
+                tokens += r
+                rows += r
+                row_steps += len(live)
+                for q in live:
+                    q.pop(0)
+            active = [q for q in active if q]
+        pre = sum(prefill_s[k % len(prefill_s)] for k in range(total))
+        generated = tokens + total  # each request's first token comes from its prefill
+        wall = pre + decode_s
+        out.append(
+            LevelCeiling(
+                concurrency=n,
+                plain_step_s=step_s(n, 1.0),
+                plain_decode_tok_s=n / step_s(n, 1.0),
+                oracle_decode_tok_s=tokens / decode_s if decode_s else 0.0,
+                oracle_aggregate_tok_s=generated / wall if wall else 0.0,
+                oracle_mean_latency_s=n * wall / total if total else 0.0,
+                oracle_rows_per_request=rows / row_steps if row_steps else 0.0,
+            )
+        )
+    return out
+
+
+def format_ceilings(ceilings: Sequence[LevelCeiling], results: Sequence[LevelResult]) -> str:
+    """The ceilings beside the measured levels, and their ratios to the measured 1-client run."""
+    one = next((r for r in results if r.concurrency == 1), None)
+    lines = [
+        "# ceilings on this machine (plain: batching alone; oracle: any drafter copying from the context; all "
+        "accepted: a drafter never wrong; see ragspec/bench_concurrency.py), tokens/s:",
+        f"{'clients':>7} {'plain step ms':>13} {'plain decode':>13} {'oracle decode':>14} {'oracle agg':>11} "
+        f"{'latency s':>10} {'rows/req':>9} {'all accepted':>13}",
+    ]
+    for c in ceilings:
+        lines.append(
+            f"{c.concurrency:>7} {c.plain_step_s * 1e3:>13.1f} {c.plain_decode_tok_s:>13.1f} "
+            f"{c.oracle_decode_tok_s:>14.1f} {c.oracle_aggregate_tok_s:>11.1f} {c.oracle_mean_latency_s:>10.2f} "
+            f"{c.oracle_rows_per_request:>9.2f} {c.all_accepted_tok_s:>13.1f}"
+        )
+    if one is not None and one.decode_tok_s > 0 and one.aggregate_tok_s > 0 and one.latencies_s:
+        one_mean = statistics.fmean(one.latencies_s)
+        for c in ceilings:
+            if c.concurrency > 1:
+                lines.append(
+                    f"# {c.concurrency} clients at most, over the measured 1 client: decode x"
+                    f"{c.oracle_decode_tok_s / one.decode_tok_s:.2f} (plain batching x"
+                    f"{c.plain_decode_tok_s / one.decode_tok_s:.2f}), aggregate x"
+                    f"{c.oracle_aggregate_tok_s / one.aggregate_tok_s:.2f}; mean latency at least x"
+                    f"{c.oracle_mean_latency_s / one_mean:.2f} the 1-client mean ({one_mean:.2f} s)"
+                )
+    return "\n".join(lines)
+
+
 def format_levels(results: Sequence[LevelResult]) -> str:
     """A text table, one line per level, and the 8-vs-1 ratios when both are there."""
     lines = [
@@ -345,6 +484,47 @@ def format_levels(results: Sequence[LevelResult]) -> str:
                     f"decode x{r.decode_tok_s / one.decode_tok_s:.2f}, P50 latency x{r.latency_p50_s / one.latency_p50_s:.2f}"
                 )
     return "\n".join(lines)
+
+
+def _measure_ceilings(engine, prompts: Sequence[list[int]], results: Sequence[LevelResult], budget: int) -> list:
+    """:func:`level_ceilings` of the measured levels: the batched forward's cost measured here
+    at the runs' median cache length midway through decoding, the oracle's steps over the
+    solo outputs, and each prompt's prefill seconds timed alone."""
+    from .policy import LatencyModel, measure_latency
+
+    # every level's outputs equal the solo ones (counted in ``identical``): any level's first
+    # len(prompts) requests are the prompts in order
+    outputs = next((r.tokens for r in results if r.concurrency == 1), results[0].tokens)[: len(prompts)]
+    context = int(statistics.median(len(p) + len(o) // 2 for p, o in zip(prompts, outputs)))
+    qs = tuple(range(1, budget + 2))
+    tables = {}
+    for n in sorted({r.concurrency for r in results}):
+        measured = measure_latency(engine.target, qs=qs, contexts=(context,), repeats=5, early=False, batch=n)
+        tables[n] = LatencyModel(measured.at(context))
+        logger.info(
+            "batch %d at %d cached tokens (ms): %s",
+            n,
+            context,
+            {q: round(v * 1e3, 2) for q, v in tables[n].table.items()},
+        )
+
+    def step_s(n: int, q: float) -> float:
+        # fewer requests in flight than a measured batch (a level's tail): the largest
+        # measured batch not above them, a lower cost than theirs (the ceiling stays one)
+        return tables[max((b for b in tables if b <= n), default=min(tables))](q)  # type: ignore[arg-type]
+
+    prefill = []
+    for p in prompts:
+        if getattr(engine, "prefix_cache", None) is not None:
+            engine.prefix_cache.clear()  # the whole prompt prefilled, as in the runs
+        out = engine.generate(p, max_new_tokens=1, chat=False, speculative=False)
+        prefill.append(out.stats.prefill_s)
+    steps = [oracle_step_tokens(p, o, budget) for p, o in zip(prompts, outputs)]
+    ceilings = level_ceilings([r.concurrency for r in results], step_s, steps, prefill)
+    for c in ceilings:
+        c.latency_ms = {q: tables[c.concurrency](q) * 1e3 for q in qs}
+        c.all_accepted_tok_s = max(c.concurrency * q / tables[c.concurrency](q) for q in qs)
+    return ceilings
 
 
 def _long_prompt(engine, rows: Sequence[dict], n_tokens: int) -> list[int]:
@@ -430,6 +610,10 @@ def cmd_concurrency(args) -> int:
                 f"llama.cpp equal to its own solo {r.identical}/{r.requests}, to ragspec's greedy "
                 f"{agree[llamacpp.index(r)]}/{r.requests}"
             )
+    ceilings: list[LevelCeiling] = []
+    if getattr(args, "ceiling", False) and results:
+        ceilings = _measure_ceilings(engine, prompts, results, args.max_draft_tokens or 8)
+        print(format_ceilings(ceilings, results))
     stall = None
     if args.stall_tokens:
         long_ids = _long_prompt(engine, rows, args.stall_tokens)
@@ -469,6 +653,7 @@ def cmd_concurrency(args) -> int:
                     if runner is not None
                     else None,
                     "arrival_stall": stall,
+                    "ceilings": [dataclasses.asdict(c) for c in ceilings],
                 },
                 indent=1,
                 default=str,

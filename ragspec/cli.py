@@ -322,6 +322,7 @@ def cmd_replay(args, rows) -> int:
     from . import bench, replay
 
     path = Path(args.replay)
+    engine = None
     if path.exists():
         records = replay.load_generations(path)
         print(f"# {len(records)} recorded generations from {path}", file=sys.stderr)
@@ -333,6 +334,27 @@ def cmd_replay(args, rows) -> int:
     budget = args.max_draft_tokens or 8
     table = replay.replay_table(records, drafters, budget, group=bench.category_group)
     print(replay.format_replay_table(table, list(drafters)))
+    ceiling = None
+    if args.ceiling and records:
+        from .policy import measure_latency
+
+        engine = engine or _engine(args, calibrate=False)
+        # each generation's steps at its cache length midway through decoding, interpolated
+        # between the shortest, the median and the longest of them
+        mids = sorted(replay.decode_context(r) for r in records)
+        contexts = sorted({mids[0], mids[len(mids) // 2], mids[-1]})
+        latency = measure_latency(
+            engine.target,
+            qs=range(1, budget + 2),
+            contexts=contexts,
+            repeats=5,
+            early=False,
+            model_name=engine.model_name,
+        )
+        ceiling = replay.replay_ceiling(records, latency, budget, group=bench.category_group, drafters=drafters)
+        print()
+        print(replay.format_ceiling_table(ceiling, latency, budget))
+        print(f"# latency measured on {engine.target.device}, {engine.target.dtype}")
     if args.json:
         out = {
             g: {
@@ -350,7 +372,10 @@ def cmd_replay(args, rows) -> int:
             }
             for g, row in table.items()
         }
-        Path(args.json).write_text(json.dumps({"budget": budget, "table": out}, indent=1))
+        doc: dict = {"budget": budget, "table": out}
+        if ceiling is not None:
+            doc["ceiling"] = {"latency": latency.to_dict(), "table": {g: st.to_dict() for g, st in ceiling.items()}}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"# wrote {args.json}", file=sys.stderr)
     return 0
 
@@ -377,6 +402,8 @@ def cmd_bench(args) -> int:
 
     if getattr(args, "profile_step", 0) < 0:
         raise ConfigError(f"--profile-step must be a number of steps >= 1 (0: no profile), got {args.profile_step}")
+    if getattr(args, "ceiling", False) and not args.replay:
+        raise ConfigError("--ceiling needs --replay FILE (the recorded generations it schedules) or --concurrency")
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     rows = bench.load_prompts(args.data, cats, args.limit, required=True)
     if args.replay:
@@ -626,6 +653,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="offline replay: where drafting steps lose against the context oracle (records greedy "
         "generations into FILE first when it does not exist; see ragspec/replay.py)",
+    )
+    b.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="with --replay: also the speed ceiling of drafting from the context on this machine: the fastest "
+        "schedule of an oracle that knows the output, under the target's forward latency measured here "
+        "(loads the model; decode-phase gain over plain decoding, see ragspec/replay.py); with --concurrency: "
+        "each level's ceilings from the batched forward's cost measured here (plain batching, the context "
+        "oracle; see ragspec/bench_concurrency.py)",
     )
     b.add_argument(
         "--compare",

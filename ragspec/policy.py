@@ -275,8 +275,11 @@ def measure_latency(
     repeats: Optional[int] = None,
     early: Optional[bool] = None,
     model_name: str = "",
+    batch: int = 1,
 ) -> LatencyTable:
-    """Time the target's verification forward of q new tokens over a cache of each context.
+    """Time the target's verification forward of q new tokens over a cache of each context
+    (with ``batch`` > 1: one forward over ``batch`` requests, each with its own cache of
+    that context and q new tokens: the batched step's cost at ``batch * q`` rows).
 
     Defaults depend on the target's device: on CPU q = 1-16 at 512 cached tokens, 3 rounds,
     first-row-only forwards too (what greedy verification does there); on CUDA q = 1-64 at
@@ -295,7 +298,7 @@ def measure_latency(
         a :class:`LatencyTable` keyed by (device, dtype, model).
 
     Raises:
-        ValueError: no q or context left to time.
+        ValueError: no q or context left to time, or ``batch`` < 1.
     """
     import time
 
@@ -309,6 +312,8 @@ def measure_latency(
     early = ((not cuda) if early is None else bool(early)) and bool(target.capability(Capability.LAZY_ROWS))
     if not qs:
         raise ValueError("no q to time")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     limit = getattr(target, "max_length", None)
     if limit:
         contexts = tuple(min(int(c), limit - qs[-1] - 2) for c in contexts)
@@ -328,30 +333,43 @@ def measure_latency(
     first: dict[int, dict[int, float]] = {}
     with torch.inference_mode():
         for context in contexts:
-            ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+            prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
             samples: dict[tuple[int, bool], list[float]] = {}
-            state = target.new_state()
-            target.prefill(state, ids)
-            base = target.state_length(state)
+            states = []
+            for ids in prompts:
+                states.append(target.new_state())
+                target.prefill(states[-1], ids)
+            base = target.state_length(states[0])
             for rnd in range(repeats + 1):
                 for q in qs:
                     for lazy in modes:
-                        # q - 1 draft tokens after the root; wrap around the prompt for long q
-                        tree = DraftTree.chain([ids[i % context] for i in range(q - 1)]) if q > 1 else DraftTree.empty()
+                        # q - 1 draft tokens after each root; wrap around the prompt for long q
+                        items = [
+                            VerifyItem(
+                                state,
+                                ids[-1],
+                                DraftTree.chain([ids[i % context] for i in range(q - 1)])
+                                if q > 1
+                                else DraftTree.empty(),
+                                lazy_logits=lazy,
+                            )
+                            for state, ids in zip(states, prompts)
+                        ]
                         sync()
                         t0 = time.perf_counter()
-                        out = target.verify([VerifyItem(state, ids[-1], tree, lazy_logits=lazy)])[0]
-                        if out.row_logits is not None:
-                            out.row_logits.argmax(0)
+                        for out in target.verify(items):
+                            if out.row_logits is not None:
+                                out.row_logits.argmax(0)
                         sync()
                         dt = time.perf_counter() - t0
-                        target.rollback(state, base)
+                        for state in states:
+                            target.rollback(state, base)
                         if rnd:  # the first round warms up
                             samples.setdefault((q, lazy), []).append(dt)
             full[context] = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
             if early:
                 first[context] = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs})
-            del state
+            del states
     name = model_name or str(getattr(getattr(target, "config", None), "_name_or_path", "") or "")
     table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
     for c in contexts:

@@ -38,6 +38,17 @@ on rag / summarization, against the context oracle's 3.27 / 3.59 and prompt look
 What the replay leaves out: the cost model (it drafts every step at the full budget; the
 engine may draft less or nothing), the EAGLE head (it needs the target's hidden states), and
 timing (it counts tokens per step, not seconds).
+
+The *speed ceiling* (:func:`replay_ceiling`, ``ragspec bench --replay FILE --ceiling``) puts
+the seconds back: given the target's measured forward latency ``latency(q)`` (q verification
+rows), an oracle that knows the output drafts, at each step, the length of its span that
+minimises the total decoding time (a dynamic program over the positions: draft ``k <= L``
+tokens of the span ``L`` found there, commit ``k + 1`` tokens, pay ``latency(1 + k)``). Its
+decode-phase gain over plain decoding (``(n - 1) * latency(1)`` over the program's seconds)
+bounds what any drafter copying from the context (prompt lookup, datastores of the same
+context, any ranking or tree of them) can gain on that machine, and the suffix oracle's
+bounds any suffix-matching drafter's. A model-based drafter (the EAGLE head) can write
+tokens the context does not hold; its proposals cost time of their own, not counted here.
 """
 
 from __future__ import annotations
@@ -46,12 +57,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .jsonl import iter_jsonl
 from .types import DraftTree, VerifyResult
+
+if TYPE_CHECKING:
+    from .policy import LatencyTable
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +83,12 @@ __all__ = [
     "format_replay_table",
     "LOSS_CLASSES",
     "default_drafters",
+    "oracle_spans",
+    "fastest_schedule",
+    "CeilingStats",
+    "decode_context",
+    "replay_ceiling",
+    "format_ceiling_table",
 ]
 
 LOSS_CLASSES = ("equal", "no_draft", "span_start", "first_wrong", "short", "beyond")
@@ -166,6 +186,8 @@ class ReplayStats:
     tokens: int = 0
     losses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CLASSES, 0))
     lost_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CLASSES, 0))
+    accepted: list[int] = field(default_factory=list)
+    """Draft tokens accepted per step, in order (a drafter's replay only)."""
 
     @property
     def tokens_per_step(self) -> float:
@@ -178,6 +200,7 @@ class ReplayStats:
         for k in LOSS_CLASSES:
             self.losses[k] += other.losses[k]
             self.lost_tokens[k] += other.lost_tokens[k]
+        self.accepted.extend(other.accepted)
 
 
 def _classify(tree: DraftTree, accepted: int, oracle: int, reachable: bool) -> str:
@@ -239,6 +262,7 @@ def replay_drafter(
             )
         session.extend(committed)
         hay.extend(committed)
+        stats.accepted.append(a)
         stats.steps += 1
         stats.tokens += len(committed)
         pos += len(committed)
@@ -285,6 +309,197 @@ def replay_suffix_oracle(
         stats.losses["equal"] += 1
         pos += len(committed)
     return stats
+
+
+def oracle_spans(
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    budget: int = 8,
+    documents: Sequence[Sequence[int]] = (),
+    suffix: bool = False,
+) -> list[int]:
+    """For each decode position ``pos`` (1 .. n-1 of a recorded output of n tokens; the
+    prefill gives token 0): the longest prefix of ``output_ids[pos:]`` (at most ``budget``
+    tokens) found in the context ``prompt_ids``, ``documents`` and ``output_ids[:pos]``
+    (:func:`context_oracle`), or with ``suffix`` only after an occurrence of
+    ``output_ids[pos - 1]`` (:func:`suffix_oracle`).
+
+    Returns:
+        spans: int list of length max(0, n - 1), ``spans[pos - 1]`` for position ``pos``.
+    """
+    out = [int(t) for t in output_ids]
+    hay = _Haystack([list(prompt_ids), *[list(d) for d in documents]])
+    spans: list[int] = []
+    for pos in range(1, len(out)):
+        hay.extend(out[pos - 1 : pos])
+        after = (out[pos - 1],) if suffix else ()
+        spans.append(hay.longest_prefix(out[pos:], budget, after=after))
+    return spans
+
+
+def fastest_schedule(spans: Sequence[int], latency: Callable[[int], float]) -> tuple[float, int]:
+    """The least decoding time of an oracle that may draft any prefix of each position's
+    span: ``best[i] = min over k in 0..spans[i] of latency(1 + k) + best[i + k + 1]`` (a step
+    at position i verifies 1 + k rows and commits k + 1 tokens), over the positions of
+    :func:`oracle_spans`.
+
+    Args:
+        spans: the span length per decode position (tokens).
+        latency: seconds of one forward of q verification rows (q >= 1), e.g. a
+            :class:`~ragspec.policy.LatencyModel`.
+
+    Returns:
+        (seconds, steps) of the fastest schedule; (0.0, 0) for no position.
+    """
+    n = len(spans)
+    cost = [latency(1 + k) for k in range(max(spans, default=0) + 1)]
+    best = [0.0] * (n + 1)
+    steps = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        top = min(int(spans[i]), n - i - 1)  # a step commits at most the tokens left
+        choice = min(range(top + 1), key=lambda k: (cost[k] + best[i + k + 1], k))
+        best[i] = cost[choice] + best[i + choice + 1]
+        steps[i] = 1 + steps[i + choice + 1]
+    return best[0], steps[0]
+
+
+@dataclass
+class CeilingStats:
+    """Decode-phase seconds of plain decoding and of the two oracles' fastest schedules
+    (:func:`fastest_schedule`) over one or more recorded generations.
+
+    Attributes:
+        tokens: decode tokens (each output's length minus its first, prefilled, token).
+        plain_s: ``tokens * latency(1)``, seconds.
+        oracle_s, oracle_steps: the context oracle's fastest schedule.
+        suffix_s, suffix_steps: the suffix oracle's fastest schedule.
+    """
+
+    tokens: int = 0
+    plain_s: float = 0.0
+    oracle_s: float = 0.0
+    oracle_steps: int = 0
+    suffix_s: float = 0.0
+    suffix_steps: int = 0
+    trimmed_s: dict[str, float] = field(default_factory=dict)
+    """Per replayed drafter: seconds of its steps, each draft trimmed to the tokens that
+    will be accepted (a perfect cost model over that drafter's own proposals)."""
+
+    @property
+    def oracle_gain(self) -> float:
+        """Decode-phase gain ceiling of copy-based drafting: plain over oracle seconds."""
+        return self.plain_s / self.oracle_s if self.oracle_s else 1.0
+
+    @property
+    def suffix_gain(self) -> float:
+        """Decode-phase gain ceiling of suffix-matching drafting."""
+        return self.plain_s / self.suffix_s if self.suffix_s else 1.0
+
+    def trimmed_gain(self, drafter: str) -> float:
+        """Decode-phase gain ceiling of ``drafter``'s proposals under a perfect cost model."""
+        s = self.trimmed_s.get(drafter, 0.0)
+        return self.plain_s / s if s else 1.0
+
+    def add(self, other: "CeilingStats") -> None:
+        for name in ("tokens", "plain_s", "oracle_s", "oracle_steps", "suffix_s", "suffix_steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for d, sec in other.trimmed_s.items():
+            self.trimmed_s[d] = self.trimmed_s.get(d, 0.0) + sec
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "plain_s": self.plain_s,
+            "oracle_s": self.oracle_s,
+            "oracle_steps": self.oracle_steps,
+            "oracle_gain": self.oracle_gain,
+            "oracle_tokens_per_step": self.tokens / self.oracle_steps if self.oracle_steps else 0.0,
+            "suffix_s": self.suffix_s,
+            "suffix_steps": self.suffix_steps,
+            "suffix_gain": self.suffix_gain,
+            "suffix_tokens_per_step": self.tokens / self.suffix_steps if self.suffix_steps else 0.0,
+            "trimmed_gain": {d: self.trimmed_gain(d) for d in self.trimmed_s},
+        }
+
+
+def decode_context(record: dict) -> int:
+    """A recorded generation's cache length midway through its decoding (tokens): the
+    context its steps' latency is taken at."""
+    return len(record["prompt_ids"]) + len(record["output_ids"]) // 2
+
+
+def replay_ceiling(
+    records: Sequence[dict],
+    latency: "Callable[[int], float] | LatencyTable",
+    budget: int = 8,
+    group: Callable[[str], str] = lambda c: c,
+    drafters: Optional[dict[str, Callable[[], Drafter]]] = None,
+) -> dict[str, CeilingStats]:
+    """Per category group (and "all", last): the speed ceiling of copy-based drafting at
+    ``budget`` draft tokens per step on a target whose forward of q rows takes
+    ``latency(q)`` seconds (see the module docstring); with a measured
+    :class:`~ragspec.policy.LatencyTable`, each record's steps at its own
+    :func:`decode_context` (interpolated between the measured contexts). With
+    ``drafters``: also each one's replay with every draft trimmed to its accepted tokens
+    (``latency(1 + accepted)`` a step: what a perfect cost model makes of its proposals).
+
+    Raises:
+        ConfigError: ``budget`` < 1.
+    """
+    from .policy import LatencyModel, LatencyTable
+
+    if budget < 1:
+        raise ConfigError(f"budget must be >= 1, got {budget}")
+    table: dict[str, CeilingStats] = {}
+    for rec in records:
+        lat = LatencyModel(latency.at(decode_context(rec))) if isinstance(latency, LatencyTable) else latency
+        one = CeilingStats(tokens=max(0, len(rec["output_ids"]) - 1))
+        one.plain_s = one.tokens * lat(1)
+        one.oracle_s, one.oracle_steps = fastest_schedule(
+            oracle_spans(rec["prompt_ids"], rec["output_ids"], budget), lat
+        )
+        one.suffix_s, one.suffix_steps = fastest_schedule(
+            oracle_spans(rec["prompt_ids"], rec["output_ids"], budget, suffix=True), lat
+        )
+        for name, make in (drafters or {}).items():
+            rep = replay_drafter(make(), rec["prompt_ids"], rec["output_ids"], budget)
+            one.trimmed_s[name] = sum(lat(1 + a) for a in rep.accepted)
+        for g in (group(rec.get("category", "")), "all"):
+            table.setdefault(g, CeilingStats()).add(one)
+    if "all" in table:
+        table["all"] = table.pop("all")  # last
+    return table
+
+
+def format_ceiling_table(table: dict[str, CeilingStats], latency: "LatencyTable", budget: int) -> str:
+    """Text table of :func:`replay_ceiling`: per group, the two oracles' decode-phase gain
+    ceilings and tokens per step of their fastest schedules, under the latency shown."""
+    lines = [
+        f"speed ceiling at up to {budget} draft tokens: the fastest schedule of an oracle that knows the output, "
+        "under the target's forward latency of q rows measured here (ms):"
+    ]
+    for ctx in latency.contexts:
+        ms = latency.at(ctx)
+        # a drafter never wrong: the best tokens per second of a full draft of q - 1 tokens
+        never_wrong = max(q / v for q, v in ms.items()) * ms[1]
+        lines.append(
+            f"  {ctx:>5} cached tokens: "
+            + str({q: round(v * 1e3, 2) for q, v in ms.items()})
+            + f" (a drafter never wrong: x{never_wrong:.2f})"
+        )
+    names = list(next(iter(table.values())).trimmed_s) if table else []
+    lines.append(
+        f"{'category':<15}{'tokens':>8}{'oracle gain':>13}{'tok/step':>10}{'suffix gain':>13}{'tok/step':>10}"
+        + "".join(f"{(n + ' trimmed')[:18]:>19}" for n in names)
+    )
+    for g, st in table.items():
+        d = st.to_dict()
+        lines.append(
+            f"{g:<15}{st.tokens:>8}{d['oracle_gain']:>12.2f}x{d['oracle_tokens_per_step']:>10.2f}"
+            f"{d['suffix_gain']:>12.2f}x{d['suffix_tokens_per_step']:>10.2f}"
+            + "".join(f"{st.trimmed_gain(n):>18.2f}x" for n in names)
+        )
+    return "\n".join(lines)
 
 
 def record_generations(engine: Any, rows: Sequence[dict], max_new_tokens: int, path: str | Path) -> list[dict]:

@@ -372,3 +372,70 @@ def test_stream_cancel_is_seen_between_prefill_chunks(tok):
     )
     assert [c.finish_reason for c in chunks] == ["cancelled"]
     assert chunks[-1].stats.num_prefill_chunks == 1 and len(calls) == 1
+
+
+def test_oracle_step_tokens_commit_whole_spans_and_the_bonus():
+    from ragspec.bench_concurrency import oracle_step_tokens
+
+    # docstring shape: a span of 3 + the bonus, then the bonus alone, then 1 + 1
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 1, 2, 3, 7, 2, 3]
+    assert oracle_step_tokens(prompt, out, budget=8) == [4, 2]  # 1 2 3 + 7, then 2 3 (the end)
+    assert oracle_step_tokens(prompt, out, budget=1) == [2, 2, 2]
+    assert sum(oracle_step_tokens([5, 6], [1, 2, 3, 4], budget=8)) == 3
+    assert oracle_step_tokens([], [7], budget=8) == []
+
+
+def test_level_ceilings_of_a_closed_loop():
+    from ragspec.bench_concurrency import level_ceilings
+
+    # a forward costs 10 ms per request plus 1 ms per row beyond the first of each request
+    def step_s(n, q):
+        return n * (0.010 + 0.001 * (q - 1))
+
+    steps = [[1, 1, 1, 1], [3, 1]]  # per prompt: tokens committed per decode step
+    (one, two) = level_ceilings([1, 2], step_s, steps, prefill_s=[0.5, 0.5])
+    assert one.plain_step_s == 0.010 and one.plain_decode_tok_s == 100.0
+    # alone: 4 steps of 10 ms for prompt 0, then 12 + 10 ms for prompt 1: 8 tokens in 62 ms
+    assert abs(one.oracle_decode_tok_s - 8 / 0.062) < 1e-9
+    assert abs(one.oracle_rows_per_request - 8 / 6) < 1e-12
+    # two in flight: (1 + 3 rows) 22 ms, (1 + 1) 20 ms, then prompt 0 alone 10 + 10 ms
+    assert abs(two.oracle_decode_tok_s - 8 / 0.062) < 1e-9
+    # end to end: 2 prefills of 0.5 s + the decode seconds for 10 tokens (2 from the prefills)
+    assert abs(one.oracle_aggregate_tok_s - 10 / 1.062) < 1e-9
+    # Little's law: n in flight / requests per second
+    assert abs(two.oracle_mean_latency_s - 2 * 1.062 / 2) < 1e-9
+    # the level's requests: max(prompts, n), prompts cycled (0, 1, 0, 1): 8 rows over 4
+    # requests (44 ms), 4 over 4 (40 ms), then the two of prompt 0 twice (20 ms each)
+    (four,) = level_ceilings([4], step_s, steps, prefill_s=[0.5, 0.5])
+    assert abs(four.oracle_decode_tok_s - 16 / 0.124) < 1e-9
+    assert abs(four.oracle_aggregate_tok_s - 20 / 2.124) < 1e-9
+
+
+def test_bench_concurrency_ceiling_from_the_cli(tmp_path, tok, capsys):
+    import json
+
+    from ragspec.cli import main as cli_main
+
+    folder = tmp_path / "tiny"
+    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    rows = [{"question_id": i, "category": "rag", "turns": [_text(40 + 30 * i, i)]} for i in range(2)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = tmp_path / "conc.json"
+    argv = ["bench", "--data", str(data), "--model", str(folder), "--eagle", "none", "--concurrency", "1,2"]
+    argv += ["--max-new-tokens", "12", "--max-draft-tokens", "3", "--ceiling", "--no-calibrate", "--json", str(report)]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "ceilings on this machine" in text and "2 clients at most" in text
+    doc = json.loads(report.read_text())
+    ceilings = doc["ceilings"]
+    assert [c["concurrency"] for c in ceilings] == [1, 2]
+    assert all(c["plain_step_s"] > 0 and c["oracle_decode_tok_s"] > 0 for c in ceilings)
+    assert sorted(ceilings[1]["latency_ms"], key=int) == ["1", "2", "3", "4"]
+    # the oracle drafts only what its context holds: never more rows than budget + 1
+    assert all(1.0 <= c["oracle_rows_per_request"] <= 4.0 for c in ceilings)
+    # a drafter never wrong verifies rows at the best measured q: at least plain batching
+    assert all(c["all_accepted_tok_s"] >= c["plain_decode_tok_s"] * 0.999 for c in ceilings)
+    assert all(level["identical"] == level["requests"] for level in doc["levels"])

@@ -24,6 +24,7 @@ class FakeTarget:
         self.config = type("Cfg", (), {"_name_or_path": "fake/model"})()
         self.clock = clock
         self.calls = []
+        self.batches = []
 
     def new_state(self):
         return {"length": 0}
@@ -36,15 +37,18 @@ class FakeTarget:
 
     def prefill(self, state, ids):
         state["length"] += len(ids)
-        self.context = state["length"]
 
     def verify(self, items):
-        (it,) = items
-        q = 1 + it.tree.num_nodes
-        self.calls.append((self.context, q, it.lazy_logits))
-        self.clock.now += 1e-3 * (1 + q / 8) * (1 + self.context / 1024) * (0.5 if it.lazy_logits else 1.0)
-        row = type("Rows", (), {"argmax": lambda self, r: 0})()
-        return [type("Out", (), {"row_logits": row if it.lazy_logits else None})()]
+        # a batch costs its requests' forwards added up
+        outs = []
+        for it in items:
+            q = 1 + it.tree.num_nodes
+            self.calls.append((it.state["length"], q, it.lazy_logits))
+            self.clock.now += 1e-3 * (1 + q / 8) * (1 + it.state["length"] / 1024) * (0.5 if it.lazy_logits else 1.0)
+            row = type("Rows", (), {"argmax": lambda self, r: 0})()
+            outs.append(type("Out", (), {"row_logits": row if it.lazy_logits else None})())
+        self.batches.append(len(items))
+        return outs
 
     def rollback(self, state, length):
         state["length"] = length
@@ -104,3 +108,14 @@ def test_latency_table_interpolates_in_context_and_round_trips_through_json():
     assert back == t
     with pytest.raises(ValueError):
         t.at(512, early=True)
+
+
+def test_a_batch_is_timed_as_one_forward_over_its_requests(clock):
+    target = FakeTarget(clock)
+    table = measure_latency(target, qs=(1, 4), contexts=(512,), repeats=2, early=False, batch=3)
+    # every forward verifies 3 requests, each with its own 512-token cache, rolled back after
+    assert set(target.batches) == {3} and len(target.batches) == 3 * 2
+    assert {c for c, _, _ in target.calls} == {512}
+    assert table.full[512][4] == pytest.approx(3 * 1e-3 * 1.5 * 1.5)
+    with pytest.raises(ValueError, match="batch"):
+        measure_latency(target, qs=(1,), batch=0)

@@ -10,12 +10,16 @@ from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
 from ragspec.cli import main as cli_main
 from ragspec.drafters import PromptLookupDrafter
-from ragspec.policy import LatencyModel
+from ragspec.policy import LatencyModel, LatencyTable
 from ragspec.replay import (
     accepted_path,
     context_oracle,
+    decode_context,
+    fastest_schedule,
     load_generations,
+    oracle_spans,
     record_generations,
+    replay_ceiling,
     replay_drafter,
     replay_oracle,
     replay_suffix_oracle,
@@ -121,3 +125,87 @@ def test_cli_replays_a_recorded_file(tmp_path, no_eos_setup, char_tokenizer, sin
     assert set(table) == {"rag", "qa", "all"} and table["all"]["prompts"] == 2
     assert table["all"]["oracle"]["tokens_per_step"] >= table["all"]["suffix"]["tokens_per_step"] >= 1.0
     assert "span_start" in table["all"]["pld"]["losses"]
+
+
+def test_oracle_spans_are_the_oracles_lengths_at_every_position():
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 1, 2, 3, 7, 2, 3]
+    # after 9: 1 2 3 copied (7 is nowhere); after 1: 2 3; after 2: 3; 7: none; then 2 3
+    assert oracle_spans(prompt, out, budget=8) == [3, 2, 1, 0, 2, 1]
+    assert oracle_spans(prompt, out, budget=1) == [1, 1, 1, 0, 1, 1]
+    # the suffix oracle needs the last token before the copy: nothing follows 9 or 7
+    assert oracle_spans(prompt, out, budget=8, suffix=True) == [0, 2, 1, 0, 0, 1]
+    # the oracles' own replays take the whole span each step: the same first spans
+    assert replay_oracle(prompt, out, budget=8).steps == 2  # 1 2 3 + 7, then 2 3 (the end)
+    assert oracle_spans([], [5], budget=8) == []
+
+
+def test_fastest_schedule_drafts_what_pays_under_the_latency():
+    spans = [3, 2, 1, 0, 2, 1]  # 6 decode tokens
+    flat = LatencyModel({1: 0.010, 8: 0.010})  # rows are free: take every span whole
+    s, steps = fastest_schedule(spans, flat)
+    # positions 0-3 in one step (span 3 + bonus), then 4-5 (span 2, one token left to draft)
+    assert steps == 2 and abs(s - 0.020) < 1e-12
+    dear = LatencyModel({1: 0.010, 2: 0.025, 8: 0.200})  # a second row costs more than a step
+    s, steps = fastest_schedule(spans, dear)
+    assert steps == 6 and abs(s - 0.060) < 1e-12  # plain decoding
+    # a step never commits past the output: a span of 5 with 2 tokens left drafts 1
+    s, steps = fastest_schedule([5, 5], flat)
+    assert steps == 1 and abs(s - 0.010) < 1e-12
+    assert fastest_schedule([], flat) == (0.0, 0)
+    # rows at 2.5 ms after a 10 ms step: the 4-row step (20 ms for 4 tokens) pays, so does
+    # the last 2-row one; the 3-row step at position 4 would not beat 1 + 2 rows there
+    lin = LatencyModel({1: 0.010, 9: 0.030})
+    s, steps = fastest_schedule(spans, lin)
+    assert steps == 2 and abs(s - (lin(4) + lin(2))) < 1e-12 and s < 6 * lin(1)
+
+
+def test_replay_ceiling_bounds_the_gain_by_category():
+    recs = [
+        {"category": "rag", "prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8], "output_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8]},
+        {"category": "qa", "prompt_ids": [1, 2, 3], "output_ids": [9, 8, 7, 6, 5, 4]},
+    ]
+    lat = LatencyModel({1: 0.010, 9: 0.020})
+    table = replay_ceiling(recs, lat, budget=8)
+    assert list(table) == ["rag", "qa", "all"]
+    # rag: 8 decode tokens, one span of 8 after the first -> one step of 8 rows (7 drafts + bonus)
+    assert table["rag"].tokens == 8 and table["rag"].oracle_steps == 1
+    assert abs(table["rag"].oracle_gain - 0.080 / lat(8)) < 1e-9
+    # qa copies nothing: no gain, and the suffix oracle never beats the context oracle
+    assert table["qa"].oracle_gain == table["qa"].suffix_gain == 1.0
+    assert table["all"].tokens == 13 and table["all"].oracle_gain >= table["all"].suffix_gain >= 1.0
+    d = table["all"].to_dict()
+    assert d["oracle_tokens_per_step"] == 13 / table["all"].oracle_steps
+    # a measured table: each record at its own context (rows dearer at the longer one)
+    measured = LatencyTable("cpu", "float32", "m", {10: {1: 0.010, 9: 0.020}, 20: {1: 0.010, 9: 0.090}}, {})
+    by_ctx = replay_ceiling(recs, measured, budget=8)
+    assert decode_context(recs[0]) == 12 and by_ctx["rag"].oracle_steps == 1
+    assert abs(by_ctx["rag"].oracle_s - LatencyModel(measured.at(12))(8)) < 1e-12
+
+
+def test_cli_replay_ceiling_measures_the_latency_and_writes_it(tmp_path, no_eos_setup, char_tokenizer, capsys):
+    model, _, _ = no_eos_setup
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    char_tokenizer.save_pretrained(folder)
+    rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat. the cat sat on the hat."]}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = tmp_path / "gens.jsonl"
+    engine = Engine(HFTarget(model), char_tokenizer, drafter=PromptLookupDrafter(), eos_token_ids=())
+    record_generations(engine, rows, 16, rec)
+    report = tmp_path / "replay.json"
+    argv = ["bench", "--data", str(data), "--replay", str(rec), "--ceiling", "--model", str(folder)]
+    argv += ["--eagle", "none", "--max-draft-tokens", "4", "--json", str(report)]
+    assert cli_main(argv) == 0
+    assert "speed ceiling at up to 4 draft tokens" in capsys.readouterr().out
+    ceiling = json.loads(report.read_text())["ceiling"]
+    latency = LatencyTable.from_dict(ceiling["latency"])
+    # one generation: measured at its own cache length midway through decoding
+    assert latency.contexts == (decode_context(load_generations(rec)[0]),)
+    assert sorted(latency.at(latency.contexts[0])) == [1, 2, 3, 4, 5]
+    assert all(v > 0 for v in latency.at(latency.contexts[0]).values())
+    assert ceiling["table"]["all"]["tokens"] == 15 and ceiling["table"]["all"]["oracle_gain"] >= 1.0
+    # --ceiling schedules recorded generations: without --replay it is a typed error
+    assert cli_main(["bench", "--data", str(data), "--ceiling"]) == 2
+    assert "--ceiling needs --replay" in capsys.readouterr().err
