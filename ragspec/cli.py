@@ -348,7 +348,6 @@ def cmd_replay(args, rows) -> int:
             qs=range(1, budget + 2),
             contexts=contexts,
             repeats=5,
-            early=False,
             model_name=engine.model_name,
         )
         ceiling = replay.replay_ceiling(records, latency, budget, group=bench.category_group, drafters=drafters)

@@ -65,7 +65,7 @@ from .jsonl import iter_jsonl
 from .types import DraftTree, VerifyResult
 
 if TYPE_CHECKING:
-    from .policy import LatencyTable
+    from .policy import AcceptanceModel, LatencyModel, LatencyTable
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ __all__ = [
     "fastest_schedule",
     "CeilingStats",
     "decode_context",
+    "CostModelReplay",
     "replay_ceiling",
     "format_ceiling_table",
 ]
@@ -188,6 +189,8 @@ class ReplayStats:
     lost_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CLASSES, 0))
     accepted: list[int] = field(default_factory=list)
     """Draft tokens accepted per step, in order (a drafter's replay only)."""
+    seconds: float = 0.0
+    """Modelled decoding seconds (a replay with a cost model only)."""
 
     @property
     def tokens_per_step(self) -> float:
@@ -201,6 +204,7 @@ class ReplayStats:
             self.losses[k] += other.losses[k]
             self.lost_tokens[k] += other.lost_tokens[k]
         self.accepted.extend(other.accepted)
+        self.seconds += other.seconds
 
 
 def _classify(tree: DraftTree, accepted: int, oracle: int, reachable: bool) -> str:
@@ -217,15 +221,61 @@ def _classify(tree: DraftTree, accepted: int, oracle: int, reachable: bool) -> s
     return "short"
 
 
+class CostModelReplay:
+    """The engine's per-step draft choice, offline: :func:`~ragspec.policy.choose_draft`
+    over each proposal with ``latency`` (full and, where measured, first-row-only forwards)
+    and a fresh :class:`~ragspec.policy.AcceptanceModel` per request, learning from each
+    replayed verification as the engine's does; each step priced as greedy verification
+    pays it (the first-row-only cost when a lazily verified draft's first token is rejected).
+
+    Args:
+        latency: seconds of a forward of q rows (:class:`~ragspec.policy.LatencyModel`).
+    """
+
+    def __init__(self, latency: "LatencyModel") -> None:
+        self.latency = latency
+        self.acceptance: Optional["AcceptanceModel"] = None
+
+    def start(self) -> None:
+        """A new request: a fresh acceptance model."""
+        from .policy import AcceptanceModel
+
+        self.acceptance = AcceptanceModel()
+
+    def choose(self, proposal: DraftTree, budget: int) -> tuple[DraftTree, bool]:
+        """(the kept draft, whether its logits are computed lazily)."""
+        from .policy import choose_draft
+
+        if proposal.num_nodes == 0:
+            return proposal, True
+        if self.acceptance is None:
+            self.start()
+        choice = choose_draft(proposal, self.latency, self.acceptance, budget, lazy=True)  # type: ignore[arg-type]
+        return choice.tree, choice.lazy_logits
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        if self.acceptance is not None:
+            self.acceptance.observe(tree, result)
+
+    def seconds(self, nodes: int, accepted: int, lazy: bool) -> float:
+        """One step's seconds: ``nodes`` draft nodes verified, ``accepted`` of them accepted."""
+        if nodes and lazy and accepted == 0:
+            return self.latency.early(1 + nodes)
+        return self.latency(1 + nodes)
+
+
 def replay_drafter(
     drafter: Drafter,
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     budget: int = 8,
     documents: Sequence[Sequence[int]] = (),
+    cost_model: Optional[CostModelReplay] = None,
 ) -> ReplayStats:
     """Replay ``drafter`` over one recorded greedy generation at ``budget`` draft tokens per
-    step (see the module docstring).
+    step (see the module docstring); with ``cost_model``, each proposal is first cut as the
+    engine's cost model would (:class:`CostModelReplay`), and ``stats.seconds`` adds up
+    the steps' modelled seconds.
 
     Raises:
         ConfigError: ``budget`` < 1.
@@ -236,6 +286,8 @@ def replay_drafter(
     stats = ReplayStats()
     if not out:
         return stats
+    if cost_model is not None:
+        cost_model.start()
     session = drafter.start_request(list(prompt_ids), [list(d) for d in documents])
     hay = _Haystack([list(prompt_ids), *[list(d) for d in documents]])
     session.extend(out[:1])  # the prefill's token
@@ -244,7 +296,14 @@ def replay_drafter(
     pos = 1
     while pos < len(out):
         future = out[pos:]
-        tree = session.propose(budget)
+        lazy = True
+        if cost_model is None:
+            tree = session.propose(budget)
+        else:
+            # the engine drafts at most the tokens left but one, and nothing for the last
+            cap = min(budget, len(out) - pos - 1)
+            tree = session.propose(cap) if cap > 0 else DraftTree.empty()
+            tree, lazy = cost_model.choose(tree, cap)
         path = accepted_path(tree, future)
         a = len(path)
         o = hay.longest_prefix(future, budget)
@@ -256,10 +315,12 @@ def replay_drafter(
         committed_last = committed[-1]
         if tree.num_nodes:
             toks = tree.tokens.tolist()
-            session.observe(
-                tree,
-                VerifyResult(tuple(path), tuple(toks[i] for i in path), committed[-1], tree.num_nodes),
-            )
+            result = VerifyResult(tuple(path), tuple(toks[i] for i in path), committed[-1], tree.num_nodes)
+            if cost_model is not None:
+                cost_model.observe(tree, result)
+            session.observe(tree, result)
+        if cost_model is not None:
+            stats.seconds += cost_model.seconds(tree.num_nodes, a, lazy)
         session.extend(committed)
         hay.extend(committed)
         stats.accepted.append(a)
@@ -384,6 +445,9 @@ class CeilingStats:
     trimmed_s: dict[str, float] = field(default_factory=dict)
     """Per replayed drafter: seconds of its steps, each draft trimmed to the tokens that
     will be accepted (a perfect cost model over that drafter's own proposals)."""
+    modelled_s: dict[str, float] = field(default_factory=dict)
+    """Per replayed drafter: seconds of its steps cut by the engine's cost model
+    (:class:`CostModelReplay`): what the engine itself would spend, timing noise aside."""
 
     @property
     def oracle_gain(self) -> float:
@@ -400,11 +464,18 @@ class CeilingStats:
         s = self.trimmed_s.get(drafter, 0.0)
         return self.plain_s / s if s else 1.0
 
+    def modelled_gain(self, drafter: str) -> float:
+        """Decode-phase gain of ``drafter`` under the engine's own cost model (modelled)."""
+        s = self.modelled_s.get(drafter, 0.0)
+        return self.plain_s / s if s else 1.0
+
     def add(self, other: "CeilingStats") -> None:
         for name in ("tokens", "plain_s", "oracle_s", "oracle_steps", "suffix_s", "suffix_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for d, sec in other.trimmed_s.items():
             self.trimmed_s[d] = self.trimmed_s.get(d, 0.0) + sec
+        for d, sec in other.modelled_s.items():
+            self.modelled_s[d] = self.modelled_s.get(d, 0.0) + sec
 
     def to_dict(self) -> dict:
         return {
@@ -419,6 +490,7 @@ class CeilingStats:
             "suffix_gain": self.suffix_gain,
             "suffix_tokens_per_step": self.tokens / self.suffix_steps if self.suffix_steps else 0.0,
             "trimmed_gain": {d: self.trimmed_gain(d) for d in self.trimmed_s},
+            "modelled_gain": {d: self.modelled_gain(d) for d in self.modelled_s},
         }
 
 
@@ -441,7 +513,9 @@ def replay_ceiling(
     :class:`~ragspec.policy.LatencyTable`, each record's steps at its own
     :func:`decode_context` (interpolated between the measured contexts). With
     ``drafters``: also each one's replay with every draft trimmed to its accepted tokens
-    (``latency(1 + accepted)`` a step: what a perfect cost model makes of its proposals).
+    (``latency(1 + accepted)`` a step: what a perfect cost model makes of its proposals),
+    and its replay under the engine's cost model (:class:`CostModelReplay`; a measured
+    table's first-row-only forwards price the drafts rejected at their first token).
 
     Raises:
         ConfigError: ``budget`` < 1.
@@ -452,7 +526,10 @@ def replay_ceiling(
         raise ConfigError(f"budget must be >= 1, got {budget}")
     table: dict[str, CeilingStats] = {}
     for rec in records:
-        lat = LatencyModel(latency.at(decode_context(rec))) if isinstance(latency, LatencyTable) else latency
+        lat: Callable[[int], float] = latency  # type: ignore[assignment]
+        if isinstance(latency, LatencyTable):
+            ctx = decode_context(rec)
+            lat = LatencyModel(latency.at(ctx), early=latency.at(ctx, early=True) if latency.early else None)
         one = CeilingStats(tokens=max(0, len(rec["output_ids"]) - 1))
         one.plain_s = one.tokens * lat(1)
         one.oracle_s, one.oracle_steps = fastest_schedule(
@@ -464,6 +541,11 @@ def replay_ceiling(
         for name, make in (drafters or {}).items():
             rep = replay_drafter(make(), rec["prompt_ids"], rec["output_ids"], budget)
             one.trimmed_s[name] = sum(lat(1 + a) for a in rep.accepted)
+            if isinstance(lat, LatencyModel):  # the engine's cost model needs its table
+                model = CostModelReplay(lat)
+                one.modelled_s[name] = replay_drafter(
+                    make(), rec["prompt_ids"], rec["output_ids"], budget, cost_model=model
+                ).seconds
         for g in (group(rec.get("category", "")), "all"):
             table.setdefault(g, CeilingStats()).add(one)
     if "all" in table:
@@ -490,14 +572,19 @@ def format_ceiling_table(table: dict[str, CeilingStats], latency: "LatencyTable"
     names = list(next(iter(table.values())).trimmed_s) if table else []
     lines.append(
         f"{'category':<15}{'tokens':>8}{'oracle gain':>13}{'tok/step':>10}{'suffix gain':>13}{'tok/step':>10}"
-        + "".join(f"{(n + ' trimmed')[:18]:>19}" for n in names)
+        + "".join(f"{(n + ' trim/model')[:21]:>22}" for n in names)
     )
     for g, st in table.items():
         d = st.to_dict()
         lines.append(
             f"{g:<15}{st.tokens:>8}{d['oracle_gain']:>12.2f}x{d['oracle_tokens_per_step']:>10.2f}"
             f"{d['suffix_gain']:>12.2f}x{d['suffix_tokens_per_step']:>10.2f}"
-            + "".join(f"{st.trimmed_gain(n):>18.2f}x" for n in names)
+            + "".join(f"{st.trimmed_gain(n):>14.2f}x /{st.modelled_gain(n):>5.2f}x" for n in names)
+        )
+    if names:
+        lines.append(
+            "(trim: each drafter's proposals cut to what will be accepted, a perfect cost model; model: cut by "
+            "the engine's cost model, as the engine would spend them)"
         )
     return "\n".join(lines)
 

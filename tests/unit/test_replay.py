@@ -12,6 +12,7 @@ from ragspec.cli import main as cli_main
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.policy import LatencyModel, LatencyTable
 from ragspec.replay import (
+    CostModelReplay,
     accepted_path,
     context_oracle,
     decode_context,
@@ -209,3 +210,32 @@ def test_cli_replay_ceiling_measures_the_latency_and_writes_it(tmp_path, no_eos_
     # --ceiling schedules recorded generations: without --replay it is a typed error
     assert cli_main(["bench", "--data", str(data), "--ceiling"]) == 2
     assert "--ceiling needs --replay" in capsys.readouterr().err
+
+
+def test_cost_model_replay_makes_the_engines_choices(no_eos_setup, char_tokenizer, single_thread):
+    """Replayed under the engine's cost model (a frozen latency table, a fresh acceptance
+    model), prompt lookup's steps are the engine's own: same steps, same accepted lengths."""
+    model, prompt, ref = no_eos_setup
+    table = {1: 0.010, 2: 0.0115, 4: 0.014, 9: 0.021}
+    engine = Engine(
+        HFTarget(model),
+        char_tokenizer,
+        drafter=PromptLookupDrafter(),
+        policy=PolicyConfig(max_draft_tokens=8),
+        latency=LatencyModel(table, ema=0.0),
+        eos_token_ids=(),
+    )
+    out = engine.generate(prompt, max_new_tokens=40, return_steps=True)
+    assert out.token_ids == ref
+    model_replay = CostModelReplay(LatencyModel(table, ema=0.0))
+    rep = replay_drafter(PromptLookupDrafter(), prompt, out.token_ids, budget=8, cost_model=model_replay)
+    decode_steps = out.stats.steps  # decode steps only (the prefill is not one)
+    assert rep.steps == len(decode_steps)
+    assert rep.accepted == [s.num_accepted for s in decode_steps]
+    # seconds priced from the table: every step at least a plain step's
+    assert rep.seconds >= rep.steps * table[1]
+    # rows dearer than any draft's worth: the cost model drafts nothing
+    dear = CostModelReplay(LatencyModel({1: 0.010, 2: 0.100}, ema=0.0))
+    plain = replay_drafter(PromptLookupDrafter(), prompt, out.token_ids, budget=8, cost_model=dear)
+    assert plain.steps == len(out.token_ids) - 1 and plain.accepted == [0] * plain.steps
+    assert abs(plain.seconds - plain.steps * 0.010) < 1e-12
