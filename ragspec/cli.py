@@ -322,23 +322,41 @@ def cmd_replay(args, rows) -> int:
     from . import bench, replay
 
     path = Path(args.replay)
+    budget = 8 if args.max_draft_tokens is None else args.max_draft_tokens
+    if budget < 1:
+        raise ConfigError(f"--replay needs a draft budget of at least 1 token (--max-draft-tokens), got {budget}")
     engine = None
+    if path.is_dir():
+        raise ConfigError(f"--replay {path}: a directory; give a file to record the generations into or read them from")
     if path.exists():
         records = replay.load_generations(path)
-        print(f"# {len(records)} recorded generations from {path}", file=sys.stderr)
+        if not records:
+            raise ConfigError(f"--replay {path}: no recorded generations in it (delete it to record anew)")
+        print(
+            f"# {len(records)} recorded generations from {path} (as recorded: --categories, --limit and "
+            "--max-new-tokens apply when recording)",
+            file=sys.stderr,
+        )
     else:
+        if not path.parent.is_dir():
+            raise ConfigError(f"--replay {path}: its folder {path.parent} does not exist")
         engine = _engine(args)
         print(f"# recording {len(rows)} greedy generations into {path}", file=sys.stderr)
         records = replay.record_generations(engine, rows, args.max_new_tokens, path)
     drafters = replay.default_drafters()
-    budget = args.max_draft_tokens or 8
     table = replay.replay_table(records, drafters, budget, group=bench.category_group)
     print(replay.format_replay_table(table, list(drafters)))
     ceiling = None
-    if args.ceiling and records:
+    if args.ceiling:
         from .policy import measure_latency
 
         engine = engine or _engine(args, calibrate=False)
+        recorded = {r.get("model") for r in records} - {None}
+        if recorded and recorded != {engine.model_name}:
+            raise ConfigError(
+                f"--ceiling: {path} was recorded with {', '.join(sorted(map(str, recorded)))}, not {engine.model_name} "
+                "(--model): its token ids are another tokenizer's"
+            )
         # each generation's steps at its cache length midway through decoding, interpolated
         # between the shortest, the median and the longest of them
         mids = sorted(replay.decode_context(r) for r in records)
@@ -373,7 +391,11 @@ def cmd_replay(args, rows) -> int:
         }
         doc: dict = {"budget": budget, "table": out}
         if ceiling is not None:
-            doc["ceiling"] = {"latency": latency.to_dict(), "table": {g: st.to_dict() for g, st in ceiling.items()}}
+            doc["ceiling"] = {
+                "latency": latency.to_dict(),
+                "never_wrong_gain": {str(c): replay.never_wrong_gain(latency.at(c)) for c in latency.contexts},
+                "table": {g: st.to_dict() for g, st in ceiling.items()},
+            }
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"# wrote {args.json}", file=sys.stderr)
     return 0

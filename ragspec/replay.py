@@ -35,9 +35,10 @@ the best of its matches. On the dev prompts (36, budget 8) it is 2.11 / 2.38 tok
 on rag / summarization, against the context oracle's 3.27 / 3.59 and prompt lookup's 1.88 /
 2.04: most of the gap is copies that start after a token the context never saw before them.
 
-What the replay leaves out: the cost model (it drafts every step at the full budget; the
-engine may draft less or nothing), the EAGLE head (it needs the target's hidden states), and
-timing (it counts tokens per step, not seconds).
+What the replay table leaves out: the cost model (it drafts every step at the full budget;
+the engine may draft less or nothing), the EAGLE head (it needs the target's hidden states),
+and timing (it counts tokens per step, not seconds). The speed ceiling below adds the last
+two back.
 
 The *speed ceiling* (:func:`replay_ceiling`, ``ragspec bench --replay FILE --ceiling``) puts
 the seconds back: given the target's measured forward latency ``latency(q)`` (q verification
@@ -45,10 +46,16 @@ rows), an oracle that knows the output drafts, at each step, the length of its s
 minimises the total decoding time (a dynamic program over the positions: draft ``k <= L``
 tokens of the span ``L`` found there, commit ``k + 1`` tokens, pay ``latency(1 + k)``). Its
 decode-phase gain over plain decoding (``(n - 1) * latency(1)`` over the program's seconds)
-bounds what any drafter copying from the context (prompt lookup, datastores of the same
-context, any ranking or tree of them) can gain on that machine, and the suffix oracle's
-bounds any suffix-matching drafter's. A model-based drafter (the EAGLE head) can write
-tokens the context does not hold; its proposals cost time of their own, not counted here.
+bounds what any drafter copying spans of the context (prompt lookup, datastores of the same
+context, any ranking or tree of them) can gain on that machine, with one exception: a copy
+that runs into the live end of the output and continues cyclically (prompt lookup on a
+repeating tail, the ``beyond`` class) is no span of the context; the suffix oracle's gain
+bounds any suffix-matching drafter's likewise. Each replayed drafter is priced twice: its
+drafts cut to the tokens that will be accepted (``latency(1 + accepted)`` a step), and cut by
+the engine's own cost model (:class:`CostModelReplay`: what the engine spends on them). A
+model-based drafter (the EAGLE head) can write tokens the context does not hold; the gain of a
+drafter never wrong (every step ``q`` accepted rows at the best measured ``q``) bounds it.
+The latency is measured (noise included), so a ceiling is as good as its timings.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ __all__ = [
     "fastest_schedule",
     "CeilingStats",
     "decode_context",
+    "never_wrong_gain",
     "CostModelReplay",
     "replay_ceiling",
     "format_ceiling_table",
@@ -443,8 +451,8 @@ class CeilingStats:
     suffix_s: float = 0.0
     suffix_steps: int = 0
     trimmed_s: dict[str, float] = field(default_factory=dict)
-    """Per replayed drafter: seconds of its steps, each draft trimmed to the tokens that
-    will be accepted (a perfect cost model over that drafter's own proposals)."""
+    """Per replayed drafter: seconds of its steps, each draft cut to the tokens that will be
+    accepted (``latency(1 + accepted)`` a step)."""
     modelled_s: dict[str, float] = field(default_factory=dict)
     """Per replayed drafter: seconds of its steps cut by the engine's cost model
     (:class:`CostModelReplay`): what the engine itself would spend, timing noise aside."""
@@ -460,7 +468,7 @@ class CeilingStats:
         return self.plain_s / self.suffix_s if self.suffix_s else 1.0
 
     def trimmed_gain(self, drafter: str) -> float:
-        """Decode-phase gain ceiling of ``drafter``'s proposals under a perfect cost model."""
+        """Decode-phase gain of ``drafter``'s proposals cut to their accepted tokens."""
         s = self.trimmed_s.get(drafter, 0.0)
         return self.plain_s / s if s else 1.0
 
@@ -512,8 +520,8 @@ def replay_ceiling(
     ``latency(q)`` seconds (see the module docstring); with a measured
     :class:`~ragspec.policy.LatencyTable`, each record's steps at its own
     :func:`decode_context` (interpolated between the measured contexts). With
-    ``drafters``: also each one's replay with every draft trimmed to its accepted tokens
-    (``latency(1 + accepted)`` a step: what a perfect cost model makes of its proposals),
+    ``drafters``: also each one's replay with every draft cut to its accepted tokens
+    (``latency(1 + accepted)`` a step),
     and its replay under the engine's cost model (:class:`CostModelReplay`; a measured
     table's first-row-only forwards price the drafts rejected at their first token).
 
@@ -553,6 +561,13 @@ def replay_ceiling(
     return table
 
 
+def never_wrong_gain(latency: dict[int, float]) -> float:
+    """Decode-phase gain of a drafter never wrong under ``latency`` (q rows -> seconds, q = 1
+    included): every step verifies and commits q tokens at the best measured q, so
+    ``max over q of q * latency[1] / latency[q]``."""
+    return max(q / v for q, v in latency.items()) * latency[1]
+
+
 def format_ceiling_table(table: dict[str, CeilingStats], latency: "LatencyTable", budget: int) -> str:
     """Text table of :func:`replay_ceiling`: per group, the two oracles' decode-phase gain
     ceilings and tokens per step of their fastest schedules, under the latency shown."""
@@ -562,12 +577,10 @@ def format_ceiling_table(table: dict[str, CeilingStats], latency: "LatencyTable"
     ]
     for ctx in latency.contexts:
         ms = latency.at(ctx)
-        # a drafter never wrong: the best tokens per second of a full draft of q - 1 tokens
-        never_wrong = max(q / v for q, v in ms.items()) * ms[1]
         lines.append(
             f"  {ctx:>5} cached tokens: "
             + str({q: round(v * 1e3, 2) for q, v in ms.items()})
-            + f" (a drafter never wrong: x{never_wrong:.2f})"
+            + f" (a drafter never wrong: x{never_wrong_gain(ms):.2f})"
         )
     names = list(next(iter(table.values())).trimmed_s) if table else []
     lines.append(
@@ -583,15 +596,15 @@ def format_ceiling_table(table: dict[str, CeilingStats], latency: "LatencyTable"
         )
     if names:
         lines.append(
-            "(trim: each drafter's proposals cut to what will be accepted, a perfect cost model; model: cut by "
-            "the engine's cost model, as the engine would spend them)"
+            "(trim: each drafter's proposals cut to the tokens that will be accepted; model: cut by the engine's "
+            "cost model, as the engine would spend them)"
         )
     return "\n".join(lines)
 
 
 def record_generations(engine: Any, rows: Sequence[dict], max_new_tokens: int, path: str | Path) -> list[dict]:
     """Greedy generations of the first turn of each Spec-Bench row through ``engine``
-    (chat-templated), written to ``path`` as JSON lines ``{question_id, category,
+    (chat-templated), written to ``path`` as JSON lines ``{question_id, category, model,
     prompt_ids, output_ids}`` and returned."""
     recs = []
     for row in rows:
@@ -601,6 +614,7 @@ def record_generations(engine: Any, rows: Sequence[dict], max_new_tokens: int, p
             {
                 "question_id": row.get("question_id"),
                 "category": row.get("category", ""),
+                "model": getattr(engine, "model_name", None) or None,
                 "prompt_ids": ids,
                 "output_ids": out.token_ids,
             }
@@ -613,16 +627,22 @@ def load_generations(path: str | Path) -> list[dict]:
     """The records :func:`record_generations` wrote.
 
     Raises:
-        ConfigError: a line is not JSON or lacks integer ``prompt_ids`` / ``output_ids``.
+        ConfigError: a line is not JSON, lacks token id lists ``prompt_ids`` / ``output_ids``
+            (integers in [0, 2**32)), or has a ``category`` or ``model`` that is not a string.
     """
     recs = []
     for i, r in iter_jsonl(path):
         ok = isinstance(r, dict) and all(
-            isinstance(r.get(k), list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r[k])
+            isinstance(r.get(k), list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in r[k])
             for k in ("prompt_ids", "output_ids")
         )
         if not ok:
-            raise ConfigError(f"{path}:{i}: a record needs integer lists 'prompt_ids' and 'output_ids'")
+            raise ConfigError(
+                f"{path}:{i}: a record needs lists 'prompt_ids' and 'output_ids' of token ids (integers 0 <= id < 2**32)"
+            )
+        if not isinstance(r.get("category", ""), str) or not isinstance(r.get("model", ""), (str, type(None))):
+            raise ConfigError(f"{path}:{i}: 'category' and 'model' must be strings")
         recs.append(r)
     return recs
 

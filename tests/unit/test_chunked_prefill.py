@@ -374,42 +374,36 @@ def test_stream_cancel_is_seen_between_prefill_chunks(tok):
     assert chunks[-1].stats.num_prefill_chunks == 1 and len(calls) == 1
 
 
-def test_oracle_step_tokens_commit_whole_spans_and_the_bonus():
-    from ragspec.bench_concurrency import oracle_step_tokens
-
-    # docstring shape: a span of 3 + the bonus, then the bonus alone, then 1 + 1
-    prompt = [1, 2, 3, 4, 5, 6]
-    out = [9, 1, 2, 3, 7, 2, 3]
-    assert oracle_step_tokens(prompt, out, budget=8) == [4, 2]  # 1 2 3 + 7, then 2 3 (the end)
-    assert oracle_step_tokens(prompt, out, budget=1) == [2, 2, 2]
-    assert sum(oracle_step_tokens([5, 6], [1, 2, 3, 4], budget=8)) == 3
-    assert oracle_step_tokens([], [7], budget=8) == []
-
-
-def test_level_ceilings_of_a_closed_loop():
+def test_level_ceilings_schedule_each_request_over_its_share_of_the_batch():
     from ragspec.bench_concurrency import level_ceilings
+    from ragspec.replay import oracle_spans
 
-    # a forward costs 10 ms per request plus 1 ms per row beyond the first of each request
+    # a forward over n requests of q rows: 10 ms per request plus 1 ms per extra row
     def step_s(n, q):
         return n * (0.010 + 0.001 * (q - 1))
 
-    steps = [[1, 1, 1, 1], [3, 1]]  # per prompt: tokens committed per decode step
-    (one, two) = level_ceilings([1, 2], step_s, steps, prefill_s=[0.5, 0.5])
+    prompt = [1, 2, 3, 4, 5, 6]
+    spans = [oracle_spans(prompt, [9, 1, 2, 3, 7, 2, 3], 8), [0, 0, 0]]  # copies; none
+    assert spans[0] == [3, 2, 1, 0, 2, 1]
+    one, two = level_ceilings([1, 2], step_s, spans, prefill_s=[0.5, 0.5])
     assert one.plain_step_s == 0.010 and one.plain_decode_tok_s == 100.0
-    # alone: 4 steps of 10 ms for prompt 0, then 12 + 10 ms for prompt 1: 8 tokens in 62 ms
-    assert abs(one.oracle_decode_tok_s - 8 / 0.062) < 1e-9
-    assert abs(one.oracle_rows_per_request - 8 / 6) < 1e-12
-    # two in flight: (1 + 3 rows) 22 ms, (1 + 1) 20 ms, then prompt 0 alone 10 + 10 ms
-    assert abs(two.oracle_decode_tok_s - 8 / 0.062) < 1e-9
-    # end to end: 2 prefills of 0.5 s + the decode seconds for 10 tokens (2 from the prefills)
-    assert abs(one.oracle_aggregate_tok_s - 10 / 1.062) < 1e-9
+    # prompt 0: 1 2 3 + 7 in 13 ms, then 2 3 in 11 ms (every extra row pays: 1 ms < 10 ms);
+    # prompt 1: 3 plain steps of 10 ms -> 9 tokens in 54 ms, 5 steps
+    assert abs(one.oracle_decode_tok_s - 9 / 0.054) < 1e-9
+    assert abs(one.oracle_rows_per_request - 9 / 5) < 1e-12
+    # a request's share of a 2-request forward is the same here (the cost is per request)
+    assert abs(two.oracle_decode_tok_s - one.oracle_decode_tok_s) < 1e-9
+    # end to end: 2 prefills of 0.5 s + 54 ms for 11 tokens (2 from the prefills)
+    assert abs(one.oracle_aggregate_tok_s - 11 / 1.054) < 1e-9
     # Little's law: n in flight / requests per second
-    assert abs(two.oracle_mean_latency_s - 2 * 1.062 / 2) < 1e-9
-    # the level's requests: max(prompts, n), prompts cycled (0, 1, 0, 1): 8 rows over 4
-    # requests (44 ms), 4 over 4 (40 ms), then the two of prompt 0 twice (20 ms each)
-    (four,) = level_ceilings([4], step_s, steps, prefill_s=[0.5, 0.5])
-    assert abs(four.oracle_decode_tok_s - 16 / 0.124) < 1e-9
-    assert abs(four.oracle_aggregate_tok_s - 20 / 2.124) < 1e-9
+    assert abs(two.oracle_mean_latency_s - 2 * 1.054 / 2) < 1e-9
+    # the level's requests: max(prompts, n), prompts cycled (0, 1, 0, 1)
+    (four,) = level_ceilings([4], step_s, spans, prefill_s=[0.5, 0.5])
+    assert abs(four.oracle_aggregate_tok_s - 22 / 2.108) < 1e-9
+    # a batch whose rows are cheap: the oracle drafts; dear: it decodes plainly
+    (cheap,) = level_ceilings([2], lambda n, q: 0.010 + 0.0001 * n * q, spans, prefill_s=[0.0, 0.0])
+    (dear,) = level_ceilings([2], lambda n, q: n * (0.010 + 0.020 * (q - 1)), spans, prefill_s=[0.0, 0.0])
+    assert cheap.oracle_rows_per_request > 1.0 and dear.oracle_rows_per_request == 1.0
 
 
 def test_bench_concurrency_ceiling_from_the_cli(tmp_path, tok, capsys):

@@ -202,6 +202,7 @@ def test_cli_replay_ceiling_measures_the_latency_and_writes_it(tmp_path, no_eos_
     assert "speed ceiling at up to 4 draft tokens" in capsys.readouterr().out
     ceiling = json.loads(report.read_text())["ceiling"]
     latency = LatencyTable.from_dict(ceiling["latency"])
+    assert all(g >= 1.0 for g in ceiling["never_wrong_gain"].values())
     # one generation: measured at its own cache length midway through decoding
     assert latency.contexts == (decode_context(load_generations(rec)[0]),)
     assert sorted(latency.at(latency.contexts[0])) == [1, 2, 3, 4, 5]
@@ -239,3 +240,55 @@ def test_cost_model_replay_makes_the_engines_choices(no_eos_setup, char_tokenize
     plain = replay_drafter(PromptLookupDrafter(), prompt, out.token_ids, budget=8, cost_model=dear)
     assert plain.steps == len(out.token_ids) - 1 and plain.accepted == [0] * plain.steps
     assert abs(plain.seconds - plain.steps * 0.010) < 1e-12
+
+
+def test_replay_cli_rejects_bad_paths_budgets_and_records_before_any_work(tmp_path, capsys):
+    """Regression (a fresh user's trial): a --replay path in a missing folder failed with an
+    internal error only after every generation was recorded; a directory, an empty file,
+    negative or oversized token ids and a null category were internal errors or silent;
+    --max-draft-tokens 0 silently replayed at 8. Each is now a one-line typed error, found
+    before the model loads."""
+    rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat"]}]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n")
+    good = {"category": "rag", "prompt_ids": [1, 2, 3], "output_ids": [2, 3]}
+    cases = {
+        "missing folder": (str(tmp_path / "nope" / "g.jsonl"), [], "does not exist"),
+        "directory": (str(tmp_path), [], "a directory"),
+        "budget 0": (str(tmp_path / "g0.jsonl"), ["--max-draft-tokens", "0"], "at least 1 token"),
+    }
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases["empty file"] = (str(empty), [], "no recorded generations")
+    for name, rec in {
+        "negative id": {**good, "output_ids": [-1]},
+        "huge id": {**good, "prompt_ids": [2**40]},
+        "null category": {**good, "category": None},
+    }.items():
+        f = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        f.write_text(json.dumps(rec) + "\n")
+        cases[name] = (str(f), [], "token ids" if "id" in name else "must be strings")
+    for name, (path, extra, message) in cases.items():
+        capsys.readouterr()
+        rc = cli_main(["bench", "--data", str(data), "--replay", path, *extra])
+        err = capsys.readouterr().err
+        assert rc == 2, (name, err)
+        assert message in err and "Traceback" not in err and "internal error" not in err, (name, err)
+    assert not (tmp_path / "g0.jsonl").exists()  # nothing recorded
+
+
+def test_replay_ceiling_refuses_generations_of_another_model(tmp_path, no_eos_setup, char_tokenizer, capsys):
+    model, _, _ = no_eos_setup
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    char_tokenizer.save_pretrained(folder)
+    rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat"]}]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n")
+    rec = tmp_path / "gens.jsonl"
+    rec.write_text(
+        json.dumps({"category": "rag", "model": "other-model", "prompt_ids": [5, 6], "output_ids": [7]}) + "\n"
+    )
+    argv = ["bench", "--data", str(data), "--replay", str(rec), "--ceiling", "--model", str(folder), "--eagle", "none"]
+    assert cli_main(argv) == 2
+    assert "recorded with other-model" in capsys.readouterr().err
