@@ -349,6 +349,8 @@ class LevelCeiling:
     plain_step_s: float
     """One forward over N requests, one row each (plain decoding)."""
     plain_decode_tok_s: float
+    plain_aggregate_tok_s: float
+    """End to end with plain batched decoding (the prefills, then N rows a forward)."""
     oracle_decode_tok_s: float
     oracle_aggregate_tok_s: float
     oracle_mean_latency_s: float
@@ -403,11 +405,13 @@ def level_ceilings(
         pre = sum(prefill_s[k % len(prefill_s)] for k in range(total))
         generated = tokens + total  # each request's first token comes from its prefill
         wall = pre + decode_s
+        plain_wall = pre + tokens * step_s(n, 1.0) / n
         out.append(
             LevelCeiling(
                 concurrency=n,
                 plain_step_s=step_s(n, 1.0),
                 plain_decode_tok_s=n / step_s(n, 1.0),
+                plain_aggregate_tok_s=generated / plain_wall if plain_wall else 0.0,
                 oracle_decode_tok_s=tokens / decode_s if decode_s else 0.0,
                 oracle_aggregate_tok_s=generated / wall if wall else 0.0,
                 oracle_mean_latency_s=n * wall / total if total else 0.0,
@@ -432,6 +436,18 @@ def format_ceilings(ceilings: Sequence[LevelCeiling], results: Sequence[LevelRes
             f"{c.oracle_decode_tok_s:>14.1f} {c.oracle_aggregate_tok_s:>11.1f} {c.oracle_mean_latency_s:>10.2f} "
             f"{c.oracle_rows_per_request:>9.2f} {c.all_accepted_tok_s:>13.1f}"
         )
+    solo_ceiling = next((c for c in ceilings if c.concurrency == 1), None)
+    if solo_ceiling is not None and solo_ceiling.plain_aggregate_tok_s > 0 and solo_ceiling.oracle_aggregate_tok_s > 0:
+        for c in ceilings:
+            if c.concurrency > 1:
+                # both sides from the same timings: free of the drift between the runs and them
+                lines.append(
+                    f"# {c.concurrency} clients over 1, the same drafting on both sides, same timings: plain batching "
+                    f"decode x{c.plain_decode_tok_s / solo_ceiling.plain_decode_tok_s:.2f}, aggregate "
+                    f"x{c.plain_aggregate_tok_s / solo_ceiling.plain_aggregate_tok_s:.2f}; the context oracle decode "
+                    f"x{c.oracle_decode_tok_s / solo_ceiling.oracle_decode_tok_s:.2f}, aggregate "
+                    f"x{c.oracle_aggregate_tok_s / solo_ceiling.oracle_aggregate_tok_s:.2f}"
+                )
     if one is not None and one.decode_tok_s > 0 and one.aggregate_tok_s > 0 and one.latencies_s:
         one_mean = statistics.fmean(one.latencies_s)
         solo = next((c for c in ceilings if c.concurrency == 1), None)

@@ -395,6 +395,7 @@ def test_level_ceilings_schedule_each_request_over_its_share_of_the_batch():
     assert abs(two.oracle_decode_tok_s - one.oracle_decode_tok_s) < 1e-9
     # end to end: 2 prefills of 0.5 s + 54 ms for 11 tokens (2 from the prefills)
     assert abs(one.oracle_aggregate_tok_s - 11 / 1.054) < 1e-9
+    assert abs(one.plain_aggregate_tok_s - 11 / 1.090) < 1e-9  # 9 plain steps of 10 ms
     # Little's law: n in flight / requests per second
     assert abs(two.oracle_mean_latency_s - 2 * 1.054 / 2) < 1e-9
     # the level's requests: max(prompts, n), prompts cycled (0, 1, 0, 1)
@@ -422,7 +423,7 @@ def test_bench_concurrency_ceiling_from_the_cli(tmp_path, tok, capsys):
     argv += ["--max-new-tokens", "12", "--max-draft-tokens", "3", "--ceiling", "--no-calibrate", "--json", str(report)]
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
-    assert "ceilings on this machine" in text and "2 clients at most" in text
+    assert "ceilings on this machine" in text and "2 clients at most" in text and "2 clients over 1" in text
     doc = json.loads(report.read_text())
     ceilings = doc["ceilings"]
     assert [c["concurrency"] for c in ceilings] == [1, 2]
