@@ -29,8 +29,9 @@ outputs: plain batched decoding (N tokens a forward of N rows); the context orac
 request drafting, at each step, as much of the longest span of its true output found in its
 context as pays: :func:`ragspec.replay.fastest_schedule` over its share of the batch's cost,
 every row accepted), which bounds any drafter copying from the context; end to end with each
-prompt's prefill seconds (compute-bound: a batch does not make them cheaper); and the mean
-request latency that throughput allows (Little's law: N in flight / requests per second). A
+prompt's prefill seconds (compute-bound: a batch does not make them cheaper), also with
+decoding free (the prefills alone); and the mean request latency that throughput allows
+(Little's law: N in flight / requests per second). A
 model-based drafter can write what the context does not hold; the "all accepted" column
 bounds even a drafter that is never wrong (the most rows per second one forward of N requests
 verifies, over the measured rows per request). The ceilings are measured, so they carry the
@@ -356,6 +357,11 @@ class LevelCeiling:
     oracle_mean_latency_s: float
     oracle_rows_per_request: float
     """Mean verification rows (= tokens) per request and step of the oracle's schedule."""
+    prefill_only_tok_s: float = 0.0
+    """End to end if decoding cost nothing: the generated tokens over the prefills' seconds
+    (what no drafter, batching or scheduler can beat while prefill costs what it does)."""
+    prefill_only_latency_s: float = 0.0
+    """The mean latency that throughput allows (Little's law)."""
     all_accepted_tok_s: float = 0.0
     """The most rows per second one forward over N requests verifies (the best q measured,
     up to the draft budget + 1): the decode throughput of a drafter whose every draft token
@@ -416,6 +422,8 @@ def level_ceilings(
                 oracle_aggregate_tok_s=generated / wall if wall else 0.0,
                 oracle_mean_latency_s=n * wall / total if total else 0.0,
                 oracle_rows_per_request=tokens / steps if steps else 0.0,
+                prefill_only_tok_s=generated / pre if pre else 0.0,
+                prefill_only_latency_s=n * pre / total if total else 0.0,
             )
         )
     return out
@@ -466,8 +474,9 @@ def format_ceilings(ceilings: Sequence[LevelCeiling], results: Sequence[LevelRes
                     f"# {c.concurrency} clients at most, over the measured 1 client: decode x"
                     f"{c.oracle_decode_tok_s / one.decode_tok_s:.2f} (plain batching x"
                     f"{c.plain_decode_tok_s / one.decode_tok_s:.2f}), aggregate x"
-                    f"{c.oracle_aggregate_tok_s / one.aggregate_tok_s:.2f}; mean latency at least x"
-                    f"{c.oracle_mean_latency_s / one_mean:.2f} the 1-client mean ({one_mean:.2f} s)"
+                    f"{c.oracle_aggregate_tok_s / one.aggregate_tok_s:.2f} (x{c.prefill_only_tok_s / one.aggregate_tok_s:.2f}"
+                    f" with decoding free); mean latency at least x{c.oracle_mean_latency_s / one_mean:.2f} the "
+                    f"1-client mean ({one_mean:.2f} s; x{c.prefill_only_latency_s / one_mean:.2f} with decoding free)"
                 )
     return "\n".join(lines)
 

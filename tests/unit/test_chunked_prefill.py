@@ -396,6 +396,7 @@ def test_level_ceilings_schedule_each_request_over_its_share_of_the_batch():
     # end to end: 2 prefills of 0.5 s + 54 ms for 11 tokens (2 from the prefills)
     assert abs(one.oracle_aggregate_tok_s - 11 / 1.054) < 1e-9
     assert abs(one.plain_aggregate_tok_s - 11 / 1.090) < 1e-9  # 9 plain steps of 10 ms
+    assert one.prefill_only_tok_s == 11 / 1.0 and two.prefill_only_latency_s == 2 * 1.0 / 2
     # Little's law: n in flight / requests per second
     assert abs(two.oracle_mean_latency_s - 2 * 1.054 / 2) < 1e-9
     # the level's requests: max(prompts, n), prompts cycled (0, 1, 0, 1)
