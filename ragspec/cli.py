@@ -351,15 +351,22 @@ def cmd_replay(args, rows) -> int:
         from .policy import measure_latency
 
         engine = engine or _engine(args, calibrate=False)
-        recorded = {r.get("model") for r in records} - {None}
-        if recorded and recorded != {engine.model_name}:
+        vocab = engine.target.vocab_size
+        if any(t >= vocab for r in records for k in ("prompt_ids", "output_ids") for t in r[k]):
             raise ConfigError(
-                f"--ceiling: {path} was recorded with {', '.join(sorted(map(str, recorded)))}, not {engine.model_name} "
-                "(--model): its token ids are another tokenizer's"
+                f"--ceiling: {path} holds token ids past this model's vocabulary ({vocab}): recorded with another "
+                "tokenizer (--model)"
+            )
+        recorded = {r.get("model") for r in records} - {None}
+        if recorded - {engine.model_name}:
+            print(
+                f"# note: {path} names {', '.join(sorted(map(str, recorded)))} as its model, this run {engine.model_name}: "
+                "the ceiling prices those token ids with this model's latency",
+                file=sys.stderr,
             )
         # each generation's steps at its cache length midway through decoding, interpolated
         # between the shortest, the median and the longest of them
-        mids = sorted(replay.decode_context(r) for r in records)
+        mids = sorted(max(1, replay.decode_context(r)) for r in records)
         contexts = sorted({mids[0], mids[len(mids) // 2], mids[-1]})
         latency = measure_latency(
             engine.target,
@@ -414,7 +421,34 @@ def cmd_profile_step(args, rows) -> int:
     return 0
 
 
+# the most draft tokens --ceiling times forwards for (budget + 1 rows per request)
+CEILING_MAX_DRAFT_TOKENS = 64
+
+
+def _check_bench_outputs(args) -> None:
+    """Bad output paths and option mixes are found before any work (a finished run used to
+    be lost to the write)."""
+    for opt in ("json", "plot"):
+        value = getattr(args, opt, None)
+        if not value:
+            continue
+        out = Path(value)
+        if out.is_dir():
+            raise ConfigError(f"--{opt} {out}: a directory; give a file name")
+        if not out.parent.is_dir():
+            raise ConfigError(f"--{opt} {out}: its folder {out.parent} does not exist")
+    if getattr(args, "concurrency", None) and getattr(args, "replay", None):
+        raise ConfigError("--concurrency and --replay are separate benchmarks: give one of them")
+    if getattr(args, "ceiling", False):
+        budget = getattr(args, "max_draft_tokens", None)
+        if budget is not None and not 1 <= budget <= CEILING_MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"--ceiling prices drafts of 1 to {CEILING_MAX_DRAFT_TOKENS} tokens (--max-draft-tokens), got {budget}"
+            )
+
+
 def cmd_bench(args) -> int:
+    _check_bench_outputs(args)
     if getattr(args, "concurrency", None):
         from .bench_concurrency import cmd_concurrency
 

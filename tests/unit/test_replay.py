@@ -184,14 +184,20 @@ def test_replay_ceiling_bounds_the_gain_by_category():
     assert abs(by_ctx["rag"].oracle_s - LatencyModel(measured.at(12))(8)) < 1e-12
 
 
-def test_cli_replay_ceiling_measures_the_latency_and_writes_it(tmp_path, no_eos_setup, char_tokenizer, capsys):
-    model, _, _ = no_eos_setup
+def _tiny_folder_and_data(tmp_path, model, tokenizer, rows):
+    """(a HF folder of ``model`` and ``tokenizer``, a Spec-Bench-style JSONL of ``rows``)."""
     folder = tmp_path / "tiny"
     model.save_pretrained(folder)
-    char_tokenizer.save_pretrained(folder)
-    rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat. the cat sat on the hat."]}]
+    tokenizer.save_pretrained(folder)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, data
+
+
+def test_cli_replay_ceiling_measures_the_latency_and_writes_it(tmp_path, no_eos_setup, char_tokenizer, capsys):
+    model, _, _ = no_eos_setup
+    rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat. the cat sat on the hat."]}]
+    folder, data = _tiny_folder_and_data(tmp_path, model, char_tokenizer, rows)
     rec = tmp_path / "gens.jsonl"
     engine = Engine(HFTarget(model), char_tokenizer, drafter=PromptLookupDrafter(), eos_token_ids=())
     record_generations(engine, rows, 16, rec)
@@ -277,18 +283,44 @@ def test_replay_cli_rejects_bad_paths_budgets_and_records_before_any_work(tmp_pa
     assert not (tmp_path / "g0.jsonl").exists()  # nothing recorded
 
 
-def test_replay_ceiling_refuses_generations_of_another_model(tmp_path, no_eos_setup, char_tokenizer, capsys):
+def test_replay_ceiling_refuses_another_tokenizers_ids_and_notes_another_models_name(
+    tmp_path, no_eos_setup, char_tokenizer, capsys
+):
     model, _, _ = no_eos_setup
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    char_tokenizer.save_pretrained(folder)
     rows = [{"question_id": 1, "category": "rag", "turns": ["the cat sat on the mat"]}]
-    data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps(rows[0]) + "\n")
-    rec = tmp_path / "gens.jsonl"
-    rec.write_text(
-        json.dumps({"category": "rag", "model": "other-model", "prompt_ids": [5, 6], "output_ids": [7]}) + "\n"
+    folder, data = _tiny_folder_and_data(tmp_path, model, char_tokenizer, rows)
+    argv = ["bench", "--data", str(data), "--ceiling", "--model", str(folder), "--eagle", "none"]
+    alien = tmp_path / "alien.jsonl"
+    alien.write_text(json.dumps({"category": "rag", "prompt_ids": [5, 6], "output_ids": [49151, 7]}) + "\n")
+    assert cli_main([*argv, "--replay", str(alien)]) == 2
+    assert "past this model's vocabulary" in capsys.readouterr().err
+    named = tmp_path / "named.jsonl"
+    named.write_text(
+        json.dumps({"category": "rag", "model": "other-model", "prompt_ids": [5, 6, 7], "output_ids": [7, 5]}) + "\n"
     )
-    argv = ["bench", "--data", str(data), "--replay", str(rec), "--ceiling", "--model", str(folder), "--eagle", "none"]
-    assert cli_main(argv) == 2
-    assert "recorded with other-model" in capsys.readouterr().err
+    assert cli_main([*argv, "--replay", str(named), "--max-draft-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert "names other-model as its model" in out.err and "speed ceiling" in out.out
+
+
+def test_bench_rejects_bad_outputs_and_option_mixes_before_any_work(tmp_path, capsys):
+    """Regression (a fresh user's trial): --json into a missing folder or onto a directory
+    lost a finished run to an internal error at the write; --ceiling with 9000 draft tokens
+    failed after the replay; --concurrency with --replay ignored --replay."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["the cat"]}) + "\n")
+    rec = tmp_path / "g.jsonl"
+    cases = [
+        (["--concurrency", "1", "--json", str(tmp_path / "no" / "c.json")], "does not exist"),
+        (["--replay", str(rec), "--json", str(tmp_path)], "a directory"),
+        (["--replay", str(rec), "--ceiling", "--max-draft-tokens", "9000"], "1 to 64 tokens"),
+        (["--concurrency", "1", "--ceiling", "--max-draft-tokens", "0"], "1 to 64 tokens"),
+        (["--concurrency", "1", "--replay", str(rec)], "separate benchmarks"),
+        (["--concurrency", "2,1,2"], "each level once"),
+    ]
+    for extra, message in cases:
+        capsys.readouterr()
+        assert cli_main(["bench", "--data", str(data), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and "internal error" not in err, (extra, err)
+    assert not rec.exists()
