@@ -446,21 +446,20 @@ def format_ceilings(ceilings: Sequence[LevelCeiling], results: Sequence[LevelRes
             f"{c.oracle_decode_tok_s:>14.1f} {c.oracle_aggregate_tok_s:>11.1f} {c.oracle_mean_latency_s:>10.2f} "
             f"{c.oracle_rows_per_request:>9.2f} {c.all_accepted_tok_s:>13.1f}"
         )
-    solo_ceiling = next((c for c in ceilings if c.concurrency == 1), None)
-    if solo_ceiling is not None and solo_ceiling.plain_aggregate_tok_s > 0 and solo_ceiling.oracle_aggregate_tok_s > 0:
+    solo = next((c for c in ceilings if c.concurrency == 1), None)
+    if solo is not None and solo.plain_aggregate_tok_s > 0 and solo.oracle_aggregate_tok_s > 0:
         for c in ceilings:
             if c.concurrency > 1:
                 # both sides from the same timings: free of the drift between the runs and them
                 lines.append(
                     f"# {c.concurrency} clients over 1, the same drafting on both sides, same timings: plain batching "
-                    f"decode x{c.plain_decode_tok_s / solo_ceiling.plain_decode_tok_s:.2f}, aggregate "
-                    f"x{c.plain_aggregate_tok_s / solo_ceiling.plain_aggregate_tok_s:.2f}; the context oracle decode "
-                    f"x{c.oracle_decode_tok_s / solo_ceiling.oracle_decode_tok_s:.2f}, aggregate "
-                    f"x{c.oracle_aggregate_tok_s / solo_ceiling.oracle_aggregate_tok_s:.2f}"
+                    f"decode x{c.plain_decode_tok_s / solo.plain_decode_tok_s:.2f}, aggregate "
+                    f"x{c.plain_aggregate_tok_s / solo.plain_aggregate_tok_s:.2f}; the context oracle decode "
+                    f"x{c.oracle_decode_tok_s / solo.oracle_decode_tok_s:.2f}, aggregate "
+                    f"x{c.oracle_aggregate_tok_s / solo.oracle_aggregate_tok_s:.2f}"
                 )
     if one is not None and one.decode_tok_s > 0 and one.aggregate_tok_s > 0 and one.latencies_s:
         one_mean = statistics.fmean(one.latencies_s)
-        solo = next((c for c in ceilings if c.concurrency == 1), None)
         if solo is not None and (
             not 0.5 * solo.plain_decode_tok_s <= one.decode_tok_s <= 1.05 * solo.oracle_decode_tok_s
             or one.aggregate_tok_s > 1.05 * solo.oracle_aggregate_tok_s
@@ -520,18 +519,17 @@ def _measure_ceilings(engine, prompts: Sequence[list[int]], results: Sequence[Le
     outputs = next((r.tokens for r in results if r.concurrency == 1), results[0].tokens)[: len(prompts)]
     context = int(statistics.median(len(p) + len(o) // 2 for p, o in zip(prompts, outputs)))
     qs = tuple(range(1, budget + 2))
-    tables = {}
-    best: dict[int, dict[int, float]] = {}
     levels = sorted({r.concurrency for r in results})
+    fastest: dict[int, dict[int, float]] = {n: {} for n in levels}
     # the batch sizes take turns, three passes, the fastest per q kept: a drift of the
     # machine's speed during the timings shifts every batch size alike, not one of them
     for _ in range(3):
         for n in levels:
             measured = measure_latency(engine.target, qs=qs, contexts=(context,), repeats=3, early=False, batch=n)
             for q, v in measured.at(context).items():
-                best.setdefault(n, {})[q] = min(v, best.get(n, {}).get(q, float("inf")))
+                fastest[n][q] = min(v, fastest[n].get(q, float("inf")))
+    tables = {n: LatencyModel(fastest[n]) for n in levels}
     for n in levels:
-        tables[n] = LatencyModel(best[n])
         logger.info(
             "batch %d at %d cached tokens (ms): %s",
             n,

@@ -440,6 +440,8 @@ def _check_bench_outputs(args) -> None:
     if getattr(args, "concurrency", None) and getattr(args, "replay", None):
         raise ConfigError("--concurrency and --replay are separate benchmarks: give one of them")
     if getattr(args, "ceiling", False):
+        if not getattr(args, "replay", None) and not getattr(args, "concurrency", None):
+            raise ConfigError("--ceiling needs --replay FILE (the recorded generations it schedules) or --concurrency")
         budget = getattr(args, "max_draft_tokens", None)
         if budget is not None and not 1 <= budget <= CEILING_MAX_DRAFT_TOKENS:
             raise ConfigError(
@@ -457,8 +459,6 @@ def cmd_bench(args) -> int:
 
     if getattr(args, "profile_step", 0) < 0:
         raise ConfigError(f"--profile-step must be a number of steps >= 1 (0: no profile), got {args.profile_step}")
-    if getattr(args, "ceiling", False) and not args.replay:
-        raise ConfigError("--ceiling needs --replay FILE (the recorded generations it schedules) or --concurrency")
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     rows = bench.load_prompts(args.data, cats, args.limit, required=True)
     if args.replay:
