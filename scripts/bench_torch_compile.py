@@ -38,7 +38,7 @@ first divergence if not).
 
 Usage::
 
-    /work/tools/timed python examples/bench_torch_compile.py \\
+    python scripts/bench_torch_compile.py \\
         --json docs/bench/issue18-torch-compile-run1.json
 """
 

@@ -6,7 +6,7 @@ Each configuration is started with the real command on a free loopback port, war
 one request, measured, then stopped with Ctrl-C (SIGINT), as a user would. The requests and
 the client are :mod:`bench_server`'s. Every loop is bounded and only loopback is used.
 
-    python examples/bench_ray.py --requests 16 --max-tokens 64 --json bench_ray.json
+    python scripts/bench_ray.py --requests 16 --max-tokens 64 --json bench_ray.json
 
 On a machine with C cores, compare ``--replicas`` up to C with one thread each against one
 server with C threads: replicas add whole engines (data parallelism), threads make one

@@ -7,7 +7,7 @@ after "Summarize:"). By default the script starts ``ragspec serve`` on a free lo
 Requests stream, so the client measures both the time to the first summary text and the
 whole latency. Every loop is bounded (``--requests`` per level) and only loopback is used.
 
-    python examples/bench_server.py --requests 8 --max-tokens 64 --json bench_server.json
+    python scripts/bench_server.py --requests 8 --max-tokens 64 --json bench_server.json
 
 With 8 to 16 requests per level, P95 and P99 are interpolated between the slowest few
 requests: read them as "the tail", not as precise percentiles.

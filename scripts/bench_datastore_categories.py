@@ -11,7 +11,7 @@ benchmarked prompt then runs, in one process and alternating order:
 
 Both ragspec runs are checked token for token against the baseline. Usage::
 
-    python examples/bench_datastore_categories.py --limit 6 --json docs/bench/datastore-categories.json
+    python scripts/bench_datastore_categories.py --limit 6 --json docs/bench/datastore-categories.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ checkout serves) and measures:
 
 Every loop is bounded. Usage::
 
-    python examples/bench_server_hardening.py --json hardening.json
+    python scripts/bench_server_hardening.py --json hardening.json
 """
 
 from __future__ import annotations

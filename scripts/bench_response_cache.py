@@ -26,7 +26,7 @@ How the workloads are built (``--categories``, default rag, qa, summarization, a
 
 Usage::
 
-    python examples/bench_response_cache.py --limit 3 --json docs/bench/response-cache.json
+    python scripts/bench_response_cache.py --limit 3 --json docs/bench/response-cache.json
 """
 
 from __future__ import annotations
