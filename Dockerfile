@@ -24,7 +24,7 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1
 
 WORKDIR /app
-# a C++ compiler and ninja build ragspec's CPU decoding kernel (ragspec/kernels.py; without
+# a C++ compiler and ninja build ragspec's CPU decoding kernel (ragspec/backend/cpu/kernels.py; without
 # them torch's slower kernels are used)
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ninja-build \

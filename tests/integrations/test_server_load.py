@@ -4,7 +4,7 @@ over their character limit) while the normal ones keep their usual latency.
 
 Bounded: a fixed number of rounds and requests, every call with a timeout. Rounds alternate
 "alone" and "during" so that the load of a shared test machine hits both alike. The same
-measurement on the real default model: ``examples/bench_server_hardening.py`` (README)."""
+measurement on the real default model: ``scripts/bench_server_hardening.py`` (docs/server.md)."""
 
 from __future__ import annotations
 
