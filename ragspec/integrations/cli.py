@@ -114,14 +114,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
     # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
-    from .server import _datastore_engines, _load_engine, _response_cache, create_app
+    from ragspec.serving import load_serving
 
-    engine = _load_engine(settings)
+    from .server import create_app
+
+    served = load_serving(settings.serving_config())
+    engine = served.engine
     app = create_app(
         engine=engine,
         settings=settings,
-        datastore_engines=_datastore_engines(engine, settings),
-        response_cache=_response_cache(engine, settings),
+        datastore_engines=served.datastore_engines,
+        response_cache=served.response_cache,
     )
     # the one line a user waits for (uvicorn's own start-up lines only with -v)
     print(
