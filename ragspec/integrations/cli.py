@@ -227,6 +227,13 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="JSON-lines file the response cache is loaded from at start and saved to at shutdown "
         "(RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
+    _add_ray_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s Ray Serve options (they only apply with ``--ray``)."""
     r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
     r.add_argument(
         "--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)"
@@ -257,5 +264,3 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--app-name", default=None, help="Ray Serve application name (default ragspec)")
     r.add_argument("--start-retries", type=int, default=None, help="failed replica starts before giving up (default 3)")
-    p.set_defaults(func=cmd_serve)
-    return p

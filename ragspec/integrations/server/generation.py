@@ -190,8 +190,9 @@ class Generation:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         if not self.gone.is_set():
             gone = asyncio.ensure_future(self.gone.wait())
+            waiters: set[asyncio.Future[Any]] = {fut, gone}
             try:
-                await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gone.cancel()
         if self.gone.is_set():
