@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ragspec.engine import Engine, Request
 from ragspec.types import StreamChunk
 
 __all__ = ["step", "close", "document_texts", "merge_stop", "BatchStepper", "Slot"]
@@ -30,7 +31,7 @@ __all__ = ["step", "close", "document_texts", "merge_stop", "BatchStepper", "Slo
 class Slot:
     """One request open on a :class:`BatchStepper`: its chunks not read yet."""
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
         self.chunks: collections.deque[StreamChunk] = collections.deque()
         self.finished = False  # its final chunk is in ``chunks`` (or was read)
@@ -52,7 +53,7 @@ class BatchStepper:
         engine: the :class:`ragspec.Engine` whose requests are stepped.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
         self._open: list[Slot] = []
@@ -61,7 +62,7 @@ class BatchStepper:
         self.max_batch = 0
         """Most requests stepped together so far (for tests and logs)."""
 
-    def open(self, make_request: Callable[[], Any]) -> Slot:
+    def open(self, make_request: Callable[[], Request]) -> Slot:
         """Make a request (``make_request()``: ``engine.request(...)``, no forward) and open
         it. Raises what ``make_request`` raises."""
         with torch.inference_mode():

@@ -114,14 +114,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
     # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
-    from .server import _datastore_engines, _load_engine, _response_cache, create_app
+    from ragspec.serving import load_serving
 
-    engine = _load_engine(settings)
+    from .server import create_app
+
+    served = load_serving(settings.serving_config())
+    engine = served.engine
     app = create_app(
         engine=engine,
         settings=settings,
-        datastore_engines=_datastore_engines(engine, settings),
-        response_cache=_response_cache(engine, settings),
+        datastore_engines=served.datastore_engines,
+        response_cache=served.response_cache,
     )
     # the one line a user waits for (uvicorn's own start-up lines only with -v)
     print(
@@ -224,6 +227,13 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="JSON-lines file the response cache is loaded from at start and saved to at shutdown "
         "(RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
+    _add_ray_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s Ray Serve options (they only apply with ``--ray``)."""
     r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
     r.add_argument(
         "--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)"
@@ -254,5 +264,3 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--app-name", default=None, help="Ray Serve application name (default ragspec)")
     r.add_argument("--start-retries", type=int, default=None, help="failed replica starts before giving up (default 3)")
-    p.set_defaults(func=cmd_serve)
-    return p

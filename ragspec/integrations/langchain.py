@@ -48,6 +48,7 @@ from langchain_core.outputs import (
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.types import GenerationStats, StreamChunk
 
@@ -111,14 +112,18 @@ class _RagspecParams(BaseModel):
     """Texts the drafter may copy from on every call (besides the prompt and any per-call
     ``documents``)."""
 
-    _engine: Any = PrivateAttr(default=None)
-    _stepper: Any = PrivateAttr(default=None)
+    _engine: Optional[Engine] = PrivateAttr(default=None)
+    _stepper: Optional[BatchStepper] = PrivateAttr(default=None)
     _stepper_lock: Any = PrivateAttr(default_factory=threading.Lock)
 
     # ------------------------------------------------------------------ plumbing
     @property
-    def engine(self):
-        """The wrapped :class:`ragspec.Engine` (not serialized)."""
+    def engine(self) -> Engine:
+        """The wrapped :class:`ragspec.Engine` (not serialized).
+
+        Raises:
+            ConfigError: built without one.
+        """
         if self._engine is None:
             raise ConfigError(f"{type(self).__name__} has no engine: pass engine=... or use from_model_id()")
         return self._engine
@@ -151,7 +156,8 @@ class _RagspecParams(BaseModel):
                 self._stepper = BatchStepper(self.engine)
             return self._stepper
 
-    def _open(self, prompt, stop, kwargs) -> Slot:
+    def _open(self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Slot:
+        """Open a request for the token ids ``prompt`` on this wrapper's stepper."""
         kw = self._engine_kwargs(stop, kwargs)
         engine = self.engine
         return self.stepper.open(lambda: engine.request(prompt, **kw))
@@ -168,11 +174,15 @@ class _RagspecParams(BaseModel):
             stepper.close(slot)
         return "".join(parts), stats
 
-    def _run(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+    def _run(
+        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+    ) -> tuple[str, Optional[GenerationStats]]:
         """Whole generation, stepped with every other open one."""
         return self._drain(self._open(prompt, stop, kwargs))
 
-    def _run_many(self, prompts, stop, kwargs) -> list[tuple[str, Optional[GenerationStats]]]:
+    def _run_many(
+        self, prompts: Sequence[list[int]], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+    ) -> list[tuple[str, Optional[GenerationStats]]]:
         """All ``prompts`` opened first, then stepped together."""
         slots: list[Slot] = []
         try:
@@ -184,7 +194,7 @@ class _RagspecParams(BaseModel):
             raise
         return [self._drain(slot) for slot in slots]
 
-    def _iter(self, prompt, stop, kwargs) -> Iterator[StreamChunk]:
+    def _iter(self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
         slot = self._open(prompt, stop, kwargs)
         stepper = self.stepper
         try:
@@ -203,7 +213,9 @@ class _RagspecParams(BaseModel):
         finally:
             stepper.close(slot)
 
-    async def _aiter(self, prompt, stop, kwargs) -> AsyncIterator[StreamChunk]:
+    async def _aiter(
+        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+    ) -> AsyncIterator[StreamChunk]:
         slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
         async for chunk in self._aslot(slot):
             yield chunk
@@ -216,11 +228,15 @@ class _RagspecParams(BaseModel):
             stats = chunk.stats or stats
         return "".join(parts), stats
 
-    async def _arun(self, prompt, stop, kwargs) -> tuple[str, Optional[GenerationStats]]:
+    async def _arun(
+        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+    ) -> tuple[str, Optional[GenerationStats]]:
         slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
         return await self._adrain(slot)
 
-    async def _arun_many(self, prompts, stop, kwargs) -> list[tuple[str, Optional[GenerationStats]]]:
+    async def _arun_many(
+        self, prompts: Sequence[list[int]], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+    ) -> list[tuple[str, Optional[GenerationStats]]]:
         """All ``prompts`` opened first (in a worker thread), then stepped together."""
 
         def open_all() -> list[Slot]:
@@ -268,7 +284,7 @@ class RagspecLLM(_RagspecParams, LLM):
     chat: bool = True
     """Wrap a text prompt in the chat template (one user turn) when the tokenizer has one."""
 
-    def __init__(self, *, engine=None, **kwargs: Any) -> None:
+    def __init__(self, *, engine: Optional[Engine] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._engine = engine
 
@@ -302,11 +318,17 @@ class RagspecLLM(_RagspecParams, LLM):
         return self.bind(documents=document_texts(documents))
 
     # ------------------------------------------------------------------ LangChain hooks
-    def _call(self, prompt: str, stop=None, run_manager=None, **kwargs: Any) -> str:
+    def _call(
+        self,
+        prompt: str,
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> str:
         text, _ = self._run(self._prompt(prompt), stop, kwargs)
         return text
 
-    def _prompt(self, prompt: str):
+    def _prompt(self, prompt: str) -> list[int]:
         return self.engine.encode_prompt(prompt, chat=self.chat)
 
     def _result(self, outs: list[tuple[str, Optional[GenerationStats]]]) -> LLMResult:
@@ -333,6 +355,9 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> LLMResult:
+        """``invoke`` / ``batch``'s path: each prompt's token ids (:meth:`_prompt`), opened on
+        the stepper together (:meth:`_run_many`) and stepped, one ``Engine.step`` per round
+        for all of them (:class:`~ragspec.integrations._stepping.BatchStepper`)."""
         return self._result(self._run_many([self._prompt(p) for p in prompts], stop, kwargs))
 
     async def _agenerate(
@@ -410,7 +435,7 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
-    def __init__(self, *, engine=None, **kwargs: Any) -> None:
+    def __init__(self, *, engine: Optional[Engine] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._engine = engine
 

@@ -43,11 +43,15 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ragspec.errors import ConfigError, RagspecError
 
 from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from ragspec.drafters.response_cache import ResponseCache
+    from ragspec.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +269,7 @@ class RagspecReplica:
     async def __init__(self, settings: ServerSettings, threads: int, metrics_interval_s: float = 5.0) -> None:
         import torch
 
-        from .server import _datastore_engines, _load_engine, _response_cache
+        from ragspec.serving import load_serving
 
         torch.set_num_threads(threads)
         self.settings = settings
@@ -273,13 +277,17 @@ class RagspecReplica:
         self.mirror: Optional[_RayMetricsMirror] = None
         self.replica_id = _replica_id()
         self.error: Optional[str] = None
-        self.engine = None
-        self.variants: dict[str, Any] = {}
+        self.engine: Optional[Engine] = None
+        self.variants: dict[str, Engine] = {}
+        self.response_cache: Optional[ResponseCache] = None
         try:
-            self.engine = await asyncio.to_thread(_load_engine, settings)
-            self.variants = await asyncio.to_thread(_datastore_engines, self.engine, settings)
             # each replica caches its own answers (a shared cache would be a store of our own)
-            self.response_cache = await asyncio.to_thread(_response_cache, self.engine, settings)
+            served = await asyncio.to_thread(load_serving, settings.serving_config())
+            self.engine, self.variants, self.response_cache = (
+                served.engine,
+                served.datastore_engines,
+                served.response_cache,
+            )
         except (RagspecError, OSError, ValueError) as e:
             # not raised here: the health check reports it (one line) and Ray Serve never
             # routes to this replica

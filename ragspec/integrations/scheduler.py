@@ -39,7 +39,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ragspec.engine import Engine, Request, StepReport
 from ragspec.errors import CapacityError
+from ragspec.types import StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class Job:
     engine fails).
     """
 
-    make_request: Callable[[], tuple[Any, Any]]
+    make_request: Callable[[], tuple[Engine, Request]]
+    """Run in the worker: ``(engine, engine.request(...))`` (no forward)."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     id: int = 0
@@ -85,8 +88,15 @@ class Job:
     activated_s: float = 0.0
     """``time.perf_counter()`` when it joined the active set (0 before)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
-    engine: Any = None
-    request: Any = None
+    engine: Optional[Engine] = None
+    """The engine stepping this job (set by the worker; None once released)."""
+    request: Optional[Request] = None
+    """Its request: KV state, draft session, generator (set by the worker; None once released)."""
+
+    def stepped(self) -> tuple[Engine, Request]:
+        """Its engine and request (a waiting or active job has both)."""
+        assert self.engine is not None and self.request is not None, f"job {self.id} has no request"
+        return self.engine, self.request
 
     def cancel(self) -> None:
         """Ask the worker to drop this job (within one step)."""
@@ -118,11 +128,11 @@ class Scheduler:
         *,
         max_active: int = 8,
         max_queue: int = 32,
-        on_finish: Optional[Callable] = None,
-        on_cancel: Optional[Callable] = None,
+        on_finish: Optional[Callable[[Job, StreamChunk], Any]] = None,
+        on_cancel: Optional[Callable[[Job], Any]] = None,
         max_step_tokens: Optional[int] = 512,
-        on_step: Optional[Callable] = None,
-        on_activate: Optional[Callable] = None,
+        on_step: Optional[Callable[[StepReport], Any]] = None,
+        on_activate: Optional[Callable[[Job], Any]] = None,
     ) -> None:
         self.max_active = max_active
         self.max_queue = max_queue
@@ -175,7 +185,7 @@ class Scheduler:
             self._num_jobs -= 1
             self._cv.notify()
 
-    def submit(self, make_request: Callable[[], tuple[Any, Any]], ticket: Optional[Ticket] = None) -> Job:
+    def submit(self, make_request: Callable[[], tuple[Engine, Request]], ticket: Optional[Ticket] = None) -> Job:
         """Queue a generation; call from the event loop. ``make_request()`` runs in the worker
         and returns ``(engine, engine.request(...))`` (no forward; an exception there is
         delivered to the reader as the request's error). ``ticket``: the place reserved for
@@ -257,10 +267,11 @@ class Scheduler:
         delivered, finished jobs released."""
         groups: dict[int, list[Job]] = {}
         for job in active:
-            groups.setdefault(id(job.engine.target), []).append(job)
+            groups.setdefault(id(job.stepped()[0].target), []).append(job)
         for jobs in groups.values():
+            engine = jobs[0].stepped()[0]
             try:
-                chunks = jobs[0].engine.step([j.request for j in jobs])
+                chunks = engine.step([j.stepped()[1] for j in jobs])
             except Exception as e:
                 logger.exception("step of requests %s failed", [j.id for j in jobs])
                 for job in jobs:
@@ -268,7 +279,7 @@ class Scheduler:
                     active.remove(job)
                     self._release(job)
                 continue
-            self._notify(self.on_step, getattr(jobs[0].engine, "last_step", None))
+            self._notify(self.on_step, getattr(engine, "last_step", None))
             for job, chunk in zip(jobs, chunks):
                 if chunk.text or chunk.token_ids or chunk.finish_reason:
                     self._deliver(job, CHUNK, chunk)
@@ -280,8 +291,9 @@ class Scheduler:
     @staticmethod
     def _tokens(job: Job) -> int:
         """Tokens ``job`` puts through the model in its next step."""
-        counter = getattr(job.engine, "step_tokens", None)
-        return int(counter(job.request)) if counter is not None else 1
+        engine, request = job.stepped()
+        counter = getattr(engine, "step_tokens", None)
+        return int(counter(request)) if counter is not None else 1
 
     def _admit_waiting(self, waiting, active: list[Job]) -> None:
         """Move waiting jobs to the active set, in order, while the count and the step's

@@ -10,10 +10,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from ragspec.config import check_drafting
 from ragspec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ragspec.serving import ServingConfig
 
 __all__ = ["ServerSettings", "RequestLimits", "parse_datastore", "ENV_VARS"]
 
@@ -218,6 +221,31 @@ class ServerSettings:
 
     def replace(self, **changes) -> "ServerSettings":
         return dataclasses.replace(self, **changes)
+
+    def serving_config(self) -> "ServingConfig":
+        """What this service loads (model, engine settings, datastores, response cache), for
+        :mod:`ragspec.serving`."""
+        from ragspec.config import PolicyConfig
+        from ragspec.serving import ServingConfig
+
+        return ServingConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            eagle=self.eagle,
+            numerics=self.numerics,
+            drafting=self.drafting,
+            policy=PolicyConfig(
+                max_draft_tokens=self.max_draft_tokens,
+                adaptive=self.adaptive,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                prefix_cache_tokens=self.prefix_cache_tokens,
+            ),
+            calibrate=self.calibrate,
+            datastores=self.datastores,
+            response_cache_tokens=self.response_cache_tokens,
+            response_log=self.response_log,
+        )
 
     def limits(self, context_length: Optional[int]) -> RequestLimits:
         """The request limits for a model of ``context_length`` tokens (None: unknown, taken

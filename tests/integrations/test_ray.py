@@ -248,11 +248,12 @@ def service_settings(model_dir: Path, port: int, **kw) -> ServerSettings:
 def reference(model_dir):
     """The same settings served by one ``ragspec serve``-style app in this process: the
     answers Ray Serve must reproduce."""
-    from ragspec.integrations.server import _datastore_engines, _load_engine, create_app
+    from ragspec.integrations.server import create_app
+    from ragspec.serving import datastore_engines, load_serving_engine
 
     settings = service_settings(model_dir, free_port())
-    engine = _load_engine(settings)
-    app = create_app(engine=engine, settings=settings, datastore_engines=_datastore_engines(engine, settings))
+    engine = load_serving_engine(settings.serving_config())
+    app = create_app(engine=engine, settings=settings, datastore_engines=datastore_engines(engine, settings.datastores))
     with LiveServer(app) as srv:
         srv.engine = engine
         yield srv

@@ -538,8 +538,8 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     from ragspec.drafters import CompositeDrafter, MergedDrafter
     from ragspec.eagle import EagleDrafter, EagleHead
     from ragspec.engine import DrafterParts, Engine
-    from ragspec.integrations.server import _datastore_engines
     from ragspec.loading import compose_drafter
+    from ragspec.serving import datastore_engines
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -554,7 +554,7 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
         eos_token_ids=tiny_engine.eos_token_ids,
         parts=DrafterParts(pld=PLDConfig(), eagle=eagle),
     )
-    variant = _datastore_engines(engine, ServerSettings(datastores=(("notes", str(tmp_path / "ds")),)))["notes"]
+    variant = datastore_engines(engine, [("notes", str(tmp_path / "ds"))])["notes"]
     assert isinstance(variant.drafter, MergedDrafter) and variant.drafter.eagle is eagle
     assert isinstance(variant.drafter.retrieval, CompositeDrafter)
     assert any(isinstance(d, DatastoreDrafter) for d in variant.drafter.retrieval.drafters)

@@ -13,7 +13,8 @@ from _integ_helpers import LiveServer, make_tiny_engine
 from test_server import metric
 
 from ragspec.drafters.response_cache import ResponseLogError
-from ragspec.integrations.server import ServerSettings, _response_cache, create_app
+from ragspec.integrations.server import ServerSettings, create_app
+from ragspec.serving import open_response_cache
 
 TIMEOUT = httpx.Timeout(60.0)
 PROMPT = "the cat sat on the mat. the cat sat on the hat. the dog"
@@ -30,7 +31,8 @@ def _complete(srv) -> tuple[str, float]:
 
 def _app(settings):
     engine = make_tiny_engine()
-    return create_app(engine=engine, settings=settings, response_cache=_response_cache(engine, settings))
+    cache = open_response_cache(engine, settings.response_cache_tokens, settings.response_log)
+    return create_app(engine=engine, settings=settings, response_cache=cache)
 
 
 def test_repeated_completion_drafts_from_the_cache_and_the_log_persists(tmp_path):
@@ -69,4 +71,4 @@ def test_a_bad_response_log_is_a_typed_error_at_start(tmp_path):
     log = tmp_path / "bad.jsonl"
     log.write_text('{"model": "another-model", "output": [1, 2]}\n')
     with pytest.raises(ResponseLogError, match="another-model"):
-        _response_cache(make_tiny_engine(), ServerSettings(response_log=str(log)))
+        open_response_cache(make_tiny_engine(), ServerSettings().response_cache_tokens, str(log))

@@ -1,0 +1,51 @@
+"""The REST service: OpenAI-compatible completions and chat, document summaries, metrics.
+
+Endpoints:
+    POST /v1/summarize          {"documents": [...], "instruction"?, "max_tokens"?, ...}
+                                -> {"summary", "usage", "stats", ...} or server-sent events
+    POST /v1/completions        OpenAI's completions API (``stream`` as SSE, ``[DONE]`` last)
+    POST /v1/chat/completions   OpenAI's chat completions API (chat template of the model)
+    GET  /v1/models             the served model and its datastores
+    GET  /metrics               Prometheus text format (see :mod:`..metrics`)
+    GET  /health                liveness, always open
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+status for bad input (400), a missing or wrong API key (401), an unknown model (404), a body
+over the size limit (413), a body that is not JSON (415) and a full queue (429, with
+``Retry-After``).
+
+The engine loads in the app's lifespan into ``app.state.engine`` (tests pass a ready one to
+:func:`create_app`). One worker thread (:class:`..scheduler.Scheduler`) owns the model and
+interleaves the requests step by step; each request's output is what it gives alone. What a
+request costs before any work is bounded, and none of it runs on the event loop or the
+worker (:mod:`.generation`); a client that disconnects cancels its request at any stage.
+
+Security: with an API key (``--api-key`` / ``RAGSPEC_API_KEY``) every ``/v1/*`` request,
+``/docs``, ``/redoc`` and ``/openapi.json`` need ``Authorization: Bearer <key>``
+(``--no-docs`` turns the last three off); ``/health`` and ``/metrics`` stay open (as vLLM's
+server does). A request may name only the datastores the server was started with, by name.
+
+The modules, by role:
+
+* :mod:`.app` - :func:`create_app` and its lifespan.
+* :mod:`.middleware` - the API key, the request counter, the bounded body read, the
+  disconnect watch.
+* :mod:`.errors` - :class:`APIError` and the exception handlers.
+* :mod:`.openapi` - the request bodies in ``/openapi.json``.
+* :mod:`.state` - the typed app state handlers get (a FastAPI dependency).
+* :mod:`.validation`, :mod:`.prepare` - a body parsed and validated; its token ids.
+* :mod:`.generation` - one generation's lifecycle, admission to last chunk.
+* :mod:`.responses` - usage, finish reasons, server-sent events.
+* :mod:`.openai`, :mod:`.summarize`, :mod:`.ops` - the API surfaces, one router each,
+  module-level handlers.
+"""
+
+from __future__ import annotations
+
+from ..settings import ServerSettings
+from .app import create_app
+from .errors import APIError
+from .prepare import SUMMARY_INSTRUCTION, build_summary_prompt
+from .validation import json_separators
+
+__all__ = ["create_app", "ServerSettings", "APIError", "build_summary_prompt", "SUMMARY_INSTRUCTION", "json_separators"]

@@ -1,0 +1,159 @@
+"""The app factory and its lifespan.
+
+:func:`create_app` builds the FastAPI app: the middleware (:mod:`.middleware`), the error
+handlers (:mod:`.errors`), the routers of each API surface (:mod:`.openai`,
+:mod:`.summarize`, :mod:`.ops`) and the request bodies in the OpenAPI schema
+(:mod:`.openapi`). Its lifespan loads what is served (:mod:`ragspec.serving`; tests and the
+CLI pass a ready engine), starts the worker (:class:`..scheduler.Scheduler`) and the
+prepare pool, and puts them on ``app.state`` (:class:`.state.ServerState`); at shutdown it
+stops them and saves the response cache to ``response_log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, FastAPI
+
+from ragspec import serving
+from ragspec.drafters.response_cache import ResponseCache
+from ragspec.engine import Engine
+from ragspec.loading import with_response_cache
+from ragspec.types import StreamChunk
+
+from ..metrics import ServerMetrics
+from ..scheduler import Job, Scheduler
+from ..settings import ServerSettings
+from . import openai, ops, summarize
+from .errors import install_error_handlers
+from .middleware import CountRequests, RequireApiKey
+from .openapi import document_bodies
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+_UNSET: Any = object()
+
+
+def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
+    """The worker, its hooks feeding ``metrics``."""
+
+    def on_finish(job: Job, chunk: StreamChunk) -> None:
+        if chunk.finish_reason == "cancelled":
+            metrics.cancelled.inc()
+        if chunk.stats is not None:
+            metrics.observe_generation(chunk.stats)
+
+    return Scheduler(
+        max_active=settings.max_active,
+        max_queue=settings.max_queue,
+        on_finish=on_finish,
+        on_cancel=lambda job: metrics.cancelled.inc(),
+        max_step_tokens=settings.max_step_tokens,
+        on_step=metrics.observe_step,
+        on_activate=lambda job: metrics.queue_time.observe(job.activated_s - job.submitted_s),
+    )
+
+
+def _metrics(app: FastAPI) -> ServerMetrics:
+    """The app's metrics, the queue gauges reading its scheduler (none before the lifespan)."""
+
+    def queue_depth() -> float:
+        s = getattr(app.state, "scheduler", None)
+        return float(max(0, s.num_jobs - s.num_active)) if s is not None else 0.0
+
+    def active() -> float:
+        s = getattr(app.state, "scheduler", None)
+        return float(s.num_active) if s is not None else 0.0
+
+    return ServerMetrics(queue_depth=queue_depth, active=active)
+
+
+async def _save_response_cache(cache: ResponseCache, path: str) -> None:
+    try:
+        n = await asyncio.to_thread(cache.save, path)
+        logger.info("saved %d cached responses to %s", n, path)
+    except OSError as e:
+        logger.error("cannot save the response cache to %s: %s", path, e)
+
+
+def create_app(
+    engine: Optional[Engine] = None,
+    settings: Optional[ServerSettings] = None,
+    *,
+    datastore_engines: Optional[dict[str, Engine]] = None,
+    response_cache: Any = _UNSET,
+) -> FastAPI:
+    """The FastAPI app. ``engine``: a ready :class:`ragspec.Engine` (None: the lifespan loads
+    ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables.
+    ``datastore_engines``: the named datastores' engines, already built by
+    :func:`ragspec.serving.datastore_engines` (None: the lifespan builds them).
+    ``response_cache``: the cache of the server's own responses, already built by
+    :func:`ragspec.serving.open_response_cache` (None: none; unset: the lifespan builds it
+    from the settings when it loads the engine itself, and a ready ``engine`` is served as
+    given)."""
+    settings = settings if settings is not None else ServerSettings.from_env()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        config = settings.serving_config()
+        eng = engine
+        if eng is None:
+            logger.info("loading model %s", settings.model or "(default)")
+            eng = await asyncio.to_thread(serving.load_serving_engine, config)
+        variants = datastore_engines
+        if variants is None:
+            variants = await asyncio.to_thread(serving.datastore_engines, eng, config.datastores)
+        cache = response_cache
+        if cache is _UNSET:
+            cache = None
+            if engine is None:
+                tokens, log = config.response_cache_tokens, config.response_log
+                cache = await asyncio.to_thread(serving.open_response_cache, eng, tokens, log)
+        if cache is not None:
+            eng = with_response_cache(eng, cache)
+            variants = {name: with_response_cache(e, cache) for name, e in variants.items()}
+        app.state.response_cache = cache
+        scheduler = _scheduler(settings, metrics)
+        scheduler.start()
+        pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")
+        app.state.engine = eng
+        app.state.engines = variants
+        app.state.scheduler = scheduler
+        app.state.prepare_pool = pool
+        app.state.limits = settings.limits(getattr(eng.target, "max_length", None))
+        app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
+        app.state.started = int(time.time())
+        logger.info("request limits: %s", app.state.limits)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop)
+            pool.shutdown(wait=False, cancel_futures=True)
+            if cache is not None and settings.response_log:
+                await _save_response_cache(cache, settings.response_log)
+
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="ragspec", version="0.1.0", lifespan=lifespan, **docs)  # type: ignore[arg-type]
+    app.state.settings = settings
+    metrics = _metrics(app)
+    app.state.metrics = metrics
+    if settings.api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)
+    install_error_handlers(app)
+
+    v1 = APIRouter(prefix="/v1")
+    v1.include_router(openai.router)
+    v1.include_router(summarize.router)
+    app.include_router(v1)
+    if settings.docs:
+        document_bodies(app)
+    app.include_router(ops.router)
+    return app

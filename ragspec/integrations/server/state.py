@@ -1,0 +1,99 @@
+"""What the handlers serve from: a typed view of ``app.state`` (filled by the lifespan,
+:mod:`.app`), given to each handler by the FastAPI dependency :func:`server_state`, and the
+checks every generation endpoint makes on it (the model a request names, the datastore it
+picks)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import FastAPI, Request
+
+from ragspec.engine import Engine
+
+from ..metrics import ServerMetrics
+from ..scheduler import Scheduler
+from ..settings import RequestLimits, ServerSettings
+from .errors import APIError
+
+__all__ = ["ServerState", "server_state", "check_model", "pick_engine"]
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """The app's serving state, as the lifespan set it on ``app.state``."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    engine: Engine
+    """The served engine (with the response cache, when there is one)."""
+    engines: dict[str, Engine]
+    """One engine per named datastore (the first is the default of requests naming none)."""
+    scheduler: Scheduler
+    """The worker that steps every generation."""
+    prepare_pool: concurrent.futures.Executor
+    """Threads that parse, validate and tokenize requests."""
+    limits: RequestLimits
+    model_name: str
+    """The served model's name (``/v1/models``, responses)."""
+    started: int
+    """Unix time the app started (``/v1/models``' ``created``)."""
+
+    @classmethod
+    def of(cls, app: FastAPI) -> "ServerState":
+        """The state of a started ``app`` (raises AttributeError before its lifespan ran)."""
+        s = app.state
+        return cls(
+            settings=s.settings,
+            metrics=s.metrics,
+            engine=s.engine,
+            engines=s.engines,
+            scheduler=s.scheduler,
+            prepare_pool=s.prepare_pool,
+            limits=s.limits,
+            model_name=s.model_name,
+            started=s.started,
+        )
+
+
+async def server_state(request: Request) -> ServerState:
+    """FastAPI dependency: the serving state of the request's app (async: runs on the
+    event loop, no thread hop)."""
+    return ServerState.of(request.app)
+
+
+def check_model(state: ServerState, model: Optional[str]) -> None:
+    """Accept a request's ``model``: none, the served name, the engine's model name or
+    ``"ragspec"``.
+
+    Raises:
+        APIError: 404 ``model_not_found`` for any other name.
+    """
+    if model is None or model in (state.model_name, state.engine.model_name, "ragspec"):
+        return
+    raise APIError(
+        404, f"The model `{model}` does not exist.", type="not_found_error", param="model", code="model_not_found"
+    )
+
+
+def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
+    """The engine of the datastore a request names (None: the first datastore's, else the
+    plain engine).
+
+    Raises:
+        APIError: 400 ``datastore_not_found`` for a name the server was not started with
+            (datastores are named, never paths).
+    """
+    if datastore is None:
+        return next(iter(state.engines.values())) if state.engines else state.engine
+    if datastore in state.engines:
+        return state.engines[datastore]
+    names = sorted(state.engines)
+    raise APIError(
+        400,
+        f"unknown datastore {datastore!r}: this server has {names if names else 'none'} (datastores are named, never paths)",
+        param="datastore",
+        code="datastore_not_found",
+    )

@@ -1,0 +1,143 @@
+"""Serving's engine assembly: the engine a server serves, one engine per named datastore
+over the same model, and the cache of the server's own responses.
+
+The REST service (``ragspec serve``, :func:`ragspec.integrations.server.create_app`) and
+each Ray Serve replica (:mod:`ragspec.integrations.ray`) build what they serve here, from a
+:class:`ServingConfig` (:meth:`ragspec.integrations.settings.ServerSettings.serving_config`
+makes one from the service's settings). Engines come from :mod:`ragspec.loading`, the one
+builder of engines; nothing here loads a model twice: the datastore engines and the
+response cache reuse the loaded model and backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .config import AUTO_DRAFTING, PolicyConfig
+from .datastore import Datastore
+from .drafters.response_cache import ResponseCache
+from .engine import Engine
+from .loading import load_engine, with_datastore
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ServingConfig",
+    "ServingEngines",
+    "load_serving_engine",
+    "datastore_engines",
+    "open_response_cache",
+    "load_serving",
+]
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What a serving process loads: the model and its engine's settings, the named
+    datastores, the response cache. The fields mean what the same fields of
+    :class:`ragspec.integrations.settings.ServerSettings` mean."""
+
+    model: Optional[str] = None
+    """Registry name, GGUF file or HF folder (None = the default model)."""
+    device: Optional[str] = None
+    """Torch device (None: cuda when present, else cpu)."""
+    dtype: Optional[str] = None
+    """fp32, bf16, fp16 (None: the model loader's default)."""
+    eagle: Optional[str] = "auto"
+    """EAGLE head directory; "auto": the head shipped for the model, if any; "none": none."""
+    numerics: str = "exact"
+    """The target's arithmetic, "exact" or "fast" (:data:`ragspec.config.NUMERICS`)."""
+    drafting: str = AUTO_DRAFTING
+    """How retrieval and the head share a step (:func:`ragspec.loading.resolve_drafting`)."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Draft sizes, prefill chunks, prefix caching."""
+    calibrate: bool = True
+    """Measure the forward latency table at start-up (a few seconds)."""
+    datastores: tuple[tuple[str, str], ...] = ()
+    """(name, directory) of each datastore requests may name."""
+    response_cache_tokens: int = 1_000_000
+    """Tokens of earlier responses kept to draft from (0: no response cache)."""
+    response_log: Optional[str] = None
+    """JSON-lines file the response cache is loaded from at start, when it exists."""
+
+
+@dataclass(frozen=True)
+class ServingEngines:
+    """What a serving process serves: the engine, the named datastores' engines (same model
+    and backend), the response cache (None: none). The engines do not draft from the
+    cache yet: the server adds it (:func:`ragspec.loading.with_response_cache`) when it serves them."""
+
+    engine: Engine
+    datastore_engines: dict[str, Engine]
+    response_cache: Optional[ResponseCache]
+
+
+def load_serving_engine(config: ServingConfig) -> Engine:
+    """The served engine: ``config``'s model with its EAGLE head, drafting, policy and
+    calibration, through :func:`ragspec.loading.load_engine` (no datastore: those are
+    :func:`datastore_engines`).
+
+    Raises:
+        ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, ConfigError: as
+            :func:`ragspec.loading.load_engine`.
+    """
+    return load_engine(
+        config.model,
+        config.device,
+        config.dtype,
+        eagle=config.eagle,
+        policy=config.policy,
+        calibrate=config.calibrate,
+        numerics=config.numerics,
+        drafting=config.drafting,
+    )
+
+
+def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
+    """One engine per named datastore ``(name, directory)``: the same model, backend and
+    latency model as ``engine``, the drafter composed as :mod:`ragspec.loading` composes
+    it, with that datastore (:func:`ragspec.loading.with_datastore`; no model loaded).
+
+    Raises:
+        DatastoreError: a directory is not a datastore, or was built with another tokenizer.
+    """
+    out: dict[str, Engine] = {}
+    for name, directory in datastores:
+        ds = Datastore.open(directory, tokenizer=engine.tokenizer)
+        out[name] = with_datastore(engine, ds)
+        logger.info("datastore %r: %s", name, directory)
+    return out
+
+
+def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
+    """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
+    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log`` when it
+    exists (:mod:`ragspec.drafters.response_cache`).
+
+    Raises:
+        ResponseLogError: the log cannot be read (another model, not JSON lines, bad ids).
+    """
+    if max_tokens <= 0:
+        return None
+    cache = ResponseCache(max_tokens, model=engine.model_name or "")
+    if log and os.path.exists(log):
+        n = cache.load(log, vocab_size=getattr(engine.target, "vocab_size", None))
+        logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
+    return cache
+
+
+def load_serving(config: ServingConfig) -> ServingEngines:
+    """The engine, the datastores' engines and the response cache ``config`` names, loaded
+    in that order (:func:`load_serving_engine`, :func:`datastore_engines`,
+    :func:`open_response_cache`).
+
+    Raises:
+        what those raise (a model, head, datastore or response log that does not load).
+    """
+    engine = load_serving_engine(config)
+    variants = datastore_engines(engine, config.datastores)
+    cache = open_response_cache(engine, config.response_cache_tokens, config.response_log)
+    return ServingEngines(engine=engine, datastore_engines=variants, response_cache=cache)
