@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
+from .calibrate import measure_latency_model
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
@@ -23,7 +24,6 @@ from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from .drafters.selecting import SelectingDrafter
 from .engine import DrafterParts, Engine
 from .errors import ConfigError
-from .policy import LatencyModel
 
 if TYPE_CHECKING:
     from .backend.base import Target
@@ -243,7 +243,7 @@ def load_engine(
             spec.name,
         )
     drafting = resolve_drafting(drafting, target.device)
-    latency = LatencyModel.measure(target) if calibrate else None
+    latency = measure_latency_model(target) if calibrate else None
     return Engine(
         target,
         tokenizer,

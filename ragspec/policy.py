@@ -5,7 +5,7 @@ Two models feed one choice (as in Sequoia / SpecDec++ style cost models, and the
 al. 2024, section 4.3):
 
 * :class:`LatencyModel`: seconds for one target forward of ``q`` new tokens, measured at
-  start-up and refined online from real steps;
+  start-up (:mod:`ragspec.calibrate`) and refined online from real steps;
 * :class:`AcceptanceModel`: for each draft node, the chance it is accepted given that its
   parent is, per drafter source, suffix-match length and depth, calibrated online from
   accepted lengths (Beta-Bernoulli counts);
@@ -19,7 +19,6 @@ expected committed tokens per second: ``(1 + E[accepted]) / latency(1 + n)``.
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from dataclasses import dataclass
@@ -30,12 +29,9 @@ import torch
 from .errors import ConfigError
 from .types import DraftTree, VerifyResult
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "LatencyModel",
     "LatencyTable",
-    "measure_latency",
     "AcceptanceModel",
     "run_depths",
     "AcceptedPerStep",
@@ -135,52 +131,17 @@ class LatencyModel:
         self._scale = (1 - self.ema) * self._scale + self.ema * ratio
 
     @classmethod
-    def measure(
-        cls,
-        target,
-        qs: Optional[Sequence[int]] = None,
-        context: Optional[int] = None,
-        repeats: Optional[int] = None,
-        early: Optional[bool] = None,
-        *,
-        contexts: Optional[Sequence[int]] = None,
-        model_name: str = "",
-    ) -> "LatencyModel":
-        """Time the target's verification forward for each q and return the model the
-        engine uses: the measured seconds per q averaged over the measured contexts (see
-        :func:`measure_latency` for the measurement, its device-dependent defaults and the
-        full :class:`LatencyTable`).
-
-        Args:
-            target: a :class:`~ragspec.backend.base.Target` (its ``verify``, ``prefill``,
-                ``rollback``, ``new_state``, ``device``, ``dtype``).
-            qs: new tokens per forward to time (None: 1-16 on CPU, 1-64 on CUDA).
-            context: one cache length (tokens) to time at; ``contexts`` several (None for
-                both: 512 on CPU, 512 and 2048 on CUDA).
-            repeats: timed rounds after one warm-up round (None: 3 on CPU, 5 on CUDA).
-            early: also time forwards that compute only the first row of logits (None: on
-                CPU only, where greedy verification computes rows lazily).
-            model_name: the model's name in the table's key (default: the config's
-                ``_name_or_path``).
+    def from_table(cls, measured: "LatencyTable") -> "LatencyModel":
+        """The model the engine uses from a measured table: the seconds per q averaged over
+        the measured contexts (linear between them, at their mean), and the first-row-only
+        forwards' seconds where they were measured (:func:`ragspec.calibrate.measure_latency`
+        measures the table).
 
         Raises:
-            ValueError: no q or context left to time (e.g. the model's context is too short).
+            ValueError: the table holds no full-forward timings.
         """
-        if context is not None and contexts is not None:
-            raise ValueError("give context or contexts, not both")
-        measured = measure_latency(
-            target,
-            qs=qs,
-            contexts=(context,) if context is not None else contexts,
-            repeats=repeats,
-            early=early,
-            model_name=model_name,
-        )
         mid = statistics.fmean(measured.full)
         early_table = measured.at(mid, early=True) if measured.early else None
-        logger.info(
-            "latency model (ms), %s: %s", measured.key, {q: round(v * 1e3, 2) for q, v in measured.at(mid).items()}
-        )
         return cls(measured.at(mid), early=early_table)
 
 
@@ -252,140 +213,6 @@ class LatencyTable:
             tables(data["full"]),
             tables(data.get("early", {})),
         )
-
-
-#: q timed by default: CPU verification drafts at most 16 tokens; on CUDA a forward of up to
-#: 64 new tokens costs about as much as one of 1 (launch-bound at batch 1), so larger drafts
-#: are measured too.
-_CPU_QS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
-_CUDA_QS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-def _device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return device.type
-
-
-def measure_latency(
-    target,
-    *,
-    qs: Optional[Sequence[int]] = None,
-    contexts: Optional[Sequence[int]] = None,
-    repeats: Optional[int] = None,
-    early: Optional[bool] = None,
-    model_name: str = "",
-    batch: int = 1,
-) -> LatencyTable:
-    """Time the target's verification forward of q new tokens over a cache of each context
-    (with ``batch`` > 1: one forward over ``batch`` requests, each with its own cache of
-    that context and q new tokens: the batched step's cost at ``batch * q`` rows).
-
-    Defaults depend on the target's device: on CPU q = 1-16 at 512 cached tokens, 3 rounds,
-    first-row-only forwards too (what greedy verification does there); on CUDA q = 1-64 at
-    512 and 2048 cached tokens, 5 rounds, full forwards only. On CUDA every sample is taken
-    between two ``torch.cuda.synchronize()`` calls, so it is the forward's wall time, not
-    its launch time. Contexts are capped so that context + q fits the model's length.
-
-    The q values are timed in interleaved rounds (q = 1, 2, ..., then again; the first
-    round warms up), so a burst of load on a shared machine inflates one sample of several
-    q instead of every sample of one q; the median per q is kept. A forward of fewer tokens
-    is never slower than one of more, so each q's cost is capped by every larger q's (a
-    disturbed q = 1 sample read 80 ms beside 63 ms for q = 2 on the 2-core CPU and made
-    drafting look cheaper than it was). A few seconds on a 2-core CPU for a 135M model.
-
-    Returns:
-        a :class:`LatencyTable` keyed by (device, dtype, model).
-
-    Raises:
-        ValueError: no q or context left to time, or ``batch`` < 1.
-    """
-    import time
-
-    from .backend.base import Capability, VerifyItem
-
-    device = torch.device(target.device)
-    cuda = device.type == "cuda"
-    qs = tuple(sorted({int(q) for q in (qs if qs is not None else (_CUDA_QS if cuda else _CPU_QS)) if int(q) >= 1}))
-    contexts = tuple(contexts) if contexts is not None else ((512, 2048) if cuda else (512,))
-    repeats = int(repeats) if repeats is not None else (5 if cuda else 3)
-    early = ((not cuda) if early is None else bool(early)) and bool(target.capability(Capability.LAZY_ROWS))
-    if not qs:
-        raise ValueError("no q to time")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    limit = getattr(target, "max_length", None)
-    if limit:
-        contexts = tuple(min(int(c), limit - qs[-1] - 2) for c in contexts)
-    contexts = tuple(sorted({c for c in contexts if c >= 1}))
-    if not contexts:
-        raise ValueError(f"no context fits q up to {qs[-1]} in the model's {limit} positions")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    from .types import DraftTree
-
-    gen = torch.Generator().manual_seed(0)
-    modes = (False, True) if early else (False,)
-    full: dict[int, dict[int, float]] = {}
-    first: dict[int, dict[int, float]] = {}
-    with torch.inference_mode():
-        for context in contexts:
-            prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
-            samples: dict[tuple[int, bool], list[float]] = {}
-            states = []
-            for ids in prompts:
-                states.append(target.new_state())
-                target.prefill(states[-1], ids)
-            base = target.state_length(states[0])
-            for rnd in range(repeats + 1):
-                for q in qs:
-                    for lazy in modes:
-                        # q - 1 draft tokens after each root; wrap around the prompt for long q
-                        items = [
-                            VerifyItem(
-                                state,
-                                ids[-1],
-                                DraftTree.chain([ids[i % context] for i in range(q - 1)])
-                                if q > 1
-                                else DraftTree.empty(),
-                                lazy_logits=lazy,
-                            )
-                            for state, ids in zip(states, prompts)
-                        ]
-                        sync()
-                        t0 = time.perf_counter()
-                        for out in target.verify(items):
-                            if out.row_logits is not None:
-                                out.row_logits.argmax(0)
-                        sync()
-                        dt = time.perf_counter() - t0
-                        for state in states:
-                            target.rollback(state, base)
-                        if rnd:  # the first round warms up
-                            samples.setdefault((q, lazy), []).append(dt)
-            full[context] = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
-            if early:
-                first[context] = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs})
-            del states
-    name = model_name or str(getattr(getattr(target, "config", None), "_name_or_path", "") or "")
-    table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
-    for c in contexts:
-        logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
-    return table
-
-
-def _monotone(table: dict[int, float]) -> dict[int, float]:
-    """Cap each q's seconds by every larger q's: {1: 0.080, 2: 0.063, 4: 0.070} ->
-    {1: 0.063, 2: 0.063, 4: 0.070}."""
-    out: dict[int, float] = {}
-    cap = float("inf")
-    for q in sorted(table, reverse=True):
-        cap = min(cap, table[q])
-        out[q] = cap
-    return dict(sorted(out.items()))
 
 
 @dataclass

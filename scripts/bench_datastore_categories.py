@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ragspec.bench import _hf_generate, category_group, load_prompts
+from ragspec.bench.data import category_group, load_prompts
+from ragspec.bench.runner import hf_generate
 from ragspec.datastore import Datastore, build_datastore
 from ragspec.loading import load_engine, with_datastore
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
                 for name in order:
                     if name == "base":
                         t0 = time.perf_counter()
-                        toks = _hf_generate(base.model, ids, args.max_new_tokens, eos, do_sample=False)
+                        toks = hf_generate(base.model, ids, args.max_new_tokens, eos, do_sample=False)
                         res[name] = (toks, time.perf_counter() - t0, None)
                     else:
                         eng = pld_only if name == "pld" else with_ds

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ragspec.bench import category_group, load_prompts
+from ragspec.bench.data import category_group, load_prompts
 from ragspec.config import PolicyConfig
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.loading import load_engine, with_response_cache

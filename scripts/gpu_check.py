@@ -120,10 +120,10 @@ def cmd_micro(args) -> int:
     """Forward time against new tokens (1-64 on CUDA) at two contexts, per dtype, and the
     attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
     ``Engine.from_pretrained`` sets them up."""
-    from ragspec import Engine, models
-    from ragspec.bench import profile_attention
-    from ragspec.policy import measure_latency
+    from ragspec import models
     from ragspec.backend.hf import HFTarget
+    from ragspec.bench.runner import profile_attention
+    from ragspec.calibrate import measure_latency
     from ragspec.types import DraftTree
 
     _no_tf32()
@@ -191,14 +191,16 @@ def cmd_bench(args) -> int:
     JSON after every prompt so that a stage cut off by its time limit keeps what it did."""
     import dataclasses
 
-    from ragspec import Engine, bench
+    from ragspec import Engine
+    from ragspec.bench import runner as bench
+    from ragspec.bench.data import load_prompts
     from ragspec.config import PolicyConfig
 
     if args.dtype in ("fp32", "float32"):
         _no_tf32()
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     cats = [c for c in args.categories.split(",") if c]
-    rows = bench.load_prompts(args.data, cats, args.limit)
+    rows = load_prompts(args.data, cats, args.limit)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
                                     policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
@@ -293,7 +295,7 @@ def _fmt(x, width=8, digits=1):
 
 def cmd_table(args) -> int:
     """One compact table from the JSON files of both device calls."""
-    from ragspec.bench import format_identity
+    from ragspec.bench.records import format_identity
 
     dirs = args.dir
     bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "micro.json")

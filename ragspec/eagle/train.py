@@ -179,7 +179,7 @@ def _sha256(path: Path) -> str:
 
 
 def _group(category: str) -> str:
-    from ..bench import category_group
+    from ..bench.data import category_group
 
     return category_group(category)
 

@@ -143,9 +143,9 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="REST service: OpenAI-compatible completions and chat, /v1/summarize, /metrics",
         description="Serve the model over HTTP. Options fall back to RAGSPEC_* environment variables.",
     )
-    from ragspec.cli import _add_model_args
+    from ragspec.cli_common import add_model_args
 
-    _add_model_args(p, datastore=False)
+    add_model_args(p, datastore=False)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; RAGSPEC_HOST)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default 8000; RAGSPEC_PORT)")
     p.add_argument(

@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def test_llamacpp_runner_greedy_on_the_default_gguf_is_repeatable_across_prompts():
-    from ragspec.compare import open_runner
+    from ragspec.bench.compare import open_runner
 
     models.fetch_model()  # no-op when cached
     spec = models.resolve_model(None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragspec.bench import _hf_generate
+from ragspec.bench.runner import hf_generate
 
 pytestmark = pytest.mark.real_model
 
@@ -14,7 +14,7 @@ def test_dev_prompt_token_identical_to_generate(real_engine, dev_rows, category)
     # the first dev prompt of each category, 48 new tokens, prompt lookup on
     row = next(r for r in dev_rows if r["category"] == category)
     ids = real_engine.encode_prompt(row["turns"][0])
-    ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+    ref = hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
     out = real_engine.generate(ids, max_new_tokens=48, chat=False)
     assert out.token_ids == ref
     assert out.text == real_engine.tokenizer.decode(
@@ -49,7 +49,7 @@ def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, 
         assert isinstance(real_engine.drafter, PromptLookupDrafter)
     row = next(r for r in dev_rows if r["category"] == "translation")
     ids = real_engine.encode_prompt(row["turns"][0])
-    ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+    ref = hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
     assert real_engine.generate(ids, max_new_tokens=48, chat=False).token_ids == ref
     merged = with_drafting(real_engine, "merged")
     assert isinstance(merged.drafter, MergedDrafter)
@@ -93,5 +93,5 @@ def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engin
     assert real_engine.target.gguf_weights == 30 * 7 + 1
     row = [r for r in dev_rows if r["category"] == "summarization"][1]
     ids = real_engine.encode_prompt(row["turns"][0])
-    ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+    ref = hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
     assert real_engine.generate(ids, max_new_tokens=48, chat=False).token_ids == ref

@@ -20,7 +20,7 @@ from gpu_testing import (
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.bench import static_generate_kwargs
+from ragspec.bench.runner import static_generate_kwargs
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.policy import LatencyModel
 from ragspec.types import DraftTree

@@ -22,10 +22,11 @@ from gpu_testing import (
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.bench import format_table, profile_attention, run_bench, summarize
+from ragspec.bench.runner import format_table, profile_attention, run_bench, summarize
+from ragspec.calibrate import measure_latency
 from ragspec.config import SamplingParams
 from ragspec.drafters import PromptLookupDrafter
-from ragspec.policy import LatencyModel, measure_latency
+from ragspec.policy import LatencyModel
 from ragspec.sampling import verify_sampling
 from ragspec_testing import make_tree
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gpu_testing import VerifySpy
 
-from ragspec.bench import _hf_generate
+from ragspec.bench.runner import hf_generate
 
 pytestmark = pytest.mark.real_model
 
@@ -44,7 +44,7 @@ def test_cuda_engine_merges_retrieval_and_head_drafts_and_stays_identical(real_e
     for category in ("translation", "rag"):
         row = next(r for r in dev_rows if r["category"] == category)
         ids = real_engine.encode_prompt(row["turns"][0])
-        ref = _hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
+        ref = hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)
         assert real_engine.generate(ids, max_new_tokens=48, chat=False).token_ids == ref
     mixed = [c for c in spy.calls if "eagle" in c["sources"] and len(c["sources"]) > 1]
     assert mixed, [sorted(c["sources"]) for c in spy.calls[:20]]

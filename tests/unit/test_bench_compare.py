@@ -15,10 +15,11 @@ import pytest
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.bench import BenchRecord, format_table, run_bench, summarize
+from ragspec.bench.compare import PlainRun, PlainRunner, open_runner, require, summarize_compare
+from ragspec.bench.compare.llamacpp import LlamaCppRunner, context_size
+from ragspec.bench.records import BenchRecord
+from ragspec.bench.runner import format_table, run_bench, summarize
 from ragspec.cli import main
-from ragspec.compare import PlainRun, PlainRunner, open_runner, require, summarize_compare
-from ragspec.compare.llamacpp import LlamaCppRunner, context_size
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.errors import ConfigError, MissingDependencyError
 from ragspec.policy import LatencyModel
@@ -330,7 +331,7 @@ def test_llamacpp_batched_serves_each_request_its_solo_greedy_in_slots(tmp_path)
 
 
 def test_concurrency_level_through_llamacpp_counts_like_ragspec(tmp_path):
-    from ragspec.bench_concurrency import run_level_llamacpp
+    from ragspec.bench.concurrency import run_level_llamacpp
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -391,7 +392,7 @@ def test_probe_reports_a_crashing_llama_cpp_build_as_a_typed_error(monkeypatch, 
     # AMX, found on this project's machine) must not take the bench's process with it
     import subprocess
 
-    from ragspec.compare import llamacpp
+    from ragspec.bench.compare import llamacpp
     from ragspec.errors import ModelLoadError
 
     def run(returncode, stderr=""):

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.bench import (
-    BenchRecord,
-    format_identity,
+from ragspec.bench.records import BenchRecord, format_identity
+from ragspec.bench.runner import (
     format_table,
     profile_attention,
     run_bench,
@@ -90,7 +89,7 @@ def test_profile_attention_names_the_sdpa_kernel_of_a_forward(char_tokenizer):
 def test_a_static_baseline_failing_its_warm_up_is_dropped_not_fatal(char_tokenizer, single_thread, monkeypatch, caplog):
     # on a GPU the static-cache baseline is compiled in its warm-up; if that fails, the other
     # methods are still timed (here: a cache implementation transformers does not know)
-    import ragspec.bench as bench
+    import ragspec.bench.runner as bench
 
     monkeypatch.setattr(
         bench, "static_generate_kwargs", lambda max_cache_len=None: {"cache_implementation": "no-such-cache"}

@@ -316,7 +316,7 @@ def test_stepper_close_mid_stream_cancels_and_others_continue(tok):
 
 
 def test_bench_concurrency_levels_are_identical_to_solo(tok):
-    from ragspec.bench_concurrency import arrival_stall, format_levels, parse_levels, run_concurrency
+    from ragspec.bench.concurrency import arrival_stall, format_levels, parse_levels, run_concurrency
 
     eng = _engine(tok, 128)
     prompts = [tok(_text(30 + 100 * i, i))["input_ids"] for i in range(3)]
@@ -375,8 +375,8 @@ def test_stream_cancel_is_seen_between_prefill_chunks(tok):
 
 
 def test_level_ceilings_schedule_each_request_over_its_share_of_the_batch():
-    from ragspec.bench_concurrency import level_ceilings
-    from ragspec.replay import oracle_spans
+    from ragspec.bench.concurrency import level_ceilings
+    from ragspec.bench.replay import oracle_spans
 
     # a forward over n requests of q rows: 10 ms per request plus 1 ms per extra row
     def step_s(n, q):

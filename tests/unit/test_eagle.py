@@ -478,8 +478,8 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     """Regression (fresh-user trial): ``ragspec eagle bench --eagle auto`` failed with "auto
     is not an EAGLE head folder", and an empty ``RAGSPEC_EAGLE`` meant "no head" for
     ``generate`` but "auto" for the server."""
+    from ragspec.bench.eagle import make_drafter
     from ragspec.cli import build_parser
-    from ragspec.eagle.cli import _make_drafter
 
     monkeypatch.setenv("RAGSPEC_EAGLE", "")
     p = build_parser()
@@ -488,7 +488,7 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
     assert args.eagle == "auto"
     # a model without a shipped head: a clear error naming the option, not a missing folder
     with pytest.raises(ConfigError, match="--eagle DIR"):
-        _make_drafter("both", args, target, None, object())
+        make_drafter("both", args, target, None, object())
 
 
 # ---------------------------------------------------------------------------- EAGLE-3 training-time test
@@ -579,14 +579,14 @@ def test_engine_generated_responses_equal_model_generate_greedy(model, tok):
 
 def test_eagle_bench_drafter_set_names_its_own_head(trained_dir, target, tok):
     # ragspec eagle bench --drafters head,head=DIR: the second set drafts with DIR's head
+    from ragspec.bench.eagle import make_drafter
     from ragspec.cli import build_parser
-    from ragspec.eagle.cli import _make_drafter
 
     args = build_parser().parse_args(["eagle", "bench", "--eagle", "none"])
-    drafter = _make_drafter(f"head={trained_dir[0]}", args, target, None, object())
+    drafter = make_drafter(f"head={trained_dir[0]}", args, target, None, object())
     assert torch.equal(drafter.head.fc.weight, load_eagle_head(trained_dir[0], target=target).fc.weight)
     with pytest.raises(ConfigError, match="--eagle DIR"):
-        _make_drafter("head", args, target, None, object())
+        make_drafter("head", args, target, None, object())
 
 
 def test_init_head_that_is_not_a_head_fails_before_any_generation(model, tok, tmp_path):

@@ -1,4 +1,4 @@
-"""LatencyModel.measure / measure_latency on a fake target with a fake clock: what is
+"""measure_latency_model / measure_latency on a fake target with a fake clock: what is
 timed (q, contexts, rounds, first-row-only forwards), the table's key, and the model the
 engine gets from it."""
 
@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from ragspec.policy import LatencyModel, LatencyTable, measure_latency
+from ragspec.calibrate import measure_latency, measure_latency_model
+from ragspec.policy import LatencyTable
 
 
 class FakeTarget:
@@ -79,7 +80,7 @@ def test_cpu_defaults_time_q_1_to_16_at_512_tokens_with_first_row_forwards(clock
 
 def test_two_contexts_and_the_engine_model_is_their_mean(clock):
     target = FakeTarget(clock)
-    lat = LatencyModel.measure(target, qs=(1, 4, 64), contexts=(512, 1536), repeats=1, early=False)
+    lat = measure_latency_model(target, qs=(1, 4, 64), contexts=(512, 1536), repeats=1, early=False)
     # at 512: 1 + q/8 ms * 1.5; at 1536: * 2.5; the mean * 2
     assert lat.table[64] == pytest.approx(1e-3 * 9 * 2.0)
     assert lat.table[1] == pytest.approx(1e-3 * 1.125 * 2.0)

@@ -522,6 +522,7 @@ def test_bench_rejects_an_unknown_also_drafting_mode_before_loading_the_model(tm
     # fresh-user trial: `ragspec bench --also-drafting nonsense` failed only after the model
     # load and the latency calibration (~5 s); it now fails first, naming the options
     from ragspec import cli
+    from ragspec.bench import cli as bench_cli
 
     data = tmp_path / "dev.jsonl"
     data.write_text('{"question_id": 1, "category": "rag", "turns": ["a question"]}\n', encoding="utf-8")
@@ -529,7 +530,7 @@ def test_bench_rejects_an_unknown_also_drafting_mode_before_loading_the_model(tm
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(cli, "_engine", no_load)
+    monkeypatch.setattr(bench_cli, "engine_from_args", no_load)
     rc = cli.main(["bench", "--data", str(data), "--also-drafting", "merged,nonsense", "--no-hf-pld"])
     assert rc != 0
     err = capsys.readouterr().err

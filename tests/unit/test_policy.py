@@ -90,12 +90,12 @@ def test_oracle_drafter_drafts_long(setup, char_tokenizer):
 
 
 def test_latency_calibration_is_monotone_in_q_after_a_disturbed_sample():
-    from ragspec.policy import _monotone
+    from ragspec.calibrate import _monotone, measure_latency_model
 
     # a burst of load during the q = 1 samples read 80 ms beside 63 ms for q = 2
     assert _monotone({1: 0.080, 2: 0.063, 4: 0.070, 8: 0.065}) == {1: 0.063, 2: 0.063, 4: 0.065, 8: 0.065}
     target = HFTarget(make_tiny_llama(layers=1))
-    lat = LatencyModel.measure(target, qs=(1, 2, 4, 8), context=32, repeats=2)
+    lat = measure_latency_model(target, qs=(1, 2, 4, 8), context=32, repeats=2)
     for table in (lat.table, {q: lat.early(q) for q in (1, 2, 4, 8)}):
         values = [table[q] for q in (1, 2, 4, 8)]
         assert all(v > 0 for v in values)

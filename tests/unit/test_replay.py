@@ -8,10 +8,7 @@ import json
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.cli import main as cli_main
-from ragspec.drafters import PromptLookupDrafter
-from ragspec.policy import LatencyModel, LatencyTable
-from ragspec.replay import (
+from ragspec.bench.replay import (
     CostModelReplay,
     accepted_path,
     context_oracle,
@@ -26,6 +23,9 @@ from ragspec.replay import (
     replay_suffix_oracle,
     suffix_oracle,
 )
+from ragspec.cli import main as cli_main
+from ragspec.drafters import PromptLookupDrafter
+from ragspec.policy import LatencyModel, LatencyTable
 from ragspec_testing import ScriptedDrafter, make_tree
 
 

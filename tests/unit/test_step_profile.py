@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ragspec.backend.hf import HFTarget
+from ragspec.bench.profile import format_step_profile, profile_plain_step
 from ragspec.cli import main as cli_main
 from ragspec.engine import Engine
-from ragspec.step_profile import format_step_profile, profile_plain_step
 
 
 def test_profile_plain_step_splits_a_step(no_eos_setup, char_tokenizer, single_thread):

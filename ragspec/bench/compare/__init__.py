@@ -11,21 +11,19 @@ ragspec's own plain-step time per token beside its decode time per token.
 Runners (``COMPARATORS``):
 
 - ``llamacpp``: llama-cpp-python's plain greedy decoding on the model's GGUF
-  (:class:`ragspec.compare.llamacpp.LlamaCppRunner`; the ``ragspec[compare]`` extra).
+  (:class:`ragspec.bench.compare.llamacpp.LlamaCppRunner`; the ``ragspec[compare]`` extra).
 
 The interface (:class:`PlainRunner`) is small so that tests can stand in a fake runner.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+from typing import Optional, Sequence
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..bench import BenchRecord
+from ...errors import ConfigError
+from ..records import BenchRecord, first_diff, format_identity
+from .base import PlainRun, PlainRunner
 
 __all__ = [
     "COMPARATORS",
@@ -40,47 +38,6 @@ __all__ = [
 ]
 
 COMPARATORS = ("llamacpp",)
-
-
-@dataclass
-class PlainRun:
-    """One greedy generation of a comparison runner.
-
-    Attributes:
-        tokens: the generated ids (prompt excluded; an EOS id that ended it included, as
-            transformers' ``generate`` and ragspec count it).
-        prefill_s: seconds of the prompt's forward and the first token's argmax.
-        decode_s: seconds of the ``len(tokens) - 1`` one-token steps after it.
-    """
-
-    tokens: list[int]
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-
-@runtime_checkable
-class PlainRunner(Protocol):
-    """What the bench needs of a comparison runner."""
-
-    name: str
-
-    def prepare(self, max_tokens: int) -> None:
-        """Load (once) with room for ``max_tokens`` positions (longest prompt plus new
-        tokens); called by the bench before anything is timed."""
-
-    def generate(self, ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]) -> PlainRun:
-        """Greedy decoding from ``ids`` (a fresh KV cache) until ``max_new_tokens`` tokens
-        or an id in ``eos`` (kept)."""
-
-    def info(self) -> dict:
-        """Settings and versions for the bench's JSON."""
-
-    def close(self) -> None:
-        """Free the model."""
 
 
 def require(name: str) -> None:
@@ -121,8 +78,6 @@ def compare_entry(run: PlainRun, wall_s: float, baseline_tokens: Sequence[int]) 
     the call, timed as the bench times every method), ``tokens``, ``prefill_s``,
     ``decode_s``, ``identical`` (to transformers greedy) and ``first_diff`` (the first
     differing token index, -1 when identical)."""
-    from ..bench import _first_diff
-
     tokens = list(run.tokens)
     return {
         "s": wall_s,
@@ -130,7 +85,7 @@ def compare_entry(run: PlainRun, wall_s: float, baseline_tokens: Sequence[int]) 
         "prefill_s": run.prefill_s,
         "decode_s": run.decode_s,
         "identical": tokens == list(baseline_tokens),
-        "first_diff": _first_diff(tokens, baseline_tokens),
+        "first_diff": first_diff(tokens, baseline_tokens),
         "token_ids": tokens,
     }
 
@@ -139,7 +94,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a and b else None
 
 
-def summarize_compare(records: Sequence["BenchRecord"]) -> dict:
+def summarize_compare(records: Sequence[BenchRecord]) -> dict:
     """Per runner, over ``records`` (one category group): runner name -> figures.
 
     Figures: ``prompts``; ``tok_s`` (total tokens / total wall seconds); ``prefill_s`` (mean
@@ -203,8 +158,6 @@ def format_compare_table(table: dict) -> str:
     per prompt), both decode-only tok/s, the runner's decode ms/token next to ragspec's
     plain-step ms/token, and the runner's identity to transformers greedy
     (``identical/prompts @first divergence``). Empty when no runner ran."""
-    from ..bench import format_identity
-
     names = sorted({n for t in table.values() for n in t.get("compare", {})})
     blocks = []
     for name in names:

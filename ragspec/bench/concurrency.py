@@ -23,11 +23,11 @@ of that many tokens arrives, with the engine's chunked prefill and with the whol
 one forward: chunked prefill bounds it by one chunk's forward.
 
 ``level_ceilings`` (``--ceiling``): per level N, what this machine allows, from the measured
-cost of one forward over N requests (:func:`ragspec.policy.measure_latency` with
+cost of one forward over N requests (:func:`ragspec.calibrate.measure_latency` with
 ``batch=N``, at the runs' median cache length midway through decoding) and the level-1
 outputs: plain batched decoding (N tokens a forward of N rows); the context oracle (each
 request drafting, at each step, as much of the longest span of its true output found in its
-context as pays: :func:`ragspec.replay.fastest_schedule` over its share of the batch's cost,
+context as pays: :func:`ragspec.bench.replay.fastest_schedule` over its share of the batch's cost,
 every row accepted), which bounds any drafter copying from the context; end to end with each
 prompt's prefill seconds (compute-bound: a batch does not make them cheaper), also with
 decoding free (the prefills alone); and the mean request latency that throughput allows
@@ -44,16 +44,13 @@ throughput, TTFT, P50/P99 latency) reduced to an in-process closed loop.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +64,9 @@ __all__ = [
     "LevelCeiling",
     "level_ceilings",
     "format_ceilings",
-    "cmd_concurrency",
+    "format_levels",
+    "measure_ceilings",
+    "long_prompt_ids",
 ]
 
 
@@ -219,7 +218,7 @@ def run_level_llamacpp(
     reference: Optional[Sequence[list[int]]] = None,
 ) -> LevelResult:
     """The same level served by llama.cpp's continuous batching (``llama-server -np
-    concurrency``: :meth:`~ragspec.compare.llamacpp.LlamaCppRunner.generate_batched`), greedy:
+    concurrency``: :meth:`~ragspec.bench.compare.llamacpp.LlamaCppRunner.generate_batched`), greedy:
     ``max(len(prompts), concurrency)`` requests, a freed slot taking the next one.
 
     ``prefill_s`` is the time of the ``llama_decode`` calls that carried prompt tokens
@@ -384,7 +383,7 @@ def level_ceilings(
     A forward over N requests of q rows each costs ``step_s(N, q)``; each request is charged
     its share ``step_s(N, q) / N`` for its own q (exact where the cost is linear in the rows,
     as it is between the measured q), and schedules its drafts to minimise its time
-    (:func:`ragspec.replay.fastest_schedule` over its context-oracle spans), as if N requests
+    (:func:`ragspec.bench.replay.fastest_schedule` over its context-oracle spans), as if N requests
     were in flight to its last step (a level's tail, with fewer, is charged less than it
     costs): the oracle's throughput is an upper bound for any drafter copying from the
     context, up to the timings' noise.
@@ -393,7 +392,7 @@ def level_ceilings(
         levels: the levels N.
         step_s: ``step_s(n, q)`` seconds of one forward over ``n`` requests of ``q`` rows each.
         spans: per prompt, the context oracle's span per decode position
-            (:func:`ragspec.replay.oracle_spans` of its solo output).
+            (:func:`ragspec.bench.replay.oracle_spans` of its solo output).
         prefill_s: per prompt, its prefill seconds (solo).
 
     Returns:
@@ -436,7 +435,7 @@ def format_ceilings(ceilings: Sequence[LevelCeiling], results: Sequence[LevelRes
     one = next((r for r in results if r.concurrency == 1), None)
     lines = [
         "# ceilings on this machine (plain: batching alone; oracle: any drafter copying from the context; all "
-        "accepted: a drafter never wrong; see ragspec/bench_concurrency.py), tokens/s:",
+        "accepted: a drafter never wrong; see ragspec/bench/concurrency.py), tokens/s:",
         f"{'clients':>7} {'plain step ms':>13} {'plain decode':>13} {'oracle decode':>14} {'oracle agg':>11} "
         f"{'latency s':>10} {'rows/req':>9} {'all accepted':>13}",
     ]
@@ -507,11 +506,14 @@ def format_levels(results: Sequence[LevelResult]) -> str:
     return "\n".join(lines)
 
 
-def _measure_ceilings(engine, prompts: Sequence[list[int]], results: Sequence[LevelResult], budget: int) -> list:
+def measure_ceilings(
+    engine, prompts: Sequence[list[int]], results: Sequence[LevelResult], budget: int
+) -> list[LevelCeiling]:
     """:func:`level_ceilings` of the measured levels: the batched forward's cost measured here
     at the runs' median cache length midway through decoding, the oracle's spans over the
     solo outputs, and each prompt's prefill seconds timed alone (the faster of two)."""
-    from .policy import LatencyModel, measure_latency
+    from ..calibrate import measure_latency
+    from ..policy import LatencyModel
     from .replay import oracle_spans
 
     # every level's outputs equal the solo ones (counted in ``identical``): any level's first
@@ -556,7 +558,7 @@ def _measure_ceilings(engine, prompts: Sequence[list[int]], results: Sequence[Le
     return ceilings
 
 
-def _long_prompt(engine, rows: Sequence[dict], n_tokens: int) -> list[int]:
+def long_prompt_ids(engine, rows: Sequence[dict], n_tokens: int) -> list[int]:
     """``n_tokens`` token ids of the rows' texts concatenated (cycled), in the chat template."""
     text = ""
     i = 0
@@ -565,133 +567,3 @@ def _long_prompt(engine, rows: Sequence[dict], n_tokens: int) -> list[int]:
         i += 1
     ids = engine.encode_prompt(text + "Summarize the text above.", chat=True)
     return ids[-n_tokens:] if len(ids) > n_tokens else ids
-
-
-def cmd_concurrency(args) -> int:
-    """The ``ragspec bench --concurrency`` command (``args`` from ``ragspec bench``)."""
-    from . import bench
-    from .cli import _engine
-
-    levels = parse_levels(args.concurrency)
-    cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["summarization", "rag"]
-    rows = bench.load_prompts(args.data, cats, args.limit, required=True)
-    runner = None
-    if getattr(args, "compare", None):
-        from . import compare
-        from .models import resolve_model
-
-        if args.temperature > 0:
-            raise ConfigError("--compare times plain greedy decoding; use --temperature 0")
-        for name in args.compare:
-            compare.require(name)
-        threads = args.threads or __import__("torch").get_num_threads()
-        runner = compare.open_runner("llamacpp", gguf=resolve_model(args.model).gguf_file, threads=threads)
-    engine = _engine(args)
-    # the ceilings price drafts up to the engine's own budget (the oracle at a budget of 0
-    # drafts nothing: the ceiling is then plain decoding's)
-    budget = engine.policy.max_draft_tokens
-    prompts = [engine.encode_prompt(r["turns"][0], chat=True) for r in rows]
-    print(
-        f"# concurrency {levels}: {len(prompts)} prompts ({', '.join(cats)}), max_new_tokens {args.max_new_tokens}, "
-        f"model {engine.model_name}, prefill chunk {engine.policy.prefill_chunk_tokens}, "
-        f"temperature {args.temperature}",
-        file=sys.stderr,
-    )
-    if args.warmup:
-        engine.generate(prompts[0], max_new_tokens=16, chat=False)
-
-    def progress(r: LevelResult) -> None:
-        print(
-            f"  [{r.concurrency} clients] {r.aggregate_tok_s:.1f} tok/s, decode {r.decode_tok_s:.1f} tok/s, "
-            f"P50 {r.latency_p50_s:.2f} s, identical {r.identical}/{r.requests}",
-            file=sys.stderr,
-        )
-
-    results = run_concurrency(
-        engine, prompts, levels, max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=progress
-    )
-    print(format_levels(results))
-    llamacpp: list[LevelResult] = []
-    agree: list[int] = []
-    if runner is not None:
-        # the same levels through llama.cpp's continuous batching, after ragspec's (one run,
-        # the same prompt ids, threads and GGUF); identical = equal to llama.cpp's own solo
-        own: Optional[list[list[int]]] = None
-        for n in ([1] if 1 in levels else []) + [n for n in levels if n != 1]:
-            res = run_level_llamacpp(runner, prompts, n, max_new_tokens=args.max_new_tokens, eos=engine.eos_token_ids)
-            if own is None:
-                own = (
-                    res.tokens[: len(prompts)]
-                    if n == 1
-                    else [runner.generate(p, args.max_new_tokens, engine.eos_token_ids).tokens for p in prompts]
-                )
-            res.identical = sum(res.tokens[k] == own[k % len(prompts)] for k in range(res.requests))
-            llamacpp.append(res)
-        llamacpp.sort(key=lambda r: levels.index(r.concurrency))
-        solo = results[0].tokens if results and results[0].concurrency == 1 else None
-        for r in llamacpp:
-            agree.append(
-                sum(r.tokens[k] == solo[k % len(prompts)] for k in range(r.requests)) if solo is not None else -1
-            )
-        print("# llama.cpp, continuous batching (llama-server -np N), same GGUF and threads:")
-        print(format_levels(llamacpp))
-        for r, ours in zip(llamacpp, results):
-            print(
-                f"# {r.concurrency} clients: ragspec / llama.cpp aggregate x{ours.aggregate_tok_s / max(1e-9, r.aggregate_tok_s):.2f}, "
-                f"P50 latency x{ours.latency_p50_s / max(1e-9, r.latency_p50_s):.2f} (lower is better for ragspec); "
-                f"llama.cpp equal to its own solo {r.identical}/{r.requests}, to ragspec's greedy "
-                f"{agree[llamacpp.index(r)]}/{r.requests}"
-            )
-    ceilings: list[LevelCeiling] = []
-    if getattr(args, "ceiling", False) and results:
-        ceilings = _measure_ceilings(engine, prompts, results, budget)
-        print(format_ceilings(ceilings, results))
-    stall = None
-    if args.stall_tokens:
-        long_ids = _long_prompt(engine, rows, args.stall_tokens)
-        stall = arrival_stall(engine, prompts[: max(1, min(4, len(prompts)))], long_ids)
-        print(
-            f"# a {stall['prompt_tokens']}-token prompt arriving: running streams' longest step "
-            f"{stall['chunked']['max_step_s'] * 1e3:.0f} ms chunked ({stall['chunk_tokens']} tokens/step, "
-            f"{stall['chunked']['steps']} steps) vs {stall['unchunked']['max_step_s'] * 1e3:.0f} ms unchunked; "
-            f"plain step {stall['chunked']['mean_plain_step_s'] * 1e3:.0f} ms"
-        )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "settings": {
-                        "data": args.data,
-                        "categories": cats,
-                        "limit": args.limit,
-                        "max_new_tokens": args.max_new_tokens,
-                        "concurrency": levels,
-                        "model": engine.model_name,
-                        "device": str(engine.target.device),
-                        "dtype": str(engine.target.dtype),
-                        "temperature": args.temperature,
-                        "prefill_chunk_tokens": engine.policy.prefill_chunk_tokens,
-                        "batched_verify": bool(getattr(engine.target, "batches", False)),
-                        "threads": __import__("torch").get_num_threads(),
-                        "torch": __import__("torch").__version__,
-                        "transformers": __import__("transformers").__version__,
-                    },
-                    "levels": [dataclasses.asdict(r) for r in results],
-                    "llamacpp": {
-                        "levels": [dataclasses.asdict(r) for r in llamacpp],
-                        "agrees_with_ragspec": agree,
-                        "info": runner.info() if runner is not None else None,
-                    }
-                    if runner is not None
-                    else None,
-                    "arrival_stall": stall,
-                    "ceilings": [dataclasses.asdict(c) for c in ceilings],
-                },
-                indent=1,
-                default=str,
-            )
-        )
-        print(f"# wrote {args.json}", file=sys.stderr)
-    if args.temperature == 0 and any(r.identical != r.requests for r in results):
-        print("# WARNING: some batched outputs differ from their solo outputs", file=sys.stderr)
-    return 0

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .types import DraftTree
+from ..types import DraftTree
 
 __all__ = ["profile_plain_step", "format_step_profile"]
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from ..errors import ConfigError, MissingDependencyError, ModelLoadError
-from . import PlainRun
+from ...errors import ConfigError, MissingDependencyError, ModelLoadError
+from .base import PlainRun
 
 logger = logging.getLogger(__name__)
 

@@ -66,13 +66,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
-from .drafters.base import Drafter
-from .errors import ConfigError
-from .jsonl import iter_jsonl
-from .types import DraftTree, VerifyResult
+from ..drafters.base import Drafter
+from ..errors import ConfigError
+from ..jsonl import iter_jsonl
+from ..types import DraftTree, VerifyResult
 
 if TYPE_CHECKING:
-    from .policy import AcceptanceModel, LatencyModel, LatencyTable
+    from ..policy import AcceptanceModel, LatencyModel, LatencyTable
 
 logger = logging.getLogger(__name__)
 
@@ -246,13 +246,13 @@ class CostModelReplay:
 
     def start(self) -> None:
         """A new request: a fresh acceptance model."""
-        from .policy import AcceptanceModel
+        from ..policy import AcceptanceModel
 
         self.acceptance = AcceptanceModel()
 
     def choose(self, proposal: DraftTree, budget: int) -> tuple[DraftTree, bool]:
         """(the kept draft, whether its logits are computed lazily)."""
-        from .policy import choose_draft
+        from ..policy import choose_draft
 
         if proposal.num_nodes == 0:
             return proposal, True
@@ -528,7 +528,7 @@ def replay_ceiling(
     Raises:
         ConfigError: ``budget`` < 1.
     """
-    from .policy import LatencyModel, LatencyTable
+    from ..policy import LatencyModel, LatencyTable
 
     if budget < 1:
         raise ConfigError(f"budget must be >= 1, got {budget}")
@@ -708,8 +708,8 @@ def format_replay_table(table: dict, drafters: Sequence[str]) -> str:
 def default_drafters() -> dict[str, Callable[[], Drafter]]:
     """The drafters the replay compares: prompt lookup with the shipped settings and two
     variants of its candidate count (one chain; eight candidates)."""
-    from .config import PLDConfig
-    from .drafters.prompt_lookup import PromptLookupDrafter
+    from ..config import PLDConfig
+    from ..drafters.prompt_lookup import PromptLookupDrafter
 
     return {
         "pld": lambda: PromptLookupDrafter(PLDConfig()),

@@ -13,7 +13,7 @@ runs once on the first prompt before anything is timed (CUDA context and kernel 
 ``torch.compile`` of the static-cache baseline, cuBLAS handles).
 
 With ``compare`` (``ragspec bench --compare llamacpp``) another decoder's plain greedy
-(:mod:`ragspec.compare`: llama-cpp-python on the same GGUF, the same token ids and thread
+(:mod:`ragspec.bench.compare`: llama-cpp-python on the same GGUF, the same token ids and thread
 count) runs as one more interleaved method; the summary gains its tokens/s, prefill
 seconds, decode-only tokens/s, first divergence from the baseline and ragspec's ratio to it.
 
@@ -29,128 +29,29 @@ import dataclasses
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..errors import ConfigError
 from .compare import compare_entry, format_compare_table, summarize_compare
-from .errors import ConfigError
-from .jsonl import iter_jsonl
+from .data import category_group
+from .records import BenchRecord, first_diff, format_identity
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "load_prompts",
     "run_bench",
     "make_record",
+    "hf_generate",
+    "static_generate_kwargs",
+    "static_compiled",
     "summarize",
     "format_table",
     "profile_attention",
-    "MT_BENCH_CATEGORIES",
-    "BenchRecord",
+    "plot",
 ]
-
-MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-
-
-def load_prompts(
-    path: str | Path, categories: Optional[Sequence[str]] = None, limit: Optional[int] = None, *, required: bool = False
-) -> list[dict]:
-    """Rows of a Spec-Bench JSONL file (``question_id``, ``category``, ``turns``).
-
-    ``categories`` may name "mt_bench" for the eight MT-bench categories. ``limit`` is per
-    category (in file order).
-
-    Raises:
-        ConfigError: the file is missing, not UTF-8 text, a line is not valid JSON or not a
-            row with ``turns``; with ``required``, no row selected (the message names the
-            file and the categories it has).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"benchmark data not found: {p}")
-    wanted: Optional[set[str]] = None
-    if categories:
-        wanted = set()
-        for c in categories:
-            wanted.update(MT_BENCH_CATEGORIES if c == "mt_bench" else (c,))
-    rows, per_cat = [], {}
-    seen: dict[str, int] = {}
-    for i, row in iter_jsonl(p):
-        if not isinstance(row, dict) or not isinstance(row.get("turns"), list) or not row["turns"]:
-            raise ConfigError(f"{p}:{i}: not a Spec-Bench row (a JSON object with a non-empty list 'turns')")
-        cat = str(row.get("category", ""))
-        seen[cat] = seen.get(cat, 0) + 1
-        if wanted is not None and cat not in wanted:
-            continue
-        group = "mt_bench" if cat in MT_BENCH_CATEGORIES else cat
-        if limit is not None and per_cat.get(group, 0) >= limit:
-            continue
-        per_cat[group] = per_cat.get(group, 0) + 1
-        rows.append(row)
-    if required and not rows:
-        if not seen:
-            raise ConfigError(f"no prompts selected: {p} has no rows")
-        have = ", ".join(sorted(c or "''" for c in seen))
-        raise ConfigError(
-            f"no prompts selected: {p} has no rows of {', '.join(sorted(wanted or ()))} (its categories: {have})"
-        )
-    return rows
-
-
-def category_group(category: str) -> str:
-    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
-
-
-@dataclass
-class BenchRecord:
-    question_id: object
-    category: str
-    prompt_tokens: int
-    baseline_tokens: int
-    baseline_s: float
-    ragspec_s: float
-    ragspec_tokens: int
-    identical: bool
-    first_diff: int
-    mean_accepted: float
-    acceptance_rate: float
-    drafted: int
-    accepted: int
-    forward_passes: int
-    hf_pld_s: Optional[float] = None
-    hf_pld_tokens: Optional[int] = None
-    hf_pld_identical: Optional[bool] = None
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    prefill_s: float = 0.0
-    accepted_histogram: dict = field(default_factory=dict)
-    steps: list = field(default_factory=list)
-    static_s: Optional[float] = None
-    static_tokens: Optional[int] = None
-    static_identical: Optional[bool] = None
-    max_draft_tokens: Optional[int] = None
-    more_budgets: dict = field(default_factory=dict)
-    """Runs of ragspec at other draft budgets: str(budget) -> {"s", "tokens", "identical",
-    "first_diff", "mean_accepted", "forward_passes"}."""
-    compare: dict = field(default_factory=dict)
-    """Runs of ``--compare`` runners: name -> :func:`ragspec.compare.compare_entry`."""
-    variants: dict = field(default_factory=dict)
-    """Runs of other ragspec engines (``--also-drafting``): name -> the same fields as
-    ``more_budgets``' entries."""
-    plain_step_s: float = 0.0
-    plain_steps: int = 0
-    """Seconds of ragspec's forwards in steps that verified no draft, and how many (0 when
-    its per-step figures were not recorded)."""
-
-
-def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return -1 if len(a) == len(b) else min(len(a), len(b))
 
 
 def _sync(device) -> None:
@@ -180,7 +81,7 @@ def static_generate_kwargs(max_cache_len: Optional[int] = None) -> dict:
     return kw
 
 
-def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: Sequence[int], **kw) -> list[int]:
+def hf_generate(model, ids: list[int], max_new_tokens: int, eos: Sequence[int], **kw) -> list[int]:
     x = torch.tensor([ids], device=model.device)
     with torch.inference_mode():
         out = model.generate(
@@ -217,7 +118,7 @@ def make_record(
         ragspec_s=st.total_s,
         ragspec_tokens=len(out.token_ids),
         identical=(out.token_ids == baseline_tokens) if not sampling else False,
-        first_diff=_first_diff(out.token_ids, baseline_tokens) if not sampling else -1,
+        first_diff=first_diff(out.token_ids, baseline_tokens) if not sampling else -1,
         mean_accepted=st.mean_accepted_tokens,
         acceptance_rate=st.acceptance_rate,
         drafted=st.num_drafted_tokens,
@@ -271,7 +172,7 @@ def run_bench(
         progress: called as ``progress(i, record)`` after each prompt.
         keep_steps: keep ragspec's per-step stats in the records.
         documents_for: ``row -> list[str]`` documents handed to ragspec's drafter.
-        compare: :class:`ragspec.compare.PlainRunner` s (``--compare``), greedy only: each
+        compare: :class:`ragspec.bench.compare.PlainRunner` s (``--compare``), greedy only: each
             is prepared (loaded) once before timing and runs every prompt interleaved with
             the other methods; ragspec's per-step figures are then recorded for its
             plain-step time.
@@ -314,12 +215,12 @@ def run_bench(
 
     def run(name: str, i: int, ids: list[int], docs, new_tokens: int):
         if name == "baseline":
-            return _timed(device, lambda: _hf_generate(model, ids, new_tokens, eos, **gen_kw))
+            return _timed(device, lambda: hf_generate(model, ids, new_tokens, eos, **gen_kw))
         if name == "static":
-            return _timed(device, lambda: _hf_generate(model, ids, new_tokens, eos, **static_kw, **gen_kw))
+            return _timed(device, lambda: hf_generate(model, ids, new_tokens, eos, **static_kw, **gen_kw))
         if name == "hf_pld":
             return _timed(
-                device, lambda: _hf_generate(model, ids, new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
+                device, lambda: hf_generate(model, ids, new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
             )
         if name in runners:
             return _timed(device, lambda: runners[name].generate(ids, new_tokens, eos))
@@ -417,7 +318,7 @@ def _other_run(out, seconds: float, base_toks: Sequence[int], sampling: bool) ->
         "s": seconds,
         "tokens": len(out.token_ids),
         "identical": (out.token_ids == base_toks) if not sampling else False,
-        "first_diff": _first_diff(out.token_ids, base_toks) if not sampling else -1,
+        "first_diff": first_diff(out.token_ids, base_toks) if not sampling else -1,
         "mean_accepted": out.stats.mean_accepted_tokens,
         "forward_passes": out.stats.num_forward_passes,
     }
@@ -499,13 +400,6 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
         if any(r.compare for r in rs):
             table[g]["compare"] = summarize_compare(rs)
     return table
-
-
-def format_identity(identical: int, prompts: int, first_diffs: Sequence[int]) -> str:
-    """``"3/4"``, or ``"1/4 @12"`` when some outputs differ (@: the earliest token index
-    where one first differs from the baseline)."""
-    text = f"{identical}/{prompts}"
-    return text + (f" @{min(first_diffs)}" if first_diffs else "")
 
 
 def format_table(table: dict, sampling: bool = False) -> str:

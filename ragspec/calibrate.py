@@ -1,0 +1,215 @@
+"""Device timing for the latency model: how long the target's verification forward of q new
+tokens takes on this machine, measured at start-up.
+
+:func:`measure_latency` times the forwards and returns the :class:`~ragspec.policy.LatencyTable`
+(seconds per forward, keyed by device, dtype and model); :func:`measure_latency_model` turns
+it into the :class:`~ragspec.policy.LatencyModel` the engine's cost model uses
+(:meth:`~ragspec.policy.LatencyModel.from_table`). The policy itself stays pure: it only
+reads the tables measured here.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from .backend.base import Capability, Target, VerifyItem
+from .policy import LatencyModel, LatencyTable
+from .types import DraftTree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["measure_latency", "measure_latency_model"]
+
+
+def measure_latency_model(
+    target: Target,
+    qs: Optional[Sequence[int]] = None,
+    context: Optional[int] = None,
+    repeats: Optional[int] = None,
+    early: Optional[bool] = None,
+    *,
+    contexts: Optional[Sequence[int]] = None,
+    model_name: str = "",
+) -> LatencyModel:
+    """Time the target's verification forward for each q and return the model the
+    engine uses: the measured seconds per q averaged over the measured contexts (see
+    :func:`measure_latency` for the measurement, its device-dependent defaults and the
+    full :class:`~ragspec.policy.LatencyTable`).
+
+    Args:
+        target: a :class:`~ragspec.backend.base.Target` (its ``verify``, ``prefill``,
+            ``rollback``, ``new_state``, ``device``, ``dtype``).
+        qs: new tokens per forward to time (None: 1-16 on CPU, 1-64 on CUDA).
+        context: one cache length (tokens) to time at; ``contexts`` several (None for
+            both: 512 on CPU, 512 and 2048 on CUDA).
+        repeats: timed rounds after one warm-up round (None: 3 on CPU, 5 on CUDA).
+        early: also time forwards that compute only the first row of logits (None: on
+            CPU only, where greedy verification computes rows lazily).
+        model_name: the model's name in the table's key (default: the config's
+            ``_name_or_path``).
+
+    Raises:
+        ValueError: no q or context left to time (e.g. the model's context is too short),
+            or both ``context`` and ``contexts`` given.
+    """
+    if context is not None and contexts is not None:
+        raise ValueError("give context or contexts, not both")
+    measured = measure_latency(
+        target,
+        qs=qs,
+        contexts=(context,) if context is not None else contexts,
+        repeats=repeats,
+        early=early,
+        model_name=model_name,
+    )
+    model = LatencyModel.from_table(measured)
+    mid = statistics.fmean(measured.full)
+    logger.info("latency model (ms), %s: %s", measured.key, {q: round(v * 1e3, 2) for q, v in measured.at(mid).items()})
+    return model
+
+
+#: q timed by default: CPU verification drafts at most 16 tokens; on CUDA a forward of up to
+#: 64 new tokens costs about as much as one of 1 (launch-bound at batch 1), so larger drafts
+#: are measured too.
+_CPU_QS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+_CUDA_QS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def measure_latency(
+    target: Target,
+    *,
+    qs: Optional[Sequence[int]] = None,
+    contexts: Optional[Sequence[int]] = None,
+    repeats: Optional[int] = None,
+    early: Optional[bool] = None,
+    model_name: str = "",
+    batch: int = 1,
+) -> LatencyTable:
+    """Time the target's verification forward of q new tokens over a cache of each context
+    (with ``batch`` > 1: one forward over ``batch`` requests, each with its own cache of
+    that context and q new tokens: the batched step's cost at ``batch * q`` rows).
+
+    Defaults depend on the target's device: on CPU q = 1-16 at 512 cached tokens, 3 rounds,
+    first-row-only forwards too (what greedy verification does there); on CUDA q = 1-64 at
+    512 and 2048 cached tokens, 5 rounds, full forwards only. On CUDA every sample is taken
+    between two ``torch.cuda.synchronize()`` calls, so it is the forward's wall time, not
+    its launch time. Contexts are capped so that context + q fits the model's length.
+
+    The q values are timed in interleaved rounds (q = 1, 2, ..., then again; the first
+    round warms up), so a burst of load on a shared machine inflates one sample of several
+    q instead of every sample of one q; the median per q is kept. A forward of fewer tokens
+    is never slower than one of more, so each q's cost is capped by every larger q's (a
+    disturbed q = 1 sample read 80 ms beside 63 ms for q = 2 on the 2-core CPU and made
+    drafting look cheaper than it was). A few seconds on a 2-core CPU for a 135M model.
+
+    Args:
+        target: a :class:`~ragspec.backend.base.Target` (its ``verify``, ``prefill``,
+            ``rollback``, ``new_state``, ``state_length``, ``capability``, ``device``,
+            ``dtype``, ``vocab_size``).
+        qs: new tokens per forward to time (None: 1-16 on CPU, 1-64 on CUDA).
+        contexts: cache lengths (tokens) to time at (None: 512 on CPU, 512 and 2048 on CUDA).
+        repeats: timed rounds after one warm-up round (None: 3 on CPU, 5 on CUDA).
+        early: also time forwards that compute only the first row of logits (None: on CPU
+            only, where greedy verification computes rows lazily).
+        model_name: the model's name in the table's key (default: the config's
+            ``_name_or_path``).
+        batch: requests per forward, each with its own cache.
+
+    Returns:
+        a :class:`~ragspec.policy.LatencyTable` keyed by (device, dtype, model): seconds per
+        forward, ``full[context][q]`` and ``early[context][q]``.
+
+    Raises:
+        ValueError: no q or context left to time, or ``batch`` < 1.
+    """
+    device = torch.device(target.device)
+    cuda = device.type == "cuda"
+    qs = tuple(sorted({int(q) for q in (qs if qs is not None else (_CUDA_QS if cuda else _CPU_QS)) if int(q) >= 1}))
+    contexts = tuple(contexts) if contexts is not None else ((512, 2048) if cuda else (512,))
+    repeats = int(repeats) if repeats is not None else (5 if cuda else 3)
+    early = ((not cuda) if early is None else bool(early)) and bool(target.capability(Capability.LAZY_ROWS))
+    if not qs:
+        raise ValueError("no q to time")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    limit = getattr(target, "max_length", None)
+    if limit:
+        contexts = tuple(min(int(c), limit - qs[-1] - 2) for c in contexts)
+    contexts = tuple(sorted({c for c in contexts if c >= 1}))
+    if not contexts:
+        raise ValueError(f"no context fits q up to {qs[-1]} in the model's {limit} positions")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    gen = torch.Generator().manual_seed(0)
+    modes = (False, True) if early else (False,)
+    full: dict[int, dict[int, float]] = {}
+    first: dict[int, dict[int, float]] = {}
+    with torch.inference_mode():
+        for context in contexts:
+            prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
+            samples: dict[tuple[int, bool], list[float]] = {}
+            states = []
+            for ids in prompts:
+                states.append(target.new_state())
+                target.prefill(states[-1], ids)
+            base = target.state_length(states[0])
+            for rnd in range(repeats + 1):
+                for q in qs:
+                    for lazy in modes:
+                        # q - 1 draft tokens after each root; wrap around the prompt for long q
+                        items = [
+                            VerifyItem(
+                                state,
+                                ids[-1],
+                                DraftTree.chain([ids[i % context] for i in range(q - 1)])
+                                if q > 1
+                                else DraftTree.empty(),
+                                lazy_logits=lazy,
+                            )
+                            for state, ids in zip(states, prompts)
+                        ]
+                        sync()
+                        t0 = time.perf_counter()
+                        for out in target.verify(items):
+                            if out.row_logits is not None:
+                                out.row_logits.argmax(0)
+                        sync()
+                        dt = time.perf_counter() - t0
+                        for state in states:
+                            target.rollback(state, base)
+                        if rnd:  # the first round warms up
+                            samples.setdefault((q, lazy), []).append(dt)
+            full[context] = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
+            if early:
+                first[context] = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs})
+            del states
+    name = model_name or str(getattr(getattr(target, "config", None), "_name_or_path", "") or "")
+    table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
+    for c in contexts:
+        logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
+    return table
+
+
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """Cap each q's seconds by every larger q's: {1: 0.080, 2: 0.063, 4: 0.070} ->
+    {1: 0.063, 2: 0.063, 4: 0.070}."""
+    out: dict[int, float] = {}
+    cap = float("inf")
+    for q in sorted(table, reverse=True):
+        cap = min(cap, table[q])
+        out[q] = cap
+    return dict(sorted(out.items()))

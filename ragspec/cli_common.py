@@ -1,0 +1,97 @@
+"""What the command groups share: the model options and the engine they describe.
+
+Used by the main CLI (:mod:`ragspec.cli`), the bench commands (:mod:`ragspec.bench.cli`) and
+``ragspec serve`` (:mod:`ragspec.integrations.cli`); it imports none of them, so each may
+import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from .config import AUTO_DRAFTING, DRAFTING_MODES
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["add_model_args", "engine_from_args"]
+
+
+def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
+    """Add the options that choose the model and its engine: ``--model``, ``--device``,
+    ``--dtype``, ``--max-draft-tokens``, ``--numerics``, ``--fixed-draft``, ``--drafting``
+    and, with ``datastore``, ``--datastore`` and ``--eagle`` (defaults from the
+    ``RAGSPEC_*`` environment variables)."""
+    p.add_argument(
+        "--model",
+        default=os.environ.get("RAGSPEC_MODEL"),
+        help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct)",
+    )
+    p.add_argument(
+        "--device",
+        default=os.environ.get("RAGSPEC_DEVICE"),
+        help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)",
+    )
+    p.add_argument(
+        "--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)"
+    )
+    p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument(
+        "--numerics",
+        choices=("exact", "fast"),
+        default=os.environ.get("RAGSPEC_NUMERICS") or "exact",
+        help="'exact' (default): float32, greedy output token-identical to transformers; 'fast' (opt-in, CPU with "
+        "AVX-512 VNNI, GGUF model): int8 activations in the GGUF-block linears, as llama.cpp; speculative == plain "
+        "decoding bit for bit within the mode, output may differ from transformers'",
+    )
+    p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
+    p.add_argument(
+        "--drafting",
+        choices=(AUTO_DRAFTING, *DRAFTING_MODES),
+        default=os.environ.get("RAGSPEC_DRAFTING") or "auto",
+        help="with a head: 'merged' one draft tree from retrieval, the head and retrieval's copies after the "
+        "head's tokens; 'select' one source per step (the behaviour before issue 22); 'retrieval' retrieval's "
+        "drafts only (the head unused); 'auto' (default) merged on CUDA, retrieval on a CPU, where the head's "
+        "proposals cost more than they add (RAGSPEC_DRAFTING)",
+    )
+    if datastore:
+        p.add_argument(
+            "--datastore",
+            default=os.environ.get("RAGSPEC_DATASTORE"),
+            help="datastore directory (ragspec datastore build)",
+        )
+        p.add_argument(
+            "--eagle",
+            default=os.environ.get("RAGSPEC_EAGLE") or "auto",  # empty = unset, as for the server
+            help="EAGLE draft head directory; 'auto' (default): the head shipped for the model, if any; 'none': no head",
+        )
+
+
+def engine_from_args(args: argparse.Namespace, calibrate: bool = True) -> "Engine":
+    """The engine :func:`add_model_args`' options describe, through
+    :func:`ragspec.loading.load_engine` (``--prefix-cache-tokens`` too where the command has
+    it); ``calibrate`` times the target's forwards at start-up.
+
+    Raises:
+        RagspecError: the model, datastore or head cannot be loaded (typed subclasses).
+    """
+    from .config import PolicyConfig
+    from .loading import load_engine
+
+    return load_engine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        datastore=getattr(args, "datastore", None),
+        eagle=getattr(args, "eagle", None),
+        policy=PolicyConfig(
+            max_draft_tokens=args.max_draft_tokens,
+            adaptive=not args.fixed_draft,
+            prefix_cache_tokens=getattr(args, "prefix_cache_tokens", PolicyConfig.prefix_cache_tokens),
+        ),
+        calibrate=calibrate,
+        drafting=getattr(args, "drafting", None) or "auto",
+        numerics=getattr(args, "numerics", None) or "exact",
+    )
