@@ -226,8 +226,7 @@ class Engine:
         model_name: reported in stats and by the servers.
         parts: what ``drafter`` was composed of (see :class:`DrafterParts`).
 
-    Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine` (or
-    :meth:`from_pretrained`, which calls it).
+    Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
     """
 
     def __init__(
@@ -277,17 +276,7 @@ class Engine:
             return "custom"
         return "retrieval" if parts.eagle is None else parts.drafting
 
-    # ------------------------------------------------------------------ factories
-    @classmethod
-    def from_pretrained(
-        cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs: Any
-    ) -> "Engine":
-        """Load a model and build its engine: :func:`ragspec.loading.load_engine` (see
-        there for the arguments and errors)."""
-        from .loading import load_engine
-
-        return load_engine(model, device, dtype, **kwargs)
-
+    # ------------------------------------------------------------------ other engines
     def with_drafter(
         self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None, *, policy: Optional[PolicyConfig] = None
     ) -> "Engine":

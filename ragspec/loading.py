@@ -95,11 +95,11 @@ def load_target(
         ConfigError: ``numerics="fast"`` where it cannot be served (not a GGUF model, no
             compiled kernel, a CPU without AVX-512 VNNI).
     """
-    from . import models
     from .backend.hf import HFTarget
+    from .models import load_model, resolve_model
 
-    spec = models.resolve_model(model, cache=Path(cache) if cache else None)
-    hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
+    spec = resolve_model(model, cache=Path(cache) if cache else None)
+    hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
     target = HFTarget(hf_model)
     if numerics not in NUMERICS:
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -225,7 +225,7 @@ def load_engine(
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
             where it cannot be served.
     """
-    from . import models
+    from .models import eos_token_ids
 
     check_drafting(drafting)  # an unknown mode fails before any load
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
@@ -250,7 +250,7 @@ def load_engine(
         drafter=compose_drafter(pld, stores, eagle_drafter, drafting=drafting),
         policy=policy,
         latency=latency,
-        eos_token_ids=models.eos_token_ids(target.model, tokenizer),
+        eos_token_ids=eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
         parts=DrafterParts(
             pld=pld,
