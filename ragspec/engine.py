@@ -34,7 +34,7 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
-from .drafters.base import Drafter, DraftSession, reproducible_drafter
+from .drafters.base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel, choose_draft
 from .prefix_cache import PrefixCache
@@ -453,7 +453,11 @@ class Engine:
             # measured at this process's start: same seed, same output, in any process
             latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
-            want_hidden=session is not None and self._hidden_states and hasattr(session, "extend_hidden"),
+            want_hidden=(
+                session is not None
+                and self._hidden_states
+                and SessionCapability.HIDDEN_STATES in session_capabilities(session)
+            ),
             prefill_chunk=int(self.policy.prefill_chunk_tokens),
             batch_independent=seeded,
         )
@@ -842,7 +846,7 @@ class Engine:
         room = (limit - past - 2) if limit else max_draft
         budget = max(0, min(max_draft, remaining - 1, room))
         # greedy verification needs only the output-layer rows on the accepted path
-        greedy = type(req.verifier) is GreedyVerifier and self._lazy_rows
+        greedy = req.verifier.greedy and self._lazy_rows
         t0 = time.perf_counter()
         tree = DraftTree.empty()
         predicted = 0.0
@@ -896,7 +900,7 @@ class Engine:
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
         req, tree = p.request, p.tree
-        if type(req.verifier) is GreedyVerifier:
+        if req.verifier.greedy:
             res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
         else:
             logits = out.logits if out.logits is not None else out.row_logits.full()
@@ -957,9 +961,10 @@ class Engine:
         stats.total_s = time.perf_counter() - req.started_s
         text, toks = req.assembler.take(final=True)
         req.done = True
-        finish = getattr(req.session, "finish", None)
-        if finish is not None:
-            finish(list(req.assembler.token_ids), req.finish_reason, req.assembler.text)
+        session = req.session
+        if session is not None and SessionCapability.FINISH in session_capabilities(session):
+            tokens = list(req.assembler.token_ids)
+            session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
         return StreamChunk(text, toks, req.finish_reason, stats)
 
     @staticmethod
