@@ -78,7 +78,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..policy import AcceptanceModel, AcceptedPerStep
+from ..policy import AcceptanceModel, AcceptedPerStep, ema_update
 from ..tree import follow_path, path_to_node
 from ..types import DraftTree, VerifyResult
 from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
@@ -362,11 +362,10 @@ class _MergedSession:
         now = float(self._clock())
         if self._last_tick is not None:
             dt = max(0.0, now - self._last_tick - self._head_s_last)
-            self._step_s = dt if self._step_s <= 0 else (1 - self._EMA) * self._step_s + self._EMA * dt
+            self._step_s = ema_update(self._step_s, dt, self._EMA)
             if self._observed:  # the last proposal's step completed (verified or declined)
                 key = (self._state, self._head_ran)
-                old = self._step_s_by.get(key)
-                self._step_s_by[key] = dt if old is None else (1 - self._EMA) * old + self._EMA * dt
+                self._step_s_by[key] = ema_update(self._step_s_by.get(key, 0.0), dt, self._EMA)
         self._last_tick = now
         self._head_s_last = 0.0
 
@@ -419,7 +418,7 @@ class _MergedSession:
                 dt = float(self._clock()) - t0
                 self._head_s_last = dt
                 if e.num_nodes:
-                    self._head_s = dt if self._head_s <= 0 else (1 - self._EMA) * self._head_s + self._EMA * dt
+                    self._head_s = ema_update(self._head_s, dt, self._EMA)
         elif not trusted:
             self._skipped += 1
         tree, head = pool.best(max_tokens, r.match_len)
