@@ -132,8 +132,7 @@ def cmd_eagle_bench(args) -> int:
     from .. import bench, models
     from ..config import PLDConfig, PolicyConfig
     from ..drafters import PromptLookupDrafter
-    from ..engine import Engine
-    from ..loading import load_target
+    from ..loading import engine_with_drafter, load_target
     from ..policy import LatencyModel
 
     kinds = [k.strip() for k in args.drafters.split(",") if k.strip()]
@@ -147,10 +146,10 @@ def cmd_eagle_bench(args) -> int:
     latency = LatencyModel.measure(target) if args.measure_latency else None
     eos = models.eos_token_ids(target.model, tok)
     engines = {
-        k: Engine(
+        k: engine_with_drafter(
             target,
             tok,
-            drafter=_make_drafter(k, args, target, spec, pld),
+            _make_drafter(k, args, target, spec, pld),
             policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
             latency=copy.deepcopy(latency) if latency is not None else None,
             eos_token_ids=eos,
