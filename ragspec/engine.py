@@ -34,7 +34,7 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
-from .drafters.base import Drafter, DraftSession, reproducible_drafter
+from .drafters.base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel, choose_draft
 from .prefix_cache import PrefixCache
@@ -226,8 +226,7 @@ class Engine:
         model_name: reported in stats and by the servers.
         parts: what ``drafter`` was composed of (see :class:`DrafterParts`).
 
-    Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine` (or
-    :meth:`from_pretrained`, which calls it).
+    Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
     """
 
     def __init__(
@@ -277,17 +276,7 @@ class Engine:
             return "custom"
         return "retrieval" if parts.eagle is None else parts.drafting
 
-    # ------------------------------------------------------------------ factories
-    @classmethod
-    def from_pretrained(
-        cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs: Any
-    ) -> "Engine":
-        """Load a model and build its engine: :func:`ragspec.loading.load_engine` (see
-        there for the arguments and errors)."""
-        from .loading import load_engine
-
-        return load_engine(model, device, dtype, **kwargs)
-
+    # ------------------------------------------------------------------ other engines
     def with_drafter(
         self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None, *, policy: Optional[PolicyConfig] = None
     ) -> "Engine":
@@ -464,7 +453,11 @@ class Engine:
             # measured at this process's start: same seed, same output, in any process
             latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
             assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
-            want_hidden=session is not None and self._hidden_states and hasattr(session, "extend_hidden"),
+            want_hidden=(
+                session is not None
+                and self._hidden_states
+                and SessionCapability.HIDDEN_STATES in session_capabilities(session)
+            ),
             prefill_chunk=int(self.policy.prefill_chunk_tokens),
             batch_independent=seeded,
         )
@@ -853,7 +846,7 @@ class Engine:
         room = (limit - past - 2) if limit else max_draft
         budget = max(0, min(max_draft, remaining - 1, room))
         # greedy verification needs only the output-layer rows on the accepted path
-        greedy = type(req.verifier) is GreedyVerifier and self._lazy_rows
+        greedy = req.verifier.greedy and self._lazy_rows
         t0 = time.perf_counter()
         tree = DraftTree.empty()
         predicted = 0.0
@@ -907,7 +900,7 @@ class Engine:
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
         req, tree = p.request, p.tree
-        if type(req.verifier) is GreedyVerifier:
+        if req.verifier.greedy:
             res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
         else:
             logits = out.logits if out.logits is not None else out.row_logits.full()
@@ -968,9 +961,10 @@ class Engine:
         stats.total_s = time.perf_counter() - req.started_s
         text, toks = req.assembler.take(final=True)
         req.done = True
-        finish = getattr(req.session, "finish", None)
-        if finish is not None:
-            finish(list(req.assembler.token_ids), req.finish_reason, req.assembler.text)
+        session = req.session
+        if session is not None and SessionCapability.FINISH in session_capabilities(session):
+            tokens = list(req.assembler.token_ids)
+            session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
         return StreamChunk(text, toks, req.finish_reason, stats)
 
     @staticmethod

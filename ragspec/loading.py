@@ -2,8 +2,10 @@
 drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
-only through :func:`load_engine`; an engine for another datastore over the same model comes
-from :func:`with_datastore` (no reload). Nothing is set on an engine after construction.
+only through :func:`load_engine` (over a model they already hold: :func:`target_for_model`,
+:func:`engine_for_target`, :func:`engine_with_drafter`); an engine for another datastore over
+the same model comes from :func:`with_datastore` (no reload). Nothing is set on an engine
+after construction.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ __all__ = [
     "DRAFTING_MODES",
     "load_engine",
     "engine_for_target",
+    "engine_with_drafter",
     "load_target",
+    "target_for_model",
     "load_eagle",
     "compose_drafter",
     "with_datastore",
@@ -95,11 +99,11 @@ def load_target(
         ConfigError: ``numerics="fast"`` where it cannot be served (not a GGUF model, no
             compiled kernel, a CPU without AVX-512 VNNI).
     """
-    from . import models
     from .backend.hf import HFTarget
+    from .models import load_model, resolve_model
 
-    spec = models.resolve_model(model, cache=Path(cache) if cache else None)
-    hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
+    spec = resolve_model(model, cache=Path(cache) if cache else None)
+    hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
     target = HFTarget(hf_model)
     if numerics not in NUMERICS:
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -225,7 +229,7 @@ def load_engine(
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
             where it cannot be served.
     """
-    from . import models
+    from .models import eos_token_ids
 
     check_drafting(drafting)  # an unknown mode fails before any load
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
@@ -250,7 +254,7 @@ def load_engine(
         drafter=compose_drafter(pld, stores, eagle_drafter, drafting=drafting),
         policy=policy,
         latency=latency,
-        eos_token_ids=models.eos_token_ids(target.model, tokenizer),
+        eos_token_ids=eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
         parts=DrafterParts(
             pld=pld,
@@ -281,6 +285,61 @@ def engine_for_target(
         model_name=model_name,
         parts=DrafterParts(pld=pld),
     )
+
+
+def engine_with_drafter(
+    target: "Target",
+    tokenizer,
+    drafter: Optional[Drafter],
+    *,
+    policy: PolicyConfig = PolicyConfig(),
+    latency: Optional[LatencyModel] = None,
+    eos_token_ids: Sequence[int] = (),
+    model_name: str = "",
+) -> Engine:
+    """An engine over an already loaded target drafting with ``drafter`` as its caller
+    composed it (None: plain decoding), e.g. the drafter sets ``ragspec eagle bench``
+    compares. Its drafting reads ``"custom"`` (:attr:`Engine.drafting`): not composed here,
+    so :func:`with_drafting` cannot recompose it. ``latency``: None = the reference CPU's
+    table until refined online. No I/O."""
+    return Engine(
+        target,
+        tokenizer,
+        drafter=drafter,
+        policy=policy,
+        latency=latency,
+        eos_token_ids=eos_token_ids,
+        model_name=model_name,
+    )
+
+
+def target_for_model(
+    hf_model: Any,
+    *,
+    speed_up: bool = False,
+    cpu_kernels: Optional[bool] = None,
+    cache: Optional[Union[str, Path]] = None,
+    gguf: Optional[Union[str, Path]] = None,
+    numerics: str = "exact",
+) -> "HFTarget":
+    """The transformers backend over an already loaded causal LM: its forwards as
+    transformers computes them (``speed_up=False``, the default: no I/O; e.g. the EAGLE
+    trainer's reference features), or with the speed-ups :func:`load_target` installs
+    (``speed_up=True``: :meth:`~ragspec.backend.hf.HFTarget.speed_up` with ``cpu_kernels``,
+    ``cache``, ``gguf`` (the GGUF file the weights came from, None: the model's own
+    weights) and ``numerics``, which may build the CPU kernels on first use).
+
+    Raises:
+        ConfigError: ``numerics`` unknown, or ``"fast"`` where it cannot be served.
+    """
+    from .backend.hf import HFTarget
+
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    target = HFTarget(hf_model)
+    if speed_up:
+        target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
+    return target
 
 
 def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:

@@ -36,6 +36,7 @@ __all__ = [
     "run_depths",
     "AcceptedPerStep",
     "StepTimer",
+    "ema_update",
     "DraftTimeGate",
     "choose_draft",
     "DraftChoice",
@@ -361,10 +362,21 @@ class AcceptedPerStep:
         b.trials += 1
 
 
+def ema_update(average: float, x: float, weight: float) -> float:
+    """One step of an exponential moving average of a positive quantity (seconds of a
+    step, of a draft): ``x`` itself while ``average`` is 0 (nothing measured yet), else
+    ``(1 - weight) * average + weight * x`` (``weight``: of the newest observation, in
+    (0, 1]).
+
+    Example: weight 0.2: from 0.0, x 1.0 -> 1.0; then x 2.0 -> 1.2.
+    """
+    return x if average <= 0 else (1 - weight) * average + weight * x
+
+
 class StepTimer:
-    """Seconds from one step to the next, per arm (EMA with weight ``ema`` of the newest
-    step), read from an injected ``clock`` (seconds; ``time.perf_counter`` in production,
-    a scripted clock in tests). One per request.
+    """Seconds from one step to the next, per arm (:func:`ema_update` with weight ``ema``
+    of the newest step), read from an injected ``clock`` (seconds; ``time.perf_counter``
+    in production, a scripted clock in tests). One per request.
 
     Example: ticks at 0.0, 0.1 (charged to "a") and 0.4 (charged to "b"): ``timer["a"]``
     0.1, ``timer["b"]`` 0.3; an arm never charged reads 0.0.
@@ -384,9 +396,7 @@ class StepTimer:
         ``previous_arm`` (the arm whose step that was)."""
         now = float(self._clock())
         if self._last is not None:
-            old = self._period[previous_arm]
-            dt = now - self._last
-            self._period[previous_arm] = dt if old <= 0 else (1 - self._ema) * old + self._ema * dt
+            self._period[previous_arm] = ema_update(self._period[previous_arm], now - self._last, self._ema)
         self._last = now
 
 

@@ -276,6 +276,9 @@ class SamplingVerifier:
         ConfigError: temperature 0.
     """
 
+    greedy = False
+    """The verifier's kind (:class:`~ragspec.verify.Verifier`): sampling, not greedy."""
+
     def __init__(self, params: SamplingParams) -> None:
         if params.greedy:
             raise ConfigError("temperature 0 is greedy decoding: use GreedyVerifier, not SamplingVerifier")

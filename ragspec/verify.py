@@ -20,7 +20,18 @@ __all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
 
 
 class Verifier(Protocol):
-    """Decides which draft nodes to accept and which bonus token to commit."""
+    """Decides which draft nodes to accept and which bonus token to commit.
+
+    Attributes:
+        greedy: the verifier's kind. True: greedy verification (the target's argmax, no
+            random number drawn), which the engine runs as :func:`verify_greedy`, over
+            :class:`~ragspec.types.LazyLogits` where the target computes rows on demand
+            (``Capability.LAZY_ROWS``). False: a sampling verifier
+            (:class:`~ragspec.sampling.SamplingVerifier`), called with full logits and
+            the request's generator.
+    """
+
+    greedy: bool
 
     def __call__(
         self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
@@ -95,9 +106,14 @@ def _descendants(parents: list[int], node: int) -> list[int]:
 
 
 class GreedyVerifier:
-    """:func:`verify_greedy` as a :class:`Verifier`."""
+    """:func:`verify_greedy` as a :class:`Verifier` (``greedy`` True)."""
+
+    greedy = True
 
     def __call__(
-        self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
+        self,
+        tree: DraftTree,
+        target_logits: Union[torch.Tensor, LazyLogits],
+        generator: Optional[torch.Generator] = None,
     ) -> VerifyResult:
         return verify_greedy(tree, target_logits)

@@ -119,7 +119,7 @@ def _branchy_tree(nodes: int, branches: int):
 def cmd_micro(args) -> int:
     """Forward time against new tokens (1-64 on CUDA) at two contexts, per dtype, and the
     attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
-    ``Engine.from_pretrained`` sets them up."""
+    ``ragspec.load_engine`` sets them up."""
     from ragspec import models
     from ragspec.backend.hf import HFTarget
     from ragspec.bench.runner import profile_attention
@@ -187,11 +187,11 @@ def _print_micro(dt: str, r: dict) -> None:
 
 # ---------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
-    """``ragspec bench`` (the same Engine.from_pretrained + bench.run_bench), writing the
+    """``ragspec bench`` (the same load_engine + bench.run_bench), writing the
     JSON after every prompt so that a stage cut off by its time limit keeps what it did."""
     import dataclasses
 
-    from ragspec import Engine
+    from ragspec import load_engine
     from ragspec.bench import runner as bench
     from ragspec.bench.data import load_prompts
     from ragspec.config import PolicyConfig
@@ -202,8 +202,8 @@ def cmd_bench(args) -> int:
     cats = [c for c in args.categories.split(",") if c]
     rows = load_prompts(args.data, cats, args.limit)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
-                                    policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
+                         policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
     settings = {
         "model": engine.model_name,
         "model_arg": args.model,

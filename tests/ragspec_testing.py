@@ -8,6 +8,8 @@ import string
 
 import torch
 
+from ragspec.drafters.base import SessionCapability
+
 
 def make_char_tokenizer():
     """A character-level fast tokenizer: ids 0-2 are <unk>, <s>, </s>; then printable chars."""
@@ -124,6 +126,9 @@ class FixedDrafter:
 
 
 class _FixedSession:
+    # takes the target's features, as a feature-level drafter does (the engine then asks for them)
+    capabilities = frozenset({SessionCapability.HIDDEN_STATES})
+
     def __init__(self, tree):
         self.tree = tree
 

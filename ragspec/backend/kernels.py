@@ -201,7 +201,7 @@ def load_skinny_linear(cache_dir: Optional[Path] = None) -> Optional[SkinnyLinea
         compiler or ninja, a failed build: logged as a warning, torch's kernels are used).
         A cached library that fails to load (a corrupt file) is rebuilt once.
         ``RAGSPEC_CPU_KERNELS`` is the caller's to check (:func:`cpu_kernels_enabled`;
-        ``Engine.from_pretrained`` does).
+        :func:`ragspec.loading.load_engine` does).
     """
     module = _load_module(cache_dir)
     return None if module is None else module.skinny_linear

@@ -56,8 +56,7 @@ def run_eagle_bench(args) -> int:
     from ..calibrate import measure_latency_model
     from ..config import PLDConfig, PolicyConfig
     from ..drafters import PromptLookupDrafter
-    from ..engine import Engine
-    from ..loading import load_target
+    from ..loading import engine_with_drafter, load_target
     from . import runner
 
     kinds = [k.strip() for k in args.drafters.split(",") if k.strip()]
@@ -71,10 +70,10 @@ def run_eagle_bench(args) -> int:
     latency = measure_latency_model(target) if args.measure_latency else None
     eos = models.eos_token_ids(target.model, tok)
     engines = {
-        k: Engine(
+        k: engine_with_drafter(
             target,
             tok,
-            drafter=make_drafter(k, args, target, spec, pld),
+            make_drafter(k, args, target, spec, pld),
             policy=PolicyConfig(max_draft_tokens=args.max_draft_tokens, adaptive=not args.fixed_draft),
             latency=copy.deepcopy(latency) if latency is not None else None,
             eos_token_ids=eos,

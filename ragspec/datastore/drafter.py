@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from ragspec.drafters.base import SessionCapability
 from ragspec.tree import tree_from_candidates
 from ragspec.types import DraftTree, VerifyResult
 
@@ -36,6 +37,8 @@ def cut_after_eos(tokens: Sequence[int], eos_token_ids: frozenset[int]) -> tuple
 
 
 class _DatastoreSession:
+    capabilities = frozenset({SessionCapability.PROPOSE_AFTER})
+
     def __init__(
         self,
         drafter: "DatastoreDrafter",

@@ -12,7 +12,7 @@
 Datastore drafts are :mod:`ragspec.datastore`; the EAGLE head's :mod:`ragspec.eagle`.
 """
 
-from .base import CompositeDrafter, Drafter, DraftSession, reproducible_drafter
+from .base import CompositeDrafter, Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
 from .merged import MergedDrafter
 from .prompt_lookup import NgramIndex, PromptLookupDrafter, ngram_match
 from .selecting import SelectingDrafter
@@ -25,6 +25,8 @@ __all__ = [
     "NgramIndex",
     "PromptLookupDrafter",
     "SelectingDrafter",
+    "SessionCapability",
     "ngram_match",
     "reproducible_drafter",
+    "session_capabilities",
 ]

@@ -4,13 +4,15 @@ A :class:`Drafter` is shared and stateless across requests; per-request state li
 :class:`DraftSession` it starts (``start_request``). A session is told every committed
 token (``extend``), proposes a :class:`~ragspec.types.DraftTree` (``propose``), and may learn
 from verification results (``observe``). Token ids only; deterministic; an empty tree is a
-valid answer (the step is then plain decoding).
+valid answer (the step is then plain decoding). A session's optional parts are declared by
+name in its ``capabilities`` (:class:`SessionCapability`, read with
+:func:`session_capabilities`), never found by looking for a method.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from ..errors import ConfigError
 from ..tree import merge_trees
@@ -18,12 +20,54 @@ from ..types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Drafter", "DraftSession", "CompositeDrafter", "reproducible_drafter"]
+__all__ = [
+    "Drafter",
+    "DraftSession",
+    "SessionCapability",
+    "session_capabilities",
+    "CompositeDrafter",
+    "reproducible_drafter",
+]
+
+
+class SessionCapability:
+    """Names of the optional parts a :class:`DraftSession` may declare in its
+    ``capabilities`` (a frozenset of these names, usually a class attribute); the engine
+    and the composite sessions use a part only when its session declares it.
+
+    * ``PROPOSE_AFTER``: ``propose_after(token_ids, max_tokens) -> DraftTree`` proposes the
+      tree that would follow the context extended by ``token_ids`` (tokens not committed,
+      e.g. an EAGLE head's draft tokens; the session is left unchanged), hanging below the
+      last of them. Lookup drafters have it; the merged drafter
+      (:mod:`ragspec.drafters.merged`) hangs their copies under the head's tokens with it.
+    * ``FINISH``: ``finish(token_ids, reason, text="")`` is told once, when the request
+      ends, every token it generated, the finish reason ("stop", "length", "cancelled")
+      and the text (a response cache learns from it).
+    * ``HIDDEN_STATES``: ``extend_hidden(hidden)`` receives the target's last hidden
+      states (float [R, H], after the final norm) of every position that enters the KV
+      cache: all prompt positions after the prefill, then root + accepted nodes after
+      each step. Feature-level drafters (EAGLE) have it; the engine then asks the target
+      for hidden states (``Capability.HIDDEN_STATES``).
+    """
+
+    PROPOSE_AFTER = "propose_after"
+    FINISH = "finish"
+    HIDDEN_STATES = "hidden_states"
+
+
+def session_capabilities(session: Any) -> frozenset[str]:
+    """The optional parts ``session`` declares (its ``capabilities``,
+    :class:`SessionCapability` names); none for a session that declares nothing."""
+    return frozenset(getattr(session, "capabilities", ()))
 
 
 @runtime_checkable
 class DraftSession(Protocol):
-    """Per-request drafting state."""
+    """Per-request drafting state.
+
+    Optional parts (``propose_after``, ``finish``, ``extend_hidden``) are declared by name
+    in a ``capabilities`` attribute: see :class:`SessionCapability`.
+    """
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append committed tokens (generated, after the prompt) to the context."""
@@ -33,22 +77,6 @@ class DraftSession(Protocol):
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Feedback: what the target accepted of the last proposal."""
-
-    # Optional: a session that defines ``propose_after(token_ids, max_tokens)`` proposes the
-    # tree that would follow the context extended by ``token_ids`` (tokens not committed,
-    # e.g. an EAGLE head's draft tokens; the session is left unchanged), hanging below the
-    # last of them. Lookup drafters define it; the merged drafter
-    # (ragspec.drafters.merged) hangs their copies under the head's tokens with it.
-    #
-    # Optional: a session that defines ``finish(token_ids, reason, text)`` is told once, when
-    # its request ends, every token it generated, the finish reason ("stop", "length",
-    # "cancelled") and the text (a response cache learns from it).
-    #
-    # Optional: a session that defines ``extend_hidden(hidden)`` receives the target's last
-    # hidden states (float [R, H], after the final norm) of every position that enters the
-    # KV cache: all prompt positions after the prefill, then root + accepted nodes after
-    # each step. Feature-level drafters (EAGLE) use it; the engine then asks the target
-    # for hidden states.
 
 
 @runtime_checkable
@@ -87,29 +115,27 @@ class _CompositeSession:
     def __init__(self, sessions: list[DraftSession], mode: str):
         self._sessions = sessions
         self._mode = mode
-        hidden_users = [s for s in sessions if hasattr(s, "extend_hidden")]
-        if hidden_users:
-            # defined only when a child wants features, so the engine asks for them only then
-            def extend_hidden(hidden) -> None:
-                for s in hidden_users:
-                    s.extend_hidden(hidden)
+        caps = [session_capabilities(s) for s in sessions]
 
-            self.extend_hidden = extend_hidden
-        seekers = [s for s in sessions if hasattr(s, "propose_after")]
-        if seekers:
+        def having(name: str) -> list[Any]:
+            return [s for s, c in zip(sessions, caps) if name in c]
 
-            def propose_after(token_ids: Sequence[int], max_tokens: int) -> DraftTree:
-                return self._combine([s.propose_after(token_ids, max_tokens) for s in seekers], max_tokens)
+        self._hidden_users = having(SessionCapability.HIDDEN_STATES)
+        self._seekers = having(SessionCapability.PROPOSE_AFTER)
+        self._finishers = having(SessionCapability.FINISH)
+        # what one child declares: the engine asks for features only when a child wants them
+        self.capabilities: frozenset[str] = frozenset().union(*caps)
 
-            self.propose_after = propose_after
-        finishers = [s for s in sessions if hasattr(s, "finish")]
-        if finishers:
+    def extend_hidden(self, hidden) -> None:
+        for s in self._hidden_users:
+            s.extend_hidden(hidden)
 
-            def finish(token_ids: Sequence[int], reason: str, text: str = "") -> None:
-                for s in finishers:
-                    s.finish(token_ids, reason, text)
+    def propose_after(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree:
+        return self._combine([s.propose_after(token_ids, max_tokens) for s in self._seekers], max_tokens)
 
-            self.finish = finish
+    def finish(self, token_ids: Sequence[int], reason: str, text: str = "") -> None:
+        for s in self._finishers:
+            s.finish(token_ids, reason, text)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         for s in self._sessions:

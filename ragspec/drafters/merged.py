@@ -78,10 +78,10 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..policy import AcceptanceModel, AcceptedPerStep
+from ..policy import AcceptanceModel, AcceptedPerStep, ema_update
 from ..tree import follow_path, path_to_node
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, reproducible_drafter
+from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,10 @@ class _MergedSession:
         self._seed_levels = owner.seed_levels
         self._head_skip_p = owner.head_skip_p
         self._acc = owner.acceptance()  # mirrors the engine's per-request model
-        self._seek = getattr(retrieval, "propose_after", None)
+        retrieval_caps, eagle_caps = session_capabilities(retrieval), session_capabilities(eagle)
+        self._seek: Optional[Callable[[Sequence[int], int], DraftTree]] = None
+        if SessionCapability.PROPOSE_AFTER in retrieval_caps:
+            self._seek = retrieval.propose_after  # type: ignore[attr-defined]
         # token paths (root child first) of the last proposal's nodes the head proposed
         self._head_paths: set[tuple[int, ...]] = set()
         # the timed head gate (module docstring); None without calibration
@@ -325,13 +328,17 @@ class _MergedSession:
         self._last_r: Optional[DraftTree] = None  # retrieval's tree of the last proposal
         self._head_ran = False  # the head proposed in the last proposal
         self._observed = False  # the engine verified (part of) the last proposal
-        finish = getattr(retrieval, "finish", None)
-        if finish is not None:
-            self.finish = finish  # a response cache among the retrieval drafters learns
-        extend_hidden = getattr(eagle, "extend_hidden", None)
-        if extend_hidden is not None:
-            # defined only when the head wants features, so the engine asks for them only then
-            self.extend_hidden = extend_hidden
+        # a response cache among the retrieval drafters learns when the request finishes;
+        # features only when the head wants them (the engine then asks the target for them)
+        self.capabilities: frozenset[str] = retrieval_caps & {SessionCapability.FINISH} | eagle_caps & {
+            SessionCapability.HIDDEN_STATES
+        }
+
+    def finish(self, token_ids: Sequence[int], reason: str, text: str = "") -> None:
+        self._retrieval.finish(token_ids, reason, text)  # type: ignore[attr-defined]
+
+    def extend_hidden(self, hidden: torch.Tensor) -> None:
+        self._eagle.extend_hidden(hidden)  # type: ignore[attr-defined]
 
     def extend(self, token_ids: Sequence[int]) -> None:
         if self._clock is not None and self._head_ran and not self._observed:
@@ -355,11 +362,10 @@ class _MergedSession:
         now = float(self._clock())
         if self._last_tick is not None:
             dt = max(0.0, now - self._last_tick - self._head_s_last)
-            self._step_s = dt if self._step_s <= 0 else (1 - self._EMA) * self._step_s + self._EMA * dt
+            self._step_s = ema_update(self._step_s, dt, self._EMA)
             if self._observed:  # the last proposal's step completed (verified or declined)
                 key = (self._state, self._head_ran)
-                old = self._step_s_by.get(key)
-                self._step_s_by[key] = dt if old is None else (1 - self._EMA) * old + self._EMA * dt
+                self._step_s_by[key] = ema_update(self._step_s_by.get(key, 0.0), dt, self._EMA)
         self._last_tick = now
         self._head_s_last = 0.0
 
@@ -412,7 +418,7 @@ class _MergedSession:
                 dt = float(self._clock()) - t0
                 self._head_s_last = dt
                 if e.num_nodes:
-                    self._head_s = dt if self._head_s <= 0 else (1 - self._EMA) * self._head_s + self._EMA * dt
+                    self._head_s = ema_update(self._head_s, dt, self._EMA)
         elif not trusted:
             self._skipped += 1
         tree, head = pool.best(max_tokens, r.match_len)

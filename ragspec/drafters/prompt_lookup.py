@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from ..config import PLDConfig
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
-from .base import DraftSession
+from .base import DraftSession, SessionCapability
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,8 @@ class NgramIndex:
 
 
 class _PromptLookupSession:
+    capabilities = frozenset({SessionCapability.PROPOSE_AFTER})
+
     def __init__(
         self,
         cfg: PLDConfig,

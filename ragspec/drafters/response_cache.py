@@ -39,7 +39,7 @@ from typing import Iterable, Optional, Sequence, Union
 from ..errors import ConfigError, RagspecError
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
-from .base import DraftSession
+from .base import DraftSession, SessionCapability
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,8 @@ class ResponseCache:
 
 
 class _ResponseCacheSession:
+    capabilities = frozenset({SessionCapability.PROPOSE_AFTER, SessionCapability.FINISH})
+
     def __init__(self, cache: ResponseCache, prompt_ids: Sequence[int], eos: frozenset[int], source: str) -> None:
         self._cache = cache
         self._prompt = list(prompt_ids)

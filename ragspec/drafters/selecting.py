@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..policy import AcceptedPerStep, StepTimer
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, reproducible_drafter
+from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
 
 __all__ = ["SelectingDrafter"]
 
@@ -160,9 +160,12 @@ class _SelectingSession:
         # retrieval drafts of steps the head won, with the tokens committed since (scored
         # once those tokens decide how much of the draft the target would have accepted)
         self._shadows: list[tuple[DraftTree, list[int]]] = []
-        finish = getattr(retrieval, "finish", None)
-        if finish is not None:
-            self.finish = finish  # a response cache among the retrieval drafters learns
+        # a response cache among the retrieval drafters learns when the request finishes
+        finish = session_capabilities(retrieval) & {SessionCapability.FINISH}
+        self.capabilities: frozenset[str] = finish | session_capabilities(eagle) & {SessionCapability.HIDDEN_STATES}
+
+    def finish(self, token_ids: Sequence[int], reason: str, text: str = "") -> None:
+        self._retrieval.finish(token_ids, reason, text)  # type: ignore[attr-defined]
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._retrieval.extend(token_ids)

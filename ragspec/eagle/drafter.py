@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backend.base import Capability, FastLinear, Target
+from ..drafters.base import SessionCapability
 from ..errors import ConfigError
 from ..types import DraftTree, VerifyResult
 from .head import EagleHead
@@ -209,6 +210,8 @@ class EagleSession:
     (feature t, token t + 1) enters the head's cache once both are known. Draft entries are
     appended during :meth:`propose` and cropped before it returns.
     """
+
+    capabilities = frozenset({SessionCapability.HIDDEN_STATES})
 
     def __init__(self, drafter: EagleDrafter, prompt_ids: Sequence[int], eos: frozenset[int]) -> None:
         self._d = drafter

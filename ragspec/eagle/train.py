@@ -885,7 +885,7 @@ def run_training(
         the ``training`` record written into ``config.json``.
     """
     from .. import models
-    from ..backend.hf import HFTarget
+    from ..loading import target_for_model
     from .head import EagleHead, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
@@ -895,7 +895,7 @@ def run_training(
     else:
         model, tokenizer = model_and_tokenizer
         spec = model_spec
-    target = HFTarget(model)
+    target = target_for_model(model)  # transformers' own forwards: the reference features
     info = target_fingerprint(target, spec)
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"

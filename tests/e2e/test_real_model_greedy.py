@@ -24,7 +24,7 @@ def test_dev_prompt_token_identical_to_generate(real_engine, dev_rows, category)
 
 
 def test_default_engine_loads_the_shipped_head_and_stays_identical(real_engine, dev_rows):
-    """``Engine.from_pretrained()`` loads the EAGLE head shipped for the default model
+    """``load_engine()`` loads the EAGLE head shipped for the default model
     (``eagle="auto"``); with it, a translation prompt (where the head drafts) is still
     token-identical to ``model.generate``, and the head's drafts were verified.
 

@@ -1,7 +1,7 @@
 """Lossless on the test device (default CUDA, float32, TF32 off): drafts change how many
 forwards a generation takes, never its tokens.
 
-Each engine here is built as ``Engine.from_pretrained`` builds one (``Engine.speed_up`` on
+Each engine here is built as ``load_engine`` builds one (``Engine.speed_up`` on
 the target: the attention route, packed weights, kernels, whatever the device gets), so
 these tests check the production paths of the device."""
 

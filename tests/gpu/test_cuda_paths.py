@@ -20,7 +20,7 @@ from gpu_testing import (
     tiny_llama,
 )
 
-from ragspec import Engine, PolicyConfig
+from ragspec import Engine, PolicyConfig, load_engine
 from ragspec.backend.hf import HFTarget
 from ragspec.bench.runner import format_table, profile_attention, run_bench, summarize
 from ragspec.calibrate import measure_latency
@@ -66,7 +66,7 @@ def test_cuda_attention_is_fused_and_not_routed_for_generate(device, attn_dtype)
 
 @pytest.fixture
 def tiny_folder(tmp_path):
-    """A tiny Llama and a tokenizer saved as a Hugging Face folder (for from_pretrained)."""
+    """A tiny Llama and a tokenizer saved as a Hugging Face folder (for load_engine)."""
     model = make_smol_shaped_llama(vocab_size=512)
     tok = make_id_tokenizer(512)
     model.save_pretrained(tmp_path)
@@ -76,11 +76,11 @@ def tiny_folder(tmp_path):
 
 @pytest.mark.cuda_only
 def test_cuda_engine_defaults_draft_more_and_skip_the_cpu_tricks(device, dtype, tiny_folder):
-    """``Engine.from_pretrained`` on CUDA: a draft budget of 32-64 nodes (a forward of 64
+    """``load_engine`` on CUDA: a draft budget of 32-64 nodes (a forward of 64
     new tokens costs about one of 1 at batch 1), and greedy verification computes every
     row's logits at once, unpadded (lazy rows and padding to 4 rows save output-layer
     work on a CPU but only add host syncs and work on a GPU)."""
-    engine = Engine.from_pretrained(str(tiny_folder), device=str(device), dtype=dtype, eagle="none")
+    engine = load_engine(str(tiny_folder), device=str(device), dtype=dtype, eagle="none")
     assert 32 <= engine.policy.max_draft_tokens <= 64
     spy = VerifySpy(engine.target)
     rows, remove = lm_head_rows(engine.model)

@@ -21,9 +21,9 @@ DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specben
 
 @pytest.fixture(scope="module")
 def real_engine(device, dtype):
-    from ragspec import Engine
+    from ragspec import load_engine
 
-    return Engine.from_pretrained(device=str(device), dtype=dtype)
+    return load_engine(device=str(device), dtype=dtype)
 
 
 @pytest.fixture(scope="module")

@@ -41,10 +41,10 @@ class WordOverlapRetriever(BaseRetriever):
 
 @pytest.fixture(scope="module")
 def engine():
-    from ragspec import Engine, models
+    from ragspec import load_engine, models
 
     models.fetch_model()  # no-op when cached
-    return Engine.from_pretrained(calibrate=False)
+    return load_engine(calibrate=False)
 
 
 def test_rag_chain_ragspec_equals_transformers_greedy(engine, tmp_path):

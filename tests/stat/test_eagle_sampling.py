@@ -22,6 +22,7 @@ from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PolicyConfig, SamplingParams
+from ragspec.drafters import SessionCapability
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import Engine
 from ragspec.types import DraftTree
@@ -90,6 +91,8 @@ class _UniformClaim:
 
 
 class _UniformSession:
+    capabilities = frozenset({SessionCapability.HIDDEN_STATES})
+
     def __init__(self, inner):
         self.inner = inner
 

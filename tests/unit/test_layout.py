@@ -1,9 +1,19 @@
 """The house rules of the package, read from its source: only the backend and models.py
 touch transformers beyond tokenizer/config types; nothing outside the drafters and the
-engine builder inspects drafter classes; the folders are the import paths."""
+engine builder inspects drafter classes; the folders are the import paths; only
+ragspec.loading builds engines; and the import graph (every ``import``/``from`` of the
+package's modules, inside functions too, relative imports resolved, not those under ``if
+TYPE_CHECKING:``) has no cycle, points down the house's floors only (:data:`FLOORS`),
+places every module on a floor, and takes no other package's private names
+(:func:`private_imports`). The graph checks are functions of a folder, tested on planted
+trees at the end."""
 
 import ast
+import fnmatch
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Optional, Union
 
 import ragspec
 
@@ -77,16 +87,17 @@ def test_every_package_folder_is_an_import_path():
 
 
 def test_engine_is_built_only_by_the_loader():
-    """Front ends build engines through ragspec.loading (Engine.from_pretrained delegates
-    to it): no module outside it calls ``Engine(`` or sets an engine attribute after
-    construction."""
+    """Front ends build engines through ragspec.loading: no module outside it calls
+    ``Engine(`` (nor, outside the backend, ``HFTarget(``) or sets an engine attribute
+    after construction."""
     offenders = []
     for rel, tree in _modules():
         if rel in ("loading.py", "engine.py"):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Engine" and rel != "bench/eagle.py":
-                offenders.append(f"{rel}:{node.lineno} Engine(...)")
+            called = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+            if called == "Engine" or (called == "HFTarget" and not rel.startswith("backend/")):
+                offenders.append(f"{rel}:{node.lineno} {called}(...)")
             if isinstance(node, ast.Assign):
                 for t in node.targets:
                     if (
@@ -96,3 +107,366 @@ def test_engine_is_built_only_by_the_loader():
                     ):
                         offenders.append(f"{rel}:{node.lineno} {t.value.id}.{t.attr} = ...")
     assert offenders == []
+
+
+# ---------------------------------------------------------------------------- import graph
+# The house's floors, lowest first: core -> backend -> drafters -> loop -> front ends and
+# bench. A module imports only modules of its own floor or a lower one; there are no
+# cycles. Patterns are fnmatch patterns on the dotted name inside the package ("" is the
+# package's own __init__, on the front ends' floor); an exact name wins over a pattern, a
+# longer pattern over a shorter one. A package's __init__ sits on the floor of its package.
+# The measuring modules moving into bench/ (bench_concurrency, replay, step_profile,
+# compare) are on the top floor under their old and new names.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "core",
+        ("types", "errors", "config", "tree", "verify", "sampling", "policy", "detok", "jsonl", "prefix_cache"),
+    ),
+    ("backend", ("models", "calibrate", "backend", "backend.*")),
+    ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
+    ("loop", ("engine", "loading", "serving")),
+    (
+        "top",
+        (
+            "",
+            "__main__",
+            "cli",
+            "cli.*",
+            "cli_*",
+            "integrations",
+            "integrations.*",
+            "bench",
+            "bench.*",
+            "bench_concurrency",
+            "replay",
+            "step_profile",
+            "compare",
+            "compare.*",
+            "eagle.cli",
+            "eagle.train",
+            "datastore.cli",
+        ),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One import of a package module by another: ``source`` imports ``target`` (dotted
+    names) at ``line``; ``names``: the names a ``from target import ...`` takes that are
+    not modules themselves (empty for ``import target``)."""
+
+    source: str
+    target: str
+    line: int
+    names: tuple[str, ...] = ()
+
+
+def package_modules(root: Path, package: str) -> dict[str, Path]:
+    """Every module of the package folder ``root / package``: dotted name -> file (a
+    package's ``__init__.py`` is named after the package)."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = (package, *path.relative_to(root / package).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(node: ast.AST) -> Iterator[Union[ast.Import, ast.ImportFrom]]:
+    """Every import statement under ``node``, inside functions and classes too, except
+    those in the body of ``if TYPE_CHECKING:`` (its ``else`` counts)."""
+    for child in ast.iter_child_nodes(node):
+        counted = child.orelse if isinstance(child, ast.If) and _is_type_checking(child.test) else [child]
+        for statement in counted:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                yield statement
+            else:
+                yield from _import_nodes(statement)
+
+
+def import_graph(root: Path, package: str) -> dict[str, list[Edge]]:
+    """The package's import graph read from its source: for each module, its imports of
+    the package's modules (relative imports resolved; ``from m import x`` is an import of
+    the module ``m.x`` where that is a module, else of ``m``; an import of a name the
+    package does not hold is an edge to that name, which then has no floor)."""
+    modules = package_modules(root, package)
+    graph: dict[str, list[Edge]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = []
+        for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found = [(a.name, ()) for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                found = []
+                plain = []
+                for a in node.names:
+                    if f"{base}.{a.name}" in modules:
+                        found.append((f"{base}.{a.name}", ()))
+                    else:
+                        plain.append(a.name)
+                if plain or not found:
+                    found.append((base, tuple(plain)))
+            for target, names in found:
+                if (target == package or target.startswith(package + ".")) and target != name:
+                    edges.append(Edge(name, target, node.lineno, names))
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
+    """One cycle per strongly connected group of modules, as a path that starts and ends
+    at the group's first module by name: ``[a, b, a]`` when ``a`` imports ``b`` and ``b``
+    imports ``a`` (a shortest such path)."""
+    succ = {m: sorted({e.target for e in es}) for m, es in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in succ.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(succ):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in sorted(groups):
+        start, inside = group[0], set(group)
+        came: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in came:  # breadth first: a shortest way back
+            nxt = []
+            for v in frontier:
+                for w in succ[v]:
+                    if w in inside and w not in came:
+                        came[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        path = [start]
+        while path[-1] != start or len(path) == 1:
+            path.append(came[path[-1]])
+        cycles.append(path[::-1])
+    return cycles
+
+
+def floor_of(module: str, package: str, floors=FLOORS) -> Optional[int]:
+    """The floor (index into ``floors``, lowest first) of a dotted module name, or None
+    when no pattern places it."""
+    inner = module[len(package) + 1 :] if module != package else ""
+    best: Optional[tuple[tuple[bool, int], int]] = None
+    for i, (_, patterns) in enumerate(floors):
+        for p in patterns:
+            if p == inner or ("*" in p and fnmatch.fnmatchcase(inner, p)):
+                rank = ("*" not in p, len(p))
+                if best is None or rank > best[0]:
+                    best = (rank, i)
+    return None if best is None else best[1]
+
+
+def unplaced_modules(graph: dict[str, list[Edge]], package: str, floors=FLOORS) -> list[str]:
+    """Modules (and imported names that are no module) no floor holds."""
+    names = set(graph) | {e.target for es in graph.values() for e in es}
+    return sorted(m for m in names if floor_of(m, package, floors) is None)
+
+
+def upward_imports(graph: dict[str, list[Edge]], package: str, floors=FLOORS) -> list[str]:
+    """Imports of a module on a higher floor than the importer's, as ``"a (floor) ->
+    b (floor) :line"``."""
+    out = []
+    for source, edges in sorted(graph.items()):
+        low = floor_of(source, package, floors)
+        for e in edges:
+            high = floor_of(e.target, package, floors)
+            if low is not None and high is not None and high > low:
+                out.append(f"{source} ({floors[low][0]}) -> {e.target} ({floors[high][0]}) :{e.line}")
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(graph: dict[str, list[Edge]], package: str) -> list[str]:
+    """Imports of another module's private names (``from m import _x``) or of a private
+    module (``m._x``) from outside the folder that holds them, as ``"a :line takes _x from
+    m"``. Rule: a package folder's private names are the folder's own: its modules, and
+    those of its sub-folders, may take each other's (``backend/hf.py`` takes
+    ``backend/native.py``'s ``_linear_modules``; ``integrations/langchain.py`` the module
+    ``integrations/_stepping.py``); no module outside it may. The package's top folder
+    holds every floor, so there each module's private names are its own (and its
+    ``__init__``'s are private to it)."""
+    out = []
+    for source, edges in sorted(graph.items()):
+        for e in edges:
+            parent, _, last = e.target.rpartition(".")
+            if _private(last):
+                folder, taken = parent, [last]  # a private module: its folder's
+            else:
+                taken = [n for n in e.names if _private(n)]
+                is_package = any(m.startswith(e.target + ".") for m in graph)
+                folder = e.target if is_package else parent  # an __init__ owns its folder
+            if not taken or (folder != package and (source == folder or source.startswith(folder + "."))):
+                continue
+            out.append(f"{source} :{e.line} takes {', '.join(taken)} from {e.target}")
+    return out
+
+
+def _package_graph() -> dict[str, list[Edge]]:
+    return import_graph(PACKAGE.parent, PACKAGE.name)
+
+
+def test_the_package_has_no_import_cycles():
+    cycles = [" -> ".join(c) for c in import_cycles(_package_graph())]
+    assert cycles == []
+
+
+def test_every_module_is_on_a_floor():
+    """A new module must be placed in :data:`FLOORS` (and so on the house's plan)."""
+    assert unplaced_modules(_package_graph(), PACKAGE.name) == []
+
+
+def test_imports_point_down_only():
+    """core -> backend -> drafters -> loop -> front ends and bench: a module imports only
+    its own floor or lower ones, inside functions too (``if TYPE_CHECKING:`` imports do
+    not count: they run only under the type checker)."""
+    assert upward_imports(_package_graph(), PACKAGE.name) == []
+
+
+def test_no_module_takes_another_packages_private_names():
+    assert private_imports(_package_graph(), PACKAGE.name) == []
+
+
+# --- the checker itself, on planted trees
+PLANTED_FLOORS = (("low", ("core", "core.*")), ("high", ("", "app", "app.*")))
+
+
+def _fake_package(root: Path, extra: Optional[dict[str, str]] = None) -> dict[str, list[Edge]]:
+    """The import graph of a small package ``fake`` written under ``root``: ``core`` (the
+    low floor) and ``app`` (the high one), ``app`` importing ``core`` every way the checker
+    must read; ``extra``: more files (path -> text), replacing those of the same path."""
+    files = {
+        "fake/__init__.py": "from .app import main\n",
+        "fake/core/__init__.py": "from .types import Thing\n",
+        "fake/core/types.py": "class Thing: ...\n",
+        "fake/core/_util.py": "def helper(): ...\n",
+        "fake/core/tree.py": "from . import _util\nfrom .types import Thing\n",
+        "fake/app/__init__.py": "",
+        "fake/app/main.py": (
+            "from typing import TYPE_CHECKING\n"
+            "\n"
+            "import fake.core.types\n"
+            "from ..core import tree, Thing\n"
+            "\n"
+            "if TYPE_CHECKING:\n"
+            "    from fake import main  # the type checker's only: no edge\n"
+            "\n"
+            "def run():\n"
+            "    from fake.core.types import Thing  # inside a function: an edge\n"
+            "    return Thing()\n"
+            "\n"
+            "def _hidden(): ...\n"
+        ),
+    }
+    files.update(extra or {})
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return import_graph(root, "fake")
+
+
+def test_checker_reads_relative_nested_and_type_checking_imports(tmp_path):
+    graph = _fake_package(tmp_path)
+    main = sorted((e.target, e.line, e.names) for e in graph["fake.app.main"])
+    # line 3 `import fake.core.types`; line 4 `from ..core import tree, Thing`: the module
+    # fake.core.tree and the name Thing of fake.core; line 10 the import inside run(); the
+    # TYPE_CHECKING import is no edge
+    assert main == [
+        ("fake.core", 4, ("Thing",)),
+        ("fake.core.tree", 4, ()),
+        ("fake.core.types", 3, ()),
+        ("fake.core.types", 10, ("Thing",)),
+    ]
+    assert [e.target for e in graph["fake.core.tree"]] == ["fake.core._util", "fake.core.types"]
+    assert [e.target for e in graph["fake"]] == ["fake.app.main"]
+    assert import_cycles(graph) == []
+    assert upward_imports(graph, "fake", PLANTED_FLOORS) == []
+    assert unplaced_modules(graph, "fake", PLANTED_FLOORS) == []
+    assert private_imports(graph, "fake") == []  # core/tree takes core/_util: its own folder
+
+
+def test_checker_reports_a_planted_cycle(tmp_path):
+    # types -> tree (a function's import) -> types: reported as a path
+    graph = _fake_package(tmp_path, {"fake/core/types.py": "def f():\n    from .tree import Thing\n"})
+    assert import_cycles(graph) == [["fake.core.tree", "fake.core.types", "fake.core.tree"]]
+
+
+def test_checker_reports_a_planted_upward_import(tmp_path):
+    graph = _fake_package(tmp_path, {"fake/core/_util.py": "def f():\n    from ..app import main\n"})
+    assert upward_imports(graph, "fake", PLANTED_FLOORS) == ["fake.core._util (low) -> fake.app.main (high) :2"]
+    # main -> tree -> _util -> main: a cycle as well
+    assert import_cycles(graph) == [["fake.app.main", "fake.core.tree", "fake.core._util", "fake.app.main"]]
+
+
+def test_checker_reports_an_unplaced_module_and_private_imports(tmp_path):
+    graph = _fake_package(
+        tmp_path,
+        {
+            "fake/extra.py": "from .app.main import _hidden\nfrom .core import _util\nimport fake.gone\n",
+            "fake/app/other.py": "from .main import _hidden  # the same folder: allowed\n",
+        },
+    )
+    assert unplaced_modules(graph, "fake", PLANTED_FLOORS) == ["fake.extra", "fake.gone"]
+    assert private_imports(graph, "fake") == [
+        "fake.extra :1 takes _hidden from fake.app.main",
+        "fake.extra :2 takes _util from fake.core._util",
+    ]
+
+
+def test_checker_reports_a_cycle_and_an_upward_import_planted_in_a_copy_of_the_package(tmp_path):
+    """The real floors: ``ragspec.errors`` (core) made to import the engine (loop), which
+    imports ``errors``."""
+
+    def python_only(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())]
+
+    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=python_only)
+    errors = tmp_path / PACKAGE.name / "errors.py"
+    text = errors.read_text(encoding="utf-8") + "\n\ndef _planted():\n    from .engine import Engine\n"
+    errors.write_text(text, encoding="utf-8")
+    line = text.count("\n")
+    graph = import_graph(tmp_path, PACKAGE.name)
+    assert any("ragspec.errors" in c and "ragspec.engine" in c for c in import_cycles(graph))
+    assert f"ragspec.errors (core) -> ragspec.engine (loop) :{line}" in upward_imports(graph, PACKAGE.name)

@@ -17,7 +17,7 @@ from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import DrafterParts, Engine
 from ragspec.errors import ConfigError
-from ragspec.loading import compose_drafter, resolve_drafting, with_drafting
+from ragspec.loading import compose_drafter, engine_with_drafter, resolve_drafting, target_for_model, with_drafting
 from ragspec.policy import AcceptanceModel, run_depths
 from ragspec.tree import merge_trees
 from ragspec.types import DraftTree, VerifyResult
@@ -468,6 +468,27 @@ def test_engine_reports_the_drafting_in_effect(target, head, tok):
     assert with_drafting(no_head, "select").drafting == "retrieval"
     assert Engine(target, tok).drafting == "off"
     assert Engine(target, tok, drafter=eagle).drafting == "custom"  # not composed by ragspec.loading
+
+
+def test_loading_builds_engines_over_a_model_already_held(model, tok):
+    # what `ragspec eagle bench` and the EAGLE trainer build instead of assembling engines
+    # by hand: a target over the model (transformers' own forwards unless sped up) and an
+    # engine drafting with a drafter set its caller composed
+    target = target_for_model(model)
+    assert isinstance(target, HFTarget) and target.native_step is None and target.model is model
+    with pytest.raises(ConfigError, match="numerics"):
+        target_for_model(model, numerics="approximate")
+    drafter = PromptLookupDrafter(PLDConfig())
+    policy = PolicyConfig(max_draft_tokens=5, adaptive=False)
+    engine = engine_with_drafter(target, tok, drafter, policy=policy, model_name="tiny")
+    assert engine.drafter is drafter and engine.policy == policy and engine.model_name == "tiny"
+    assert engine.drafting == "custom"
+    plain = engine_with_drafter(target, tok, None, eos_token_ids=[2])
+    assert plain.drafting == "off" and plain.eos_token_ids == (2,)
+    with pytest.raises(ConfigError, match="not composed"):
+        with_drafting(engine, "merged")
+    prompt = [5, 6, 7, 5, 6]
+    assert engine.generate(prompt, max_new_tokens=8, chat=False).token_ids == greedy_reference(model, prompt, 8)
 
 
 def test_head_gate_counts_declined_head_drafts_as_no_gain():

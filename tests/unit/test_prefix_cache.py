@@ -12,7 +12,7 @@ from test_native_step import _llama, _target, kernels  # noqa: F401 (a fixture)
 
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PLDConfig, PolicyConfig
-from ragspec.drafters import PromptLookupDrafter
+from ragspec.drafters import PromptLookupDrafter, SessionCapability
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.prefix_cache import PrefixCache
@@ -196,6 +196,8 @@ class _HiddenRecorder:
         self.seen.append(parts)
 
         class _Session:
+            capabilities = frozenset({SessionCapability.HIDDEN_STATES})
+
             def extend(self, token_ids):
                 pass
 

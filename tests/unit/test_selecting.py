@@ -13,7 +13,7 @@ from ragspec.drafters import PromptLookupDrafter, SelectingDrafter
 from ragspec.drafters.selecting import _tree_match
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
-from ragspec.policy import AcceptedPerStep, StepTimer
+from ragspec.policy import AcceptedPerStep, StepTimer, ema_update
 from ragspec.types import DraftTree, VerifyResult
 from ragspec_testing import FixedDrafter, make_char_tokenizer, make_tiny_llama
 
@@ -81,6 +81,14 @@ def test_accepted_per_step_and_step_timer_follow_their_docstring_examples():
     timer.tick("a")
     timer.tick("b")
     assert timer["a"] == pytest.approx(0.1) and timer["b"] == pytest.approx(0.3) and timer["c"] == 0.0
+
+
+def test_ema_update_follows_its_docstring_example():
+    # the merged drafter's step and head timings and StepTimer's arms share this one rule:
+    # the first observation as is (0 = nothing measured yet), then weight 0.2 of the newest
+    assert ema_update(0.0, 1.0, 0.2) == 1.0
+    assert ema_update(1.0, 2.0, 0.2) == pytest.approx(1.2)
+    assert ema_update(0.0, 0.5, 0.2) == 0.5  # still unmeasured after a zero-second observation
 
 
 def test_selecting_rule_prior_and_min_match():
