@@ -49,7 +49,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -182,10 +181,12 @@ def _load_engine(settings: ServerSettings):
 
 def _response_cache(engine, settings: ServerSettings):
     """The server's cache of its own responses (None when ``response_cache_tokens`` is 0),
-    with the responses of ``settings.response_log`` when that file exists.
+    with the responses of ``settings.response_log`` when that file exists; new responses are
+    appended to that log as they finish (``ResponseCache.open_journal``: bad lines skipped
+    with a warning, the log compacted; ``_close_response_log`` at shutdown).
 
     Raises:
-        ResponseLogError: the log cannot be read (another model, not JSON lines, bad ids).
+        ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
     if settings.response_cache_tokens <= 0:
         return None
@@ -193,10 +194,16 @@ def _response_cache(engine, settings: ServerSettings):
 
     cache = ResponseCache(settings.response_cache_tokens, model=engine.model_name or "")
     log = settings.response_log
-    if log and os.path.exists(log):
-        n = cache.load(log, vocab_size=getattr(engine.target, "vocab_size", None))
+    if log:
+        n = cache.open_journal(log, vocab_size=getattr(engine.target, "vocab_size", None))
         logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
     return cache
+
+
+def _close_response_log(cache, path: str) -> int:
+    """At shutdown: the response log's journal closed (its last answers written, the log
+    compacted), or a cache given without one saved to ``path``. Returns the responses written."""
+    return cache.close_journal() if cache.journal is not None else cache.save(path)
 
 
 def _datastore_engines(engine, settings: ServerSettings) -> dict[str, Any]:
@@ -332,7 +339,7 @@ def create_app(
             pool.shutdown(wait=False, cancel_futures=True)
             if cache is not None and settings.response_log:
                 try:
-                    n = await asyncio.to_thread(cache.save, settings.response_log)
+                    n = await asyncio.to_thread(_close_response_log, cache, settings.response_log)
                     logger.info("saved %d cached responses to %s", n, settings.response_log)
                 except OSError as e:
                     logger.error("cannot save the response cache to %s: %s", settings.response_log, e)
