@@ -183,3 +183,25 @@ def test_a_log_in_a_read_only_folder_is_refused(tmp_path):
             check_log_path(folder / "log.jsonl", ResponseLogError)
     finally:
         folder.chmod(0o700)
+
+
+def test_a_running_log_is_compacted_as_it_grows(tmp_path, monkeypatch):
+    from ragspec.drafters import response_journal
+
+    monkeypatch.setattr(response_journal, "_COMPACT_MIN_RECORDS", 4)
+    log = tmp_path / "responses.jsonl"
+    cache = ResponseCache(6, context_tokens=0)  # room for 3 responses of 2 tokens
+    cache.open_journal(log, flush_interval_s=0.02, flush_records=1)
+    try:
+        for i in range(12):
+            cache.add([], [100 + i, 200 + i])
+            time.sleep(0.03)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _lines(log)[-1:] != [
+            {"model": "", "prompt_tail": [], "output": [111, 211], "text": ""}
+        ]:
+            time.sleep(0.02)
+        assert len(_lines(log)) < 12  # compacted while running: the evicted answers are gone
+    finally:
+        cache.close_journal()
+    assert [r["output"][0] for r in _lines(log)] == [109, 110, 111]
