@@ -20,6 +20,7 @@ __all__ = [
     "PromptTooLongError",
     "EagleHeadMismatchError",
     "MissingDependencyError",
+    "ResponseLogError",
 ]
 
 
@@ -78,3 +79,9 @@ class EagleHeadMismatchError(RagspecError):
 class MissingDependencyError(ConfigError, ImportError):
     """An option needs an optional dependency that is not installed; the message names
     the extra that brings it (``pip install 'ragspec[compare]'``)."""
+
+
+class ResponseLogError(RagspecError):
+    """A response log (``--response-log``) cannot be used: its path is a directory, not a
+    regular file, in a missing or unwritable folder; or it holds another model's responses
+    (or, read strictly, a line that is not a valid record)."""

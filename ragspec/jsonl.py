@@ -4,12 +4,14 @@ data): one helper so every reader reports a bad line the same way."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Type
 
 from .errors import ConfigError, RagspecError
 
-__all__ = ["iter_jsonl"]
+__all__ = ["iter_jsonl", "check_log_path"]
 
 
 def iter_jsonl(path: str | Path, error: Type[RagspecError] = ConfigError) -> Iterator[tuple[int, Any]]:
@@ -32,3 +34,35 @@ def iter_jsonl(path: str | Path, error: Type[RagspecError] = ConfigError) -> Ite
                     raise error(f"{p}:{i}: not valid JSON ({e.msg})") from None
         except UnicodeDecodeError as e:
             raise error(f"{p}: not UTF-8 ({e})") from None
+
+
+def check_log_path(path: str | os.PathLike, error: Type[RagspecError] = ConfigError, what: str = "log") -> Path:
+    """Check that ``path`` can be a JSON-lines log that is appended to and atomically
+    rewritten (a temporary file in its folder renamed over it): a regular file or nothing
+    yet, in an existing, writable folder. Cheap (a probe file is created and removed in the
+    folder); call it before any slow start-up work.
+
+    Returns:
+        ``path`` as a :class:`Path`.
+
+    Raises:
+        error: one line naming the path and what is wrong with it (a directory, not a
+            regular file, a missing folder, not writable).
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{what} {str(p)!r} is a directory: give a file path (e.g. {str(p / 'responses.jsonl')!r})")
+    if p.exists() and not p.is_file():
+        raise error(f"{what} {str(p)!r} is not a regular file")
+    folder = p.parent
+    if not folder.is_dir():
+        raise error(f"{what} {str(p)!r}: folder {str(folder)!r} does not exist")
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.", suffix=".probe")
+        probe.close()
+        if p.exists():
+            with open(p, "ab"):
+                pass
+    except OSError as e:
+        raise error(f"{what} {str(p)!r} is not writable ({e.strerror or e})") from None
+    return p

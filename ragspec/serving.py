@@ -12,7 +12,6 @@ response cache reuse the loaded model and backend.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -30,6 +29,7 @@ __all__ = [
     "load_serving_engine",
     "datastore_engines",
     "open_response_cache",
+    "close_response_log",
     "load_serving",
 ]
 
@@ -114,19 +114,26 @@ def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> 
 
 def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
     """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
-    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log`` when it
-    exists (:mod:`ragspec.drafters.response_cache`).
+    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
+    responses are appended to that log as they finish (``ResponseCache.open_journal``: bad
+    lines skipped with a warning, the log compacted; closed by ``close_response_log``).
 
     Raises:
-        ResponseLogError: the log cannot be read (another model, not JSON lines, bad ids).
+        ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
     if max_tokens <= 0:
         return None
     cache = ResponseCache(max_tokens, model=engine.model_name or "")
-    if log and os.path.exists(log):
-        n = cache.load(log, vocab_size=getattr(engine.target, "vocab_size", None))
+    if log:
+        n = cache.open_journal(log, vocab_size=getattr(engine.target, "vocab_size", None))
         logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
     return cache
+
+
+def close_response_log(cache: ResponseCache, path: str) -> int:
+    """At shutdown: the response log's journal closed (its last answers written, the log
+    compacted), or a cache given without one saved to ``path``. Returns the responses written."""
+    return cache.close_journal() if cache.journal is not None else cache.save(path)
 
 
 def load_serving(config: ServingConfig) -> ServingEngines:

@@ -15,6 +15,12 @@ binary: skipped with a warning (a file with a few invalid bytes is indexed, the 
 replaced by U+FFFD, with a warning). A JSONL line that is not valid JSON, or has no string
 in ``field``, is skipped with a warning. The skips are counted in the manifest (and in the
 build summary). ``strict=True`` (``--strict``) fails on the first of them instead.
+
+Memory: a file larger than ``chunk_bytes`` (1 MiB by default), and standard input, are
+streamed: read, decoded, checked for binary content and tokenized chunk by chunk
+(:mod:`.streaming`), with the ids a whole read gives, so a build holds a chunk's text and
+the token ids (int32), never one file's whole text, whatever its size; the progress bar
+counts bytes as they are read. Smaller files are read whole and tokenized in batches.
 """
 
 from __future__ import annotations
@@ -31,11 +37,11 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Iterable, Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from ragspec.errors import DatastoreError, DatastoreInputError, EmptyCorpusError
+from ragspec.errors import ConfigError, DatastoreError, DatastoreInputError, EmptyCorpusError
 
 from .format import (
     DOCS_DTYPE,
@@ -60,6 +66,7 @@ from .format import (
     write_manifest,
 )
 from .store import Datastore, DatastoreInfo
+from .streaming import MAX_INVALID_UTF8, ChunkedTokenizer, TextStream, split_complete_lines
 from .suffix import reverse_prefix_order
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,9 @@ HTML_SUFFIXES = (".html", ".htm")
 JSONL_SUFFIXES = (".jsonl",)
 _BATCH_CHARS = 1 << 21  # tokenize ~2 MB of text per call (the fast tokenizer parallelises a batch)
 _BATCH_DOCS = 512
-_MAX_INVALID_UTF8 = 0.1  # above this share of undecodable characters a file is binary
+CHUNK_BYTES = 1 << 20
+"""A larger input file is read and tokenized in chunks of this many bytes (memory bounded
+whatever its size); a smaller one is read whole and tokenized with others in a batch."""
 
 
 @dataclass
@@ -96,7 +105,7 @@ def _decode(raw: bytes, where: str) -> tuple[str, str]:
         text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd")
     share = bad / max(1, len(text))
-    if share > _MAX_INVALID_UTF8:
+    if share > MAX_INVALID_UTF8:
         return "", f"{share:.0%} of it is not UTF-8"
     logger.warning("%s: %d invalid UTF-8 byte sequence(s) replaced by U+FFFD", where, bad)
     return text, ""
@@ -164,48 +173,73 @@ def html_to_text(markup: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
+class _JsonlReader:
+    """Texts of JSONL lines, one per line from ``field``, line by line; bad lines counted
+    (warned about by :meth:`warn`), or refused when ``strict``."""
+
+    def __init__(self, field: str, where: str, strict: bool) -> None:
+        self.field, self.where, self.strict = field, where, strict
+        self.malformed: list[int] = []
+        self.missing: list[int] = []
+
+    @property
+    def skipped(self) -> int:
+        return len(self.malformed) + len(self.missing)
+
+    def text(self, lineno: int, line: str) -> Optional[str]:
+        """The text of line ``lineno`` (None: blank or skipped).
+
+        Raises:
+            DatastoreInputError: ``strict`` and the line is not JSON or has no string field.
+        """
+        if not line.strip():
+            return None
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if self.strict:
+                raise DatastoreInputError(f"{self.where}:{lineno}: invalid JSON ({e.msg})") from e
+            self.malformed.append(lineno)
+            return None
+        value = obj.get(self.field) if isinstance(obj, dict) else None
+        if not isinstance(value, str):
+            if self.strict:
+                raise DatastoreInputError(f"{self.where}:{lineno}: no string field {self.field!r}")
+            self.missing.append(lineno)
+            return None
+        return value
+
+    def warn(self) -> None:
+        def lines(nums: list[int]) -> str:
+            return ", ".join(map(str, nums[:5])) + (", ..." if len(nums) > 5 else "")
+
+        if self.malformed:
+            logger.warning(
+                "%s: %d line(s) of invalid JSON skipped (line %s; --strict fails instead)",
+                self.where,
+                len(self.malformed),
+                lines(self.malformed),
+            )
+        if self.missing:
+            logger.warning(
+                "%s: %d line(s) without a string field %r skipped (line %s)",
+                self.where,
+                len(self.missing),
+                self.field,
+                lines(self.missing),
+            )
+
+
 def _jsonl_texts(data: str, field: str, where: str, strict: bool = False) -> tuple[list[str], int]:
     """(texts, number of lines skipped) of JSONL ``data``: one text per line, from ``field``.
 
     Raises:
         DatastoreInputError: ``strict`` and a line is not JSON or has no string ``field``.
     """
-    texts = []
-    malformed: list[int] = []
-    missing: list[int] = []
-    for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if strict:
-                raise DatastoreInputError(f"{where}:{lineno}: invalid JSON ({e.msg})") from e
-            malformed.append(lineno)
-            continue
-        value = obj.get(field) if isinstance(obj, dict) else None
-        if not isinstance(value, str):
-            if strict:
-                raise DatastoreInputError(f"{where}:{lineno}: no string field {field!r}")
-            missing.append(lineno)
-            continue
-        texts.append(value)
-
-    def lines(nums: list[int]) -> str:
-        return ", ".join(map(str, nums[:5])) + (", ..." if len(nums) > 5 else "")
-
-    if malformed:
-        logger.warning(
-            "%s: %d line(s) of invalid JSON skipped (line %s; --strict fails instead)",
-            where,
-            len(malformed),
-            lines(malformed),
-        )
-    if missing:
-        logger.warning(
-            "%s: %d line(s) without a string field %r skipped (line %s)", where, len(missing), field, lines(missing)
-        )
-    return texts, len(malformed) + len(missing)
+    reader = _JsonlReader(field, where, strict)
+    texts = [t for i, line in enumerate(data.splitlines(), 1) if (t := reader.text(i, line)) is not None]
+    reader.warn()
+    return texts, reader.skipped
 
 
 def _parse(raw: bytes, where: str, kind: str, field: str, strict: bool) -> _Source:
@@ -307,6 +341,165 @@ class _Tokenized:
     skipped_lines: int
 
 
+class _Ids:
+    """Token ids read so far: one int32 array per document, the documents counted per
+    source (index into the sources list), the smallest and largest id."""
+
+    def __init__(self) -> None:
+        self.docs: list[np.ndarray] = []
+        self.counts: dict[int, int] = {}
+        self.lo, self.hi = 2**31, -1
+        self.num_tokens = 0
+
+    def add(self, ids: Any, si: int, where: str) -> None:
+        """Add one document's ``ids`` (a list or an integer array) of source ``si``.
+
+        Raises:
+            DatastoreError: an id outside ``[0, 2^31 - 1)``.
+        """
+        if len(ids) == 0:
+            return
+        arr = np.asarray(ids, dtype=np.int64)
+        a, b = int(arr.min()), int(arr.max())
+        if a < 0 or b >= 2**31 - 1:
+            raise DatastoreError(f"tokenizer produced an id outside [0, 2^31 - 1) for {where!r}")
+        self.lo, self.hi = min(self.lo, a), max(self.hi, b)
+        self.docs.append(arr.astype(np.int32))
+        self.counts[si] = self.counts.get(si, 0) + 1
+        self.num_tokens += len(arr)
+
+    def extend(self, other: "_Ids") -> None:
+        self.docs.extend(other.docs)
+        for si, n in other.counts.items():
+            self.counts[si] = self.counts.get(si, 0) + n
+        self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+        self.num_tokens += other.num_tokens
+
+
+class _Batch:
+    """Short documents waiting to be tokenized together (a fast tokenizer parallelises a
+    batch): flushed into ``out`` at ``_BATCH_CHARS`` characters or ``_BATCH_DOCS`` documents."""
+
+    def __init__(self, tokenizer: Any, out: _Ids, sources: list[dict[str, Any]]) -> None:
+        self.tokenizer, self.out, self.sources = tokenizer, out, sources
+        self.texts: list[str] = []
+        self.src: list[int] = []
+        self.chars = 0
+
+    def add(self, text: str, si: int) -> None:
+        if not text.strip():
+            return
+        self.texts.append(text)
+        self.src.append(si)
+        self.chars += len(text)
+        if self.chars >= _BATCH_CHARS or len(self.texts) >= _BATCH_DOCS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.texts:
+            return
+        encoded = self.tokenizer(self.texts, add_special_tokens=False)["input_ids"]
+        for ids, si in zip(encoded, self.src):
+            self.out.add(ids, si, self.sources[si]["path"])
+        self.texts, self.src, self.chars = [], [], 0
+
+
+def _stream_source(
+    stream: BinaryIO,
+    where: str,
+    kind: str,
+    field: str,
+    strict: bool,
+    tokenizer: Any,
+    si: int,
+    sources: list[dict[str, Any]],
+    chunk_bytes: int,
+    on_bytes: Optional[Any],
+) -> tuple[_Source, _Ids]:
+    """Read and tokenize one large input (or standard input) chunk by chunk: neither its
+    bytes nor its text is held whole (only its token ids, int32). Its documents are those of
+    a whole read (:func:`_parse`): the file as one document (HTML: its visible text), or one
+    per JSONL line; binary content is found as it is read and drops what was read of it.
+
+    Raises:
+        DatastoreInputError: ``strict`` and the content is binary or a JSONL line malformed.
+    """
+    text_in = TextStream(stream, chunk_bytes, on_bytes)
+    ids = _Ids()
+    jsonl: Optional[_JsonlReader] = None
+    if kind == "jsonl":
+        jsonl = _JsonlReader(field, where, strict)
+        batch = _Batch(tokenizer, ids, sources)
+        lineno, rest = 0, ""
+        for piece in text_in:
+            lines, rest = split_complete_lines(rest + piece)
+            for line in lines:
+                lineno += 1
+                text = jsonl.text(lineno, line)
+                if text is not None:
+                    batch.add(text, si)
+        if rest and not text_in.binary:
+            text = jsonl.text(lineno + 1, rest)
+            if text is not None:
+                batch.add(text, si)
+        if not text_in.binary:
+            batch.flush()
+    else:
+        doc = ChunkedTokenizer(tokenizer, chunk_bytes)
+        blank = True
+        pieces: Iterator[str] = iter(text_in) if kind != "html" else _html_text_pieces(text_in)
+        for piece in pieces:
+            blank = blank and not piece.strip()
+            doc.feed(piece)
+        if not text_in.binary and not blank:
+            ids.add(doc.finish(), si, where)
+        if doc.num_retries:
+            logger.info(
+                "%s: %d of %d windows tokenized again with wider margins", where, doc.num_retries, doc.num_windows
+            )
+    src = _Source(where, text_in.sha256, text_in.bytes, [])
+    if text_in.binary:
+        if strict:
+            raise DatastoreInputError(
+                f"{where}: binary content ({text_in.binary}); remove it, or build without --strict to skip it"
+            )
+        logger.warning("skipping %s: binary content (%s)", where, text_in.binary)
+        src.binary = text_in.binary
+        return src, _Ids()
+    if text_in.invalid:
+        logger.warning("%s: %d invalid UTF-8 byte sequence(s) replaced by U+FFFD", where, text_in.invalid)
+    if jsonl is not None:
+        jsonl.warn()
+        src.skipped_lines = jsonl.skipped
+    return src, ids
+
+
+def _html_text_pieces(pieces: Iterable[str]) -> Iterator[str]:
+    """The visible text of HTML given in pieces, as :func:`html_to_text` gives it for the
+    whole markup, piece by piece (line by line)."""
+    parser = _HTMLText()
+    rest = ""
+    started = False
+
+    def lines_of(text: str, final: bool) -> Iterator[str]:
+        nonlocal rest, started
+        lines, rest = split_complete_lines(rest + text)
+        if final and rest:
+            lines, rest = lines + [rest], ""
+        for line in lines:
+            norm = " ".join(line.split())
+            if norm:
+                yield ("\n" if started else "") + norm
+                started = True
+
+    for piece in pieces:
+        parser.feed(piece)
+        text, parser.parts = "".join(parser.parts), []
+        yield from lines_of(text, False)
+    parser.close()
+    yield from lines_of("".join(parser.parts), True)
+
+
 def _tokenize_inputs(
     inputs: Sequence[str | os.PathLike],
     tokenizer: Any,
@@ -314,37 +507,21 @@ def _tokenize_inputs(
     progress: bool,
     stdin: Optional[TextIO],
     strict: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> _Tokenized:
     """Read and tokenize all inputs: documents as int32 arrays, per-source records, the
-    smallest and largest id, and the binary files and JSONL lines skipped."""
+    smallest and largest id, and the binary files and JSONL lines skipped.
+
+    A file of at most ``chunk_bytes`` is read whole; a larger one, and standard input, are
+    streamed in chunks of ``chunk_bytes`` (:func:`_stream_source`), so memory stays bounded
+    by the chunk size and the token ids whatever one file's size; the progress bar counts
+    bytes as they are read."""
     listing = _list_inputs(inputs)
     total_bytes = sum(size for _, _, size in listing)
-    docs: list[np.ndarray] = []
+    out = _Ids()
     sources: list[dict[str, Any]] = []
-    pending: list[str] = []
-    pending_src: list[int] = []
-    pending_chars = 0
-    num_tokens = 0
-    lo, hi = 2**31, -1
+    batch = _Batch(tokenizer, out, sources)
     skipped_files = skipped_lines = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_src, pending_chars, num_tokens, lo, hi
-        if not pending:
-            return
-        encoded = tokenizer(pending, add_special_tokens=False)["input_ids"]
-        for ids, si in zip(encoded, pending_src):
-            if len(ids) == 0:
-                continue
-            arr = np.asarray(ids, dtype=np.int64)
-            a, b = int(arr.min()), int(arr.max())
-            if a < 0 or b >= 2**31 - 1:
-                raise DatastoreError(f"tokenizer produced an id outside [0, 2^31 - 1) for {sources[si]['path']!r}")
-            lo, hi = min(lo, a), max(hi, b)
-            docs.append(arr.astype(np.int32))
-            sources[si]["num_documents"] += 1
-            num_tokens += len(arr)
-        pending, pending_src, pending_chars = [], [], 0
 
     bar = None
     if progress:
@@ -353,34 +530,69 @@ def _tokenize_inputs(
         bar = tqdm(
             total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, dynamic_ncols=True
         )
+
+    def record(src: _Source) -> int:
+        nonlocal skipped_files, skipped_lines
+        entry: dict[str, Any] = {"path": src.path, "sha256": src.sha256, "bytes": src.bytes, "num_documents": 0}
+        if src.binary:
+            entry["skipped"] = f"binary: {src.binary}"
+            skipped_files += 1
+        if src.skipped_lines:
+            entry["skipped_lines"] = src.skipped_lines
+            skipped_lines += src.skipped_lines
+        sources.append(entry)
+        return len(sources) - 1
+
     try:
-        for src in _iter_sources(listing, field, stdin, strict):
-            si = len(sources)
-            record = {"path": src.path, "sha256": src.sha256, "bytes": src.bytes, "num_documents": 0}
-            if src.binary:
-                record["skipped"] = f"binary: {src.binary}"
-                skipped_files += 1
-            if src.skipped_lines:
-                record["skipped_lines"] = src.skipped_lines
-                skipped_lines += src.skipped_lines
-            sources.append(record)
-            for text in src.texts:
-                if not text.strip():
-                    continue
-                pending.append(text)
-                pending_src.append(si)
-                pending_chars += len(text)
-                if pending_chars >= _BATCH_CHARS or len(pending) >= _BATCH_DOCS:
-                    flush()
+        for kind, path, size in listing:
+            if kind == "file" and size <= chunk_bytes:
+                assert path is not None, "file inputs carry a path"
+                try:
+                    src = _read_file(path, field, strict)
+                except OSError as e:
+                    raise DatastoreError(f"cannot read {str(path)!r}: {e.strerror or e}") from e
+                si = record(src)
+                for text in src.texts:
+                    batch.add(text, si)
+                if bar is not None:
+                    bar.update(src.bytes)
+            else:
+                batch.flush()  # the documents keep the inputs' order
+                where = "-" if path is None else str(path)
+                si = len(sources)
+                sources.append({"path": where})  # a placeholder: the record needs the whole stream
+                try:
+                    if path is None:
+                        src, ids = _stream_source(
+                            _binary_stdin(stdin), "<stdin>", "jsonl", field, strict, tokenizer, si, sources,
+                            chunk_bytes, bar.update if bar is not None else None,
+                        )  # fmt: skip
+                        src.path = "-"
+                    else:
+                        suffix = path.suffix.lower()
+                        file_kind = (
+                            "jsonl" if suffix in JSONL_SUFFIXES else "html" if suffix in HTML_SUFFIXES else "text"
+                        )
+                        with open(path, "rb") as f:
+                            src, ids = _stream_source(
+                                f, where, file_kind, field, strict, tokenizer, si, sources, chunk_bytes,
+                                bar.update if bar is not None else None,
+                            )  # fmt: skip
+                except OSError as e:
+                    raise DatastoreError(f"cannot read {where!r}: {e.strerror or e}") from e
+                sources.pop()
+                record(src)
+                out.extend(ids)
             if bar is not None:
-                bar.update(src.bytes)
-                bar.set_postfix(tokens=num_tokens, refresh=False)
-        flush()
+                bar.set_postfix(tokens=out.num_tokens, refresh=False)
+        batch.flush()
     finally:
         if bar is not None:
-            bar.set_postfix(tokens=num_tokens)
+            bar.set_postfix(tokens=out.num_tokens)
             bar.close()
-    if not docs:
+    for si, n in out.counts.items():
+        sources[si]["num_documents"] = n
+    if not out.docs:
         where = ", ".join(str(i) for i in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
         skips = f", {skipped_files} skipped as binary" if skipped_files else ""
         raise EmptyCorpusError(
@@ -391,7 +603,26 @@ def _tokenize_inputs(
         logger.warning(
             "skipped %d binary file(s) and %d JSONL line(s) (see the warnings above)", skipped_files, skipped_lines
         )
-    return _Tokenized(docs, sources, lo, hi, skipped_files, skipped_lines)
+    return _Tokenized(out.docs, sources, out.lo, out.hi, skipped_files, skipped_lines)
+
+
+def _check_chunk_bytes(chunk_bytes: int) -> None:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 16:
+        raise ConfigError(f"chunk_bytes must be an integer >= 16, got {chunk_bytes!r}")
+
+
+def _binary_stdin(stdin: Optional[TextIO]) -> BinaryIO:
+    """Standard input (or ``stdin``) as a binary stream: its buffer, else its text encoded."""
+    stream = stdin if stdin is not None else sys.stdin
+    buf = getattr(stream, "buffer", None)
+    if buf is not None:
+        return buf
+
+    class _Encoded:
+        def read(self, n: int) -> bytes:
+            return stream.read(n).encode("utf-8")
+
+    return _Encoded()  # type: ignore[return-value]
 
 
 def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: bool) -> ShardEntry:
@@ -456,6 +687,7 @@ def build_datastore(
     overwrite: bool = False,
     stdin: Optional[TextIO] = None,
     strict: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> DatastoreInfo:
     """Build a datastore of one shard from text inputs.
 
@@ -469,6 +701,9 @@ def build_datastore(
         overwrite: replace an existing ``out_dir``.
         stdin: stream read for "-" (default ``sys.stdin``).
         strict: fail on a binary file or a malformed JSONL line instead of skipping it.
+        chunk_bytes: a larger file (and standard input) is read and tokenized in chunks of
+            this many bytes, memory bounded whatever its size (the ids are those of a whole
+            read); a smaller one is read whole. At least 16.
 
     Returns:
         The new datastore's :class:`DatastoreInfo` (``skipped_files`` / ``skipped_lines``:
@@ -478,15 +713,17 @@ def build_datastore(
         EmptyCorpusError: the inputs hold no text (only empty or whitespace documents).
         DatastoreInputError: ``strict`` and an input is binary or a JSONL line malformed.
         DatastoreError: an input is missing or unreadable, or ``out_dir`` exists.
+        ConfigError: ``chunk_bytes`` < 16.
     """
     t0 = time.perf_counter()
+    _check_chunk_bytes(chunk_bytes)
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
     dest = Path(out_dir)
     if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
         raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
     identity = tokenizer_identity(tokenizer, tokenizer_name)
-    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict)
+    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict, chunk_bytes)
     with atomic_directory(dest, overwrite=overwrite) as tmp:
         name = "shard-00000"
         (tmp / name).mkdir()
@@ -507,6 +744,7 @@ def add_to_datastore(
     progress: bool = True,
     stdin: Optional[TextIO] = None,
     strict: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> DatastoreInfo:
     """Append the inputs to an existing datastore as a new shard (no rebuild of the others).
 
@@ -514,7 +752,7 @@ def add_to_datastore(
     and only then listed in the manifest (replaced atomically), so a crash leaves the
     datastore as it was (plus, at worst, an unlisted directory that is ignored, and removed
     by the next add: leftovers of interrupted adds go once this one holds ``DIR/.lock``).
-    ``strict``: as in :func:`build_datastore`.
+    ``strict``, ``chunk_bytes``: as in :func:`build_datastore`.
 
     Raises:
         TokenizerMismatchError: ``tokenizer`` is not the one the datastore was built with.
@@ -522,12 +760,13 @@ def add_to_datastore(
         DatastoreFormatError / DatastoreError: the datastore is damaged or missing.
     """
     t0 = time.perf_counter()
+    _check_chunk_bytes(chunk_bytes)
     d = Path(directory)
     manifest = read_manifest(d)
     check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
-    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict)
+    read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict, chunk_bytes)
     with locked(d / ".lock"):
         manifest = read_manifest(d)  # another add may have finished meanwhile
         remove_leftovers(d, manifest)

@@ -21,9 +21,13 @@ but a *seeded* sampled request must follow from its seed alone, so
 :meth:`ResponseCacheDrafter.reproducible` leaves the cache out (``None``).
 
 Persistence: :meth:`ResponseCache.save` writes a JSON-lines log (one response per line:
-``{"model", "prompt_tail", "output", "text"}``), :meth:`ResponseCache.load` reads it back
-(the server does both: ``--response-log``), and ``ragspec datastore add --from-log`` turns a
-log into a datastore shard (its ``text`` fields).
+``{"model", "prompt_tail", "output", "text"}``), :meth:`ResponseCache.load` reads it back,
+and ``ragspec datastore add --from-log`` turns a log into a datastore shard (its ``text``
+fields). The server keeps the log durable (``--response-log``):
+:meth:`ResponseCache.open_journal` loads it (skipping bad lines with a warning) and appends
+every new response to it as it is cached, in fsynced batches
+(:mod:`ragspec.drafters.response_journal`); :meth:`ResponseCache.close_journal` compacts it
+at shutdown.
 """
 
 from __future__ import annotations
@@ -36,19 +40,16 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
-from ..errors import ConfigError, RagspecError
+from ..errors import ConfigError, ResponseLogError
+from ..jsonl import check_log_path
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
 from .base import DraftSession, SessionCapability
+from .response_journal import ResponseJournal, write_log_atomically
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ResponseCache", "ResponseCacheDrafter", "ResponseLogError"]
-
-
-class ResponseLogError(RagspecError):
-    """A response log cannot be read: not JSON lines, wrong fields, another model, token ids
-    outside the vocabulary."""
 
 
 class ResponseCache:
@@ -69,6 +70,9 @@ class ResponseCache:
 
     Thread-safe: one lock around every operation (the server's worker adds, the engine's
     step drafts).
+
+    ``ResponseLogError`` (:mod:`ragspec.errors`, re-exported here): a log cannot be read
+    or used.
 
     Raises:
         ConfigError: a bound is not a positive integer, an unknown eviction policy.
@@ -119,6 +123,7 @@ class ResponseCache:
         self._num_tokens = 0
         self.hits = 0
         self.evicted = 0
+        self._journal: Optional[ResponseJournal] = None
 
     # ------------------------------------------------------------------ contents
     def __len__(self) -> int:
@@ -150,6 +155,7 @@ class ResponseCache:
             if same is not None and self._entries[same][0] == tokens:
                 self._entries.move_to_end(same)  # the same answer again: refreshed, not duplicated
                 return True
+            journal = self._journal
             eid = self._next_id
             self._by_hash[digest] = eid
             self._next_id += 1
@@ -165,7 +171,18 @@ class ResponseCache:
                         del slot[0]
             while self._num_tokens > self.max_tokens:
                 self._evict_oldest()
+        if journal is not None:
+            journal.append(self._record(tokens, len(tail), text))
         return True
+
+    def _record(self, tokens: list[int], start: int, text: str) -> dict:
+        return {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
+
+    def records(self) -> list[dict]:
+        """Every cached response, oldest (least recently used) first, as log records:
+        ``{"model", "prompt_tail", "output", "text"}``."""
+        with self._lock:
+            return [self._record(tokens, start, text) for tokens, start, text in self._entries.values()]
 
     def _evict_oldest(self) -> None:
         eid, (tokens, _, _) = self._entries.popitem(last=False)
@@ -240,48 +257,135 @@ class ResponseCache:
         Returns:
             the number of responses written.
         """
-        path = Path(path)
-        with self._lock:
-            rows = [
-                {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
-                for tokens, start, text in self._entries.values()
-            ]
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # replicas may share the path
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-        return len(rows)
+        lines = self._log_lines()
+        write_log_atomically(Path(path), lines)
+        return len(lines)
 
-    def load(self, path: Union[str, os.PathLike], *, vocab_size: Optional[int] = None) -> int:
+    def _log_lines(self) -> list[str]:
+        return [json.dumps(r) + "\n" for r in self.records()]
+
+    def load(self, path: Union[str, os.PathLike], *, vocab_size: Optional[int] = None, skip_bad: bool = False) -> int:
         """Add the responses of a log written by :meth:`save` (oldest first; the cache's
         bounds apply as they are added).
 
+        Args:
+            skip_bad: skip a line that is not a valid record (a torn last line after a
+                crash, a corrupt one) with a warning naming it, instead of refusing the log.
+
         Raises:
-            ResponseLogError: a line is not a JSON object with integer token lists, names
-                another model than this cache's, or holds ids outside ``[0, vocab_size)``;
-                nothing is added then.
+            ResponseLogError: a line names another model than this cache's (always: the log
+                is not this cache's); unless ``skip_bad``, a line is not UTF-8, not a JSON
+                object with integer token lists, or holds ids outside ``[0, vocab_size)``.
+                Nothing is added then.
+            OSError: the log cannot be read.
 
         Returns:
             the number of responses added.
         """
-        path = Path(path)
-        rows: list[tuple[list[int], list[int], str]] = []
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    rows.append(self._parse_row(path, lineno, line, vocab_size))
-        except UnicodeDecodeError as e:
-            raise ResponseLogError(f"{path}: not a UTF-8 JSON-lines response log ({e})") from None
+        rows, _ = self._read_log(Path(path), vocab_size, skip_bad)
         for tail, out, text in rows:
             self.add(tail, out, text)
         return len(rows)
 
+    def _read_log(
+        self, path: Path, vocab_size: Optional[int], skip_bad: bool
+    ) -> tuple[list[tuple[list[int], list[int], str]], list[int]]:
+        """(records, numbers of the lines skipped) of the log at ``path``."""
+        rows: list[tuple[list[int], list[int], str]] = []
+        skipped: list[int] = []
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ResponseLogError(f"{path}:{lineno}: not UTF-8 ({e.reason})") from None
+                    model, *row = self._parse_row(path, lineno, line, vocab_size)
+                except ResponseLogError as e:
+                    if not skip_bad:
+                        raise
+                    skipped.append(lineno)
+                    torn = "" if raw.endswith(b"\n") else " (the last line, cut short)"
+                    logger.warning("skipping line %d of the response log%s: %s", lineno, torn, e)
+                    continue
+                if self.model and model and model != self.model:
+                    raise ResponseLogError(
+                        f"{path}:{lineno}: a response of model {model!r}, this cache is for {self.model!r}"
+                    )
+                rows.append(tuple(row))  # type: ignore[arg-type]
+        if skipped:
+            logger.warning(
+                "response log %s: %d bad line(s) skipped, %d response(s) read", path, len(skipped), len(rows)
+            )
+        return rows, skipped
+
+    # ------------------------------------------------------------------ the durable log
+    @property
+    def journal(self) -> Optional[ResponseJournal]:
+        """The journal appending new responses to the log (:meth:`open_journal`), or None."""
+        return self._journal
+
+    def open_journal(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        vocab_size: Optional[int] = None,
+        flush_interval_s: float = 1.0,
+        flush_records: int = 64,
+    ) -> int:
+        """Make ``path`` this cache's durable log: load it (when it exists; bad lines are
+        skipped with a warning naming them, the log as it was kept as ``<path>.bad``), compact
+        it, and from now on append every new response to it within ``flush_interval_s``
+        (fsynced in batches by a background thread; see
+        :mod:`ragspec.drafters.response_journal`). :meth:`close_journal` ends it.
+
+        Returns:
+            the number of responses read from the log.
+
+        Raises:
+            ResponseLogError: the path is unusable (a directory, not a regular file, a
+                missing or unwritable folder), the log holds another model's responses, or a
+                journal is already open.
+            OSError: the log exists but cannot be read.
+        """
+        if self._journal is not None:
+            raise ResponseLogError(f"the response cache already journals to {str(self._journal.path)!r}")
+        journal = ResponseJournal(path, self._log_lines, flush_interval_s=flush_interval_s, flush_records=flush_records)
+        check_log_path(journal.path, ResponseLogError, "response log")
+        rows, skipped = [], []
+        if journal.path.exists():
+            rows, skipped = self._read_log(journal.path, vocab_size, skip_bad=True)
+        for tail, out, text in rows:
+            self.add(tail, out, text)
+        journal.open(keep_original_as=journal.path.with_name(journal.path.name + ".bad") if skipped else None)
+        with self._lock:
+            self._journal = journal
+        return len(rows)
+
+    def close_journal(self) -> int:
+        """Stop journaling: write what is queued, compact the log (every cached response,
+        oldest first) and close it. Nothing happens without a journal.
+
+        Returns:
+            the number of responses in the compacted log (0 without a journal).
+
+        Raises:
+            OSError: the compacted log cannot be written (the journal written so far stays).
+        """
+        with self._lock:
+            journal, self._journal = self._journal, None
+        return journal.close() if journal is not None else 0
+
     def _parse_row(
         self, path: Path, lineno: int, line: str, vocab_size: Optional[int]
-    ) -> tuple[list[int], list[int], str]:
+    ) -> tuple[str, list[int], list[int], str]:
+        """(model, prompt tail, output, text) of one log line.
+
+        Raises:
+            ResponseLogError: the line is not a valid record.
+        """
         where = f"{path}:{lineno}"
         try:
             row = json.loads(line)
@@ -290,8 +394,8 @@ class ResponseCache:
         if not isinstance(row, dict):
             raise ResponseLogError(f"{where}: a line must be a JSON object")
         model = row.get("model", "")
-        if self.model and model and model != self.model:
-            raise ResponseLogError(f"{where}: a response of model {model!r}, this cache is for {self.model!r}")
+        if not isinstance(model, str):
+            raise ResponseLogError(f"{where}: 'model' must be a string")
         lists = []
         for key in ("prompt_tail", "output"):
             ids = row.get(key, [])
@@ -303,7 +407,7 @@ class ResponseCache:
         text = row.get("text", "")
         if not isinstance(text, str):
             raise ResponseLogError(f"{where}: 'text' must be a string")
-        return lists[0], lists[1], text
+        return model, lists[0], lists[1], text
 
 
 class _ResponseCacheSession:

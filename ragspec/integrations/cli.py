@@ -110,6 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .ray import run
 
         return run(settings, ray_options)
+    # files the service writes are checked before the model loads (a bad path fails in
+    # a second, not after the load)
+    settings.check_files()
     import uvicorn
 
     # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
@@ -224,8 +227,9 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--response-log",
         default=None,
-        help="JSON-lines file the response cache is loaded from at start and saved to at shutdown "
-        "(RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
+        help="JSON-lines file the response cache is loaded from at start and appended to as answers "
+        "finish (a crash loses at most the last second; RAGSPEC_RESPONSE_LOG; "
+        "'ragspec datastore add --from-log' makes it a datastore shard)",
     )
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)

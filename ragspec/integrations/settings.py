@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from ragspec.config import check_drafting
-from ragspec.errors import ConfigError
+from ragspec.errors import ConfigError, ResponseLogError
+from ragspec.jsonl import check_log_path
 
 if TYPE_CHECKING:
     from ragspec.serving import ServingConfig
@@ -179,8 +180,10 @@ class ServerSettings:
     (:mod:`ragspec.drafters.response_cache`: repeated and similar questions copy earlier
     answers; least recently used evicted); 0: no response cache."""
     response_log: Optional[str] = None
-    """A JSON-lines file the response cache is loaded from at start (when it exists) and
-    saved to at shutdown (``ragspec datastore add --from-log`` makes it a datastore shard)."""
+    """A JSON-lines file the response cache is loaded from at start (when it exists; bad
+    lines skipped with a warning) and appended to as answers finish (fsynced at least every
+    second: a crash loses at most the last second), compacted at start and at shutdown
+    (``ragspec datastore add --from-log`` makes it a datastore shard)."""
     prepare_threads: int = 2
     """Threads that parse, validate and tokenize requests, off the event loop and the
     worker (a request's cost there is bounded by the limits above)."""
@@ -218,6 +221,18 @@ class ServerSettings:
             raise ConfigError(f"datastore names must be unique, got {names}")
         for n, d in self.datastores:
             parse_datastore(f"{n}={d}")
+
+    def check_files(self) -> None:
+        """Check the files the service will write, before the (slow) model load: the
+        ``response_log`` path must be usable (:func:`ragspec.jsonl.check_log_path`). Cheap
+        (creates and removes a probe file beside the log).
+
+        Raises:
+            ResponseLogError: the response log is a directory, not a regular file, in a
+                missing or unwritable folder (one line naming it).
+        """
+        if self.response_log and self.response_cache_tokens > 0:
+            check_log_path(self.response_log, ResponseLogError, "--response-log")
 
     def replace(self, **changes) -> "ServerSettings":
         return dataclasses.replace(self, **changes)

@@ -6,6 +6,7 @@ a typed error at start, and ``--no-response-cache`` (0 tokens) turns it off."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -72,3 +73,36 @@ def test_a_bad_response_log_is_a_typed_error_at_start(tmp_path):
     log.write_text('{"model": "another-model", "output": [1, 2]}\n')
     with pytest.raises(ResponseLogError, match="another-model"):
         open_response_cache(make_tiny_engine(), ServerSettings().response_cache_tokens, str(log))
+
+
+@pytest.mark.parametrize("case", ["directory", "missing folder"])
+def test_directory_as_response_log_is_refused_before_loading(tmp_path, monkeypatch, capsys, case):
+    # `ragspec serve --response-log DIR` used to fail with "internal error: IsADirectoryError"
+    # after the whole model load: now a one-line typed error (exit 2) before it
+    import ragspec.serving
+    from ragspec.cli import main
+
+    def no_load(settings):
+        raise AssertionError("the model was loaded before the response log was checked")
+
+    monkeypatch.setattr(ragspec.serving, "load_serving", no_load)
+    path = tmp_path if case == "directory" else tmp_path / "missing" / "responses.jsonl"
+    rc = main(["serve", "--response-log", str(path), "--no-calibrate", "--port", "8799"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("ragspec: error: --response-log") and str(path) in err
+    assert len(err.splitlines()) == 1 and "internal error" not in err
+
+
+def test_answers_are_in_the_log_while_the_server_runs(tmp_path):
+    # the log is a journal: an answer is on disk within a second, before any shutdown
+    log = tmp_path / "responses.jsonl"
+    settings = ServerSettings(response_log=str(log), calibrate=False)
+    app = _app(settings)
+    with LiveServer(app) as srv:
+        text, _ = _complete(srv)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not log.read_text().strip():
+            time.sleep(0.05)
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["text"] for r in rows] == [text]
+    assert [json.loads(line)["text"] for line in log.read_text().splitlines()] == [text]

@@ -77,7 +77,7 @@ def _metrics(app: FastAPI) -> ServerMetrics:
 
 async def _save_response_cache(cache: ResponseCache, path: str) -> None:
     try:
-        n = await asyncio.to_thread(cache.save, path)
+        n = await asyncio.to_thread(serving.close_response_log, cache, path)
         logger.info("saved %d cached responses to %s", n, path)
     except OSError as e:
         logger.error("cannot save the response cache to %s: %s", path, e)
