@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, TextIO
+from typing import Any, Iterable, Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -64,7 +64,15 @@ from .suffix import reverse_prefix_order
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_datastore", "add_to_datastore", "iter_documents", "html_to_text", "TEXT_SUFFIXES"]
+__all__ = [
+    "build_datastore",
+    "add_to_datastore",
+    "add_texts_to_datastore",
+    "check_texts",
+    "iter_documents",
+    "html_to_text",
+    "TEXT_SUFFIXES",
+]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 HTML_SUFFIXES = (".html", ".htm")
@@ -319,6 +327,15 @@ def _tokenize_inputs(
     smallest and largest id, and the binary files and JSONL lines skipped."""
     listing = _list_inputs(inputs)
     total_bytes = sum(size for _, _, size in listing)
+    where = ", ".join(str(i) for i in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
+    return _tokenize_sources(_iter_sources(listing, field, stdin, strict), total_bytes, tokenizer, progress, where)
+
+
+def _tokenize_sources(
+    sources_in: Iterable[_Source], total_bytes: int, tokenizer: Any, progress: bool, where: str
+) -> _Tokenized:
+    """Tokenize the texts of ``sources_in`` (``total_bytes``: their size, for the progress
+    bar; ``where``: what they came from, for errors)."""
     docs: list[np.ndarray] = []
     sources: list[dict[str, Any]] = []
     pending: list[str] = []
@@ -354,7 +371,7 @@ def _tokenize_inputs(
             total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, dynamic_ncols=True
         )
     try:
-        for src in _iter_sources(listing, field, stdin, strict):
+        for src in sources_in:
             si = len(sources)
             record = {"path": src.path, "sha256": src.sha256, "bytes": src.bytes, "num_documents": 0}
             if src.binary:
@@ -381,7 +398,6 @@ def _tokenize_inputs(
             bar.set_postfix(tokens=num_tokens)
             bar.close()
     if not docs:
-        where = ", ".join(str(i) for i in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
         skips = f", {skipped_files} skipped as binary" if skipped_files else ""
         raise EmptyCorpusError(
             f"no text to index in {where or 'the inputs'}: {len(sources)} file(s) read{skips}, the rest empty or "
@@ -528,6 +544,72 @@ def add_to_datastore(
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
     read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict)
+    _append_shard(d, read, t0, progress)
+    with Datastore.open(d) as ds:
+        return ds.info()
+
+
+def check_texts(texts: Sequence[Any]) -> None:
+    """The hygiene of documents given as texts (not files): at least one, each a string
+    holding text, none binary.
+
+    Raises:
+        EmptyCorpusError: no texts.
+        DatastoreInputError: a text that is not a string, is empty or whitespace, holds a
+            NUL character (binary content) or is not valid Unicode (a lone surrogate).
+    """
+    if not texts:
+        raise EmptyCorpusError("no documents given")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise DatastoreInputError(f"documents[{i}] is not a string but {type(text).__name__}")
+        if not text.strip():
+            raise DatastoreInputError(f"documents[{i}] is empty")
+        if "\0" in text:
+            raise DatastoreInputError(f"documents[{i}] holds NUL characters (binary content)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DatastoreInputError(
+                f"documents[{i}] is not valid Unicode text: a lone surrogate at character {e.start}"
+            ) from None
+
+
+def add_texts_to_datastore(
+    directory: str | os.PathLike, texts: Sequence[str], tokenizer: Any, *, source: str = "<texts>"
+) -> DatastoreInfo:
+    """Append ``texts``, one document each, to an existing datastore as a new shard: what
+    :func:`add_to_datastore` does with files (the same lock, the same atomic and
+    crash-safe replacement), for texts that arrive whole (``POST
+    /v1/datastores/{name}/documents``). ``source``: the shard's source record's path.
+    Hygiene as ``strict`` inputs (:func:`check_texts`): a bad text refuses the whole call.
+
+    Raises:
+        EmptyCorpusError, DatastoreInputError: as :func:`check_texts`.
+        TokenizerMismatchError: ``tokenizer`` is not the one the datastore was built with.
+        DatastoreFormatError / DatastoreError: the datastore is damaged or missing.
+    """
+    t0 = time.perf_counter()
+    d = Path(directory)
+    check_texts(texts)
+    manifest = read_manifest(d)
+    check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
+    sha, size = hashlib.sha256(), 0
+    for text in texts:
+        raw = text.encode("utf-8")
+        sha.update(raw)
+        size += len(raw)
+    src = _Source(source, sha.hexdigest(), size, list(texts))
+    read = _tokenize_sources([src], size, tokenizer, False, source)
+    _append_shard(d, read, t0, False)
+    with Datastore.open(d) as ds:
+        return ds.info()
+
+
+def _append_shard(d: Path, read: _Tokenized, t0: float, progress: bool) -> None:
+    """Write ``read`` as a new shard of the datastore ``d`` under its lock: into a temporary
+    directory inside it, renamed into place, then listed in the manifest (replaced
+    atomically)."""
     with locked(d / ".lock"):
         manifest = read_manifest(d)  # another add may have finished meanwhile
         remove_leftovers(d, manifest)
@@ -546,5 +628,3 @@ def add_to_datastore(
             raise
         fsync_dir(d)
         write_manifest(d, replace(manifest, shards=manifest.shards + (shard,), updated=_now()))
-    with Datastore.open(d) as ds:
-        return ds.info()

@@ -27,6 +27,7 @@ __all__ = [
     "ChatMessage",
     "ChatCompletionRequest",
     "SummarizeRequest",
+    "AddDocumentsRequest",
     "unsupported",
     "MAX_DOCUMENTS",
     "MAX_MESSAGES",
@@ -55,6 +56,9 @@ MAX_CONTENT_PARTS = 256
 MAX_PROMPT_IDS = 1 << 17
 """Most token ids in a prompt given as ids (the context length checks the rest)."""
 MAX_TOOLS = 128
+MAX_ADD_DOCUMENTS = 10_000
+"""Most documents one ``POST /v1/datastores/{name}/documents`` adds (its body size is
+bounded by ``--max-add-bytes``)."""
 MAX_DRAFT_TOKENS = 4096
 """Largest ``max_draft_tokens`` accepted (the server's own budget caps it anyway)."""
 
@@ -225,6 +229,15 @@ class SummarizeRequest(_Body):
     @classmethod
     def _valid_stop(cls, v):
         return _check_stop(v)
+
+
+class AddDocumentsRequest(_Body):
+    """``POST /v1/datastores/{name}/documents``: texts added to a served datastore."""
+
+    documents: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_ADD_DOCUMENTS, fail_fast=True)]
+    """The texts, one document each (non-empty, no NUL characters)."""
+    source: Optional[StrictStr] = Field(default=None, max_length=200)
+    """What they are, recorded in the new shard's sources (default ``"api"``)."""
 
 
 def first_unknown_field(model: type[BaseModel], data: Mapping[str, Any]) -> Optional[tuple]:
