@@ -92,8 +92,18 @@ class DecodeConfig:
     """Draft and verify; False: plain decoding (one token per target forward)."""
     return_steps: bool = False
     """Keep per-step stats in ``GenerationStats.steps``."""
+    max_draft_tokens: Optional[int] = None
+    """Most draft tokens this request verifies per step, under the engine's own budget
+    (``PolicyConfig.max_draft_tokens``, which stays the cap); None: the engine's budget;
+    0: plain decoding, as ``speculative=False``."""
 
     def __post_init__(self) -> None:
+        if self.max_draft_tokens is not None and (
+            isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int)
+        ):
+            raise ConfigError(f"max_draft_tokens must be an integer or None, got {self.max_draft_tokens!r}")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise ConfigError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:

@@ -104,7 +104,8 @@ class Request:
 
     Attributes:
         prompt_ids: the prompt's token ids.
-        decode: limits (``max_new_tokens``, stop strings, speculation on/off).
+        decode: limits (``max_new_tokens``, stop strings, speculation on/off, its own draft
+            budget ``max_draft_tokens``).
         sampling: how tokens are chosen (temperature 0 = greedy).
         state: the backend's KV state of this request.
         session: the drafter's per-request session, or None (plain decoding).
@@ -165,6 +166,13 @@ class Request:
             return 0
         left = len(self.prompt_ids) - self.prefilled
         return min(left, self.prefill_chunk) if self.prefill_chunk else left
+
+    def draft_budget(self, engine_budget: int) -> int:
+        """Most draft tokens a step of this request verifies: ``engine_budget`` (the
+        engine's ``PolicyConfig.max_draft_tokens``), capped by its own
+        ``decode.max_draft_tokens`` when set."""
+        cap = self.decode.max_draft_tokens
+        return engine_budget if cap is None else min(engine_budget, cap)
 
 
 @dataclass(frozen=True)
@@ -433,7 +441,7 @@ class Engine:
                 generator.seed()
         seeded = not sampling.greedy and sampling.seed is not None
         session = None
-        if decode.speculative and self.drafter is not None:
+        if decode.speculative and decode.max_draft_tokens != 0 and self.drafter is not None:
             # a seeded sampled request drafts only from its own tokens: same seed, same output
             drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
             if drafter is not None:
@@ -474,7 +482,7 @@ class Engine:
             return 0
         if req.prefilling:
             return req.next_prefill_tokens()
-        return 1 + (self.policy.max_draft_tokens if req.session is not None else 0)
+        return 1 + (req.draft_budget(self.policy.max_draft_tokens) if req.session is not None else 0)
 
     def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
         """Advance each request by one step: one chunk of its prefill, or one
@@ -612,6 +620,7 @@ class Engine:
         return_steps: bool = False,
         document_ids: Optional[Sequence[Sequence[int]]] = None,
         should_cancel: Optional[Callable[[], bool]] = None,
+        max_draft_tokens: Optional[int] = None,
     ) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
 
@@ -635,6 +644,7 @@ class Engine:
             seed=seed,
             return_steps=return_steps,
             document_ids=document_ids,
+            max_draft_tokens=max_draft_tokens,
         )
         return self.iterate(req, should_cancel)
 
@@ -653,6 +663,7 @@ class Engine:
         seed: Optional[int] = None,
         return_steps: bool = False,
         document_ids: Optional[Sequence[Sequence[int]]] = None,
+        max_draft_tokens: Optional[int] = None,
     ) -> Request:
         """:meth:`start` with :meth:`generate`'s keyword arguments (the typed configs built
         from them); no forward runs.
@@ -663,7 +674,11 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         decode = DecodeConfig(
-            max_new_tokens=max_new_tokens, stop=tuple(stop or ()), speculative=speculative, return_steps=return_steps
+            max_new_tokens=max_new_tokens,
+            stop=tuple(stop or ()),
+            speculative=speculative,
+            return_steps=return_steps,
+            max_draft_tokens=max_draft_tokens,
         )
         sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
         return self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
@@ -716,6 +731,8 @@ class Engine:
             stop: stop strings; the text from the first match on is dropped.
             documents: extra texts the drafter may copy from.
             speculative: False for plain decoding (no drafts).
+            max_draft_tokens: this request's draft budget per step, under the engine's
+                (None: the engine's; 0: plain decoding, as ``speculative=False``).
             chat: apply the chat template to a text prompt.
             temperature, top_k, top_p, seed: sampling settings (temperature 0 = greedy).
             return_steps: keep per-step stats in ``stats.steps``.
@@ -839,7 +856,9 @@ class Engine:
         """Stage 1: the part of the session's proposal worth verifying (``other_rows``,
         ``other_committed``: the rest of a batched step, see :meth:`step`; ``cap``: most
         draft nodes; ``skip``: no proposal, a plain step)."""
-        max_draft = self.policy.max_draft_tokens if cap is None else min(cap, self.policy.max_draft_tokens)
+        max_draft = req.draft_budget(self.policy.max_draft_tokens)
+        if cap is not None:
+            max_draft = min(cap, max_draft)
         remaining = req.decode.max_new_tokens - req.num_generated_tokens
         past = self.target.state_length(req.state)
         limit = self.target.max_length

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .config import AUTO_DRAFTING, PolicyConfig
-from .datastore import Datastore
+from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
+from .errors import ConfigError
 from .loading import load_engine, with_datastore
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ __all__ = [
     "ServingEngines",
     "load_serving_engine",
     "datastore_engines",
+    "add_documents",
     "open_response_cache",
     "close_response_log",
     "load_serving",
@@ -110,6 +112,37 @@ def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> 
         out[name] = with_datastore(engine, ds)
         logger.info("datastore %r: %s", name, directory)
     return out
+
+
+def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>") -> tuple[Engine, DatastoreInfo]:
+    """Add ``texts`` (one document each) to the datastore ``engine`` drafts from, on disk
+    and atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
+    manifest replaced; a crash leaves the datastore as it was), and return an engine
+    drafting from the datastore reopened with them (same model, backend, lookup settings
+    and drafter composition, response cache included: :func:`ragspec.loading.with_datastore`;
+    no model loaded) and the datastore's new info. ``engine`` is left as it is: the requests
+    that hold it keep drafting from the datastore as it was. ``source``: the new shard's
+    source record.
+
+    Raises:
+        ConfigError: ``engine`` drafts from no datastore.
+        EmptyCorpusError, DatastoreInputError: no text, or a bad one (empty, binary, not
+            valid Unicode); nothing is written.
+        DatastoreError: the datastore is damaged or gone.
+    """
+    old = engine.datastore
+    if old is None:
+        raise ConfigError("this engine drafts from no datastore")
+    add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
+    new = Datastore.open(
+        old.path,
+        tokenizer=engine.tokenizer,
+        min_match=old.min_match,
+        max_match=old.max_match,
+        max_samples=old.max_samples,
+    )
+    logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
+    return with_datastore(engine, new), new.info()
 
 
 def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:

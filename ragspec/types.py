@@ -244,6 +244,35 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    def spec_decode_metrics(self) -> dict:
+        """This generation's drafting statistics under vLLM's per-request names
+        (``--per-request-spec-decode-metrics``), for the servers' ``usage``:
+
+        * ``num_spec_steps``: decode steps (``num_steps``), each one target forward verifying
+          this request's draft tree, possibly empty (a plain step);
+        * ``num_draft_tokens``, ``num_accepted_draft_tokens``: ``num_drafted_tokens``,
+          ``num_accepted_tokens``;
+        * ``mean_acceptance_length``: tokens committed per step, the bonus token included,
+          ``1 + num_accepted_draft_tokens / num_spec_steps`` (1.0 for plain decoding, 0.0
+          without a step; SGLang's ``spec_accept_length``);
+        * ``draft_acceptance_rate``: ``acceptance_rate``;
+        * ``acceptance_histogram``: ints [max accepted + 1], steps by accepted draft tokens
+          (``accepted_histogram`` as a list; ``[]`` without a step);
+        * ``draft_s``, ``verify_s``: seconds drafting and verifying.
+        """
+        steps = self.num_steps
+        top = max(self.accepted_histogram, default=-1)
+        return {
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.num_drafted_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": 1.0 + self.num_accepted_tokens / steps if steps else 0.0,
+            "draft_acceptance_rate": self.acceptance_rate,
+            "acceptance_histogram": [self.accepted_histogram.get(k, 0) for k in range(top + 1)],
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+        }
+
     def to_dict(self, with_steps: bool = False) -> dict:
         d = {
             "num_prompt_tokens": self.num_prompt_tokens,

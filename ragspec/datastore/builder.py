@@ -767,6 +767,80 @@ def add_to_datastore(
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
     read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict, chunk_bytes)
+    _append_shard(d, read, t0, progress)
+    with Datastore.open(d) as ds:
+        return ds.info()
+
+
+def check_texts(texts: Sequence[Any]) -> None:
+    """The hygiene of documents given as texts (not files): at least one, each a string
+    holding text, none binary.
+
+    Raises:
+        EmptyCorpusError: no texts.
+        DatastoreInputError: a text that is not a string, is empty or whitespace, holds a
+            NUL character (binary content) or is not valid Unicode (a lone surrogate).
+    """
+    if not texts:
+        raise EmptyCorpusError("no documents given")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise DatastoreInputError(f"documents[{i}] is not a string but {type(text).__name__}")
+        if not text.strip():
+            raise DatastoreInputError(f"documents[{i}] is empty")
+        if "\0" in text:
+            raise DatastoreInputError(f"documents[{i}] holds NUL characters (binary content)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DatastoreInputError(
+                f"documents[{i}] is not valid Unicode text: a lone surrogate at character {e.start}"
+            ) from None
+
+
+def add_texts_to_datastore(
+    directory: str | os.PathLike, texts: Sequence[str], tokenizer: Any, *, source: str = "<texts>"
+) -> DatastoreInfo:
+    """Append ``texts``, one document each, to an existing datastore as a new shard: what
+    :func:`add_to_datastore` does with files (the same lock, the same atomic and
+    crash-safe replacement), for texts that arrive whole (``POST
+    /v1/datastores/{name}/documents``). ``source``: the shard's source record's path.
+    Hygiene as ``strict`` inputs (:func:`check_texts`): a bad text refuses the whole call.
+
+    Raises:
+        EmptyCorpusError, DatastoreInputError: as :func:`check_texts`.
+        TokenizerMismatchError: ``tokenizer`` is not the one the datastore was built with.
+        DatastoreFormatError / DatastoreError: the datastore is damaged or missing.
+    """
+    t0 = time.perf_counter()
+    d = Path(directory)
+    check_texts(texts)
+    manifest = read_manifest(d)
+    check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
+    sha, size = hashlib.sha256(), 0
+    for text in texts:
+        raw = text.encode("utf-8")
+        sha.update(raw)
+        size += len(raw)
+    sources: list[dict[str, Any]] = [{"path": source, "sha256": sha.hexdigest(), "bytes": size, "num_documents": 0}]
+    out = _Ids()
+    batch = _Batch(tokenizer, out, sources)
+    for text in texts:
+        batch.add(text, 0)
+    batch.flush()
+    sources[0]["num_documents"] = out.counts.get(0, 0)
+    if not out.docs:
+        raise EmptyCorpusError(f"no text to index in {source}")
+    read = _Tokenized(out.docs, sources, out.lo, out.hi, 0, 0)
+    _append_shard(d, read, t0, False)
+    with Datastore.open(d) as ds:
+        return ds.info()
+
+
+def _append_shard(d: Path, read: _Tokenized, t0: float, progress: bool) -> None:
+    """Write ``read`` as a new shard of the datastore ``d`` under its lock: into a temporary
+    directory inside it, renamed into place, then listed in the manifest (replaced
+    atomically)."""
     with locked(d / ".lock"):
         manifest = read_manifest(d)  # another add may have finished meanwhile
         remove_leftovers(d, manifest)
@@ -785,5 +859,3 @@ def add_to_datastore(
             raise
         fsync_dir(d)
         write_manifest(d, replace(manifest, shards=manifest.shards + (shard,), updated=_now()))
-    with Datastore.open(d) as ds:
-        return ds.info()

@@ -62,6 +62,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_document_chars=args.max_document_chars,
+        max_add_bytes=args.max_add_bytes,
         docs=False if args.no_docs else None,
         response_cache_tokens=0 if args.no_response_cache else args.response_cache_tokens,
         response_log=args.response_log,
@@ -213,6 +214,13 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="most characters of a request's documents together (default: 16 per token of context)",
+    )
+    p.add_argument(
+        "--max-add-bytes",
+        type=int,
+        default=None,
+        help="largest body of a POST /v1/datastores/NAME/documents call adding documents to a served datastore; "
+        "larger gets 413 (default 8 MiB; 0 turns runtime additions off; RAGSPEC_MAX_ADD_BYTES)",
     )
     p.add_argument(
         "--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)"

@@ -14,7 +14,12 @@ complete in the middle of a draft).
 
 Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new_tokens``
 (alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``seed``, ``speculative``,
-``documents``. Anything else raises ``TypeError``.
+``max_draft_tokens`` (the call's draft budget per step, under the engine's; 0: plain
+decoding), ``documents``. Anything else raises ``TypeError``.
+
+Each generation's drafting statistics (vLLM's per-request names, as the server's
+``usage.speculative_decoding``) are in its metadata under ``"speculative_decoding"``
+(:func:`stats_metadata`).
 
 Batches, threads and async: every generation open on a wrapper is stepped together with
 the others (:class:`~ragspec.integrations._stepping.BatchStepper`): one ``engine.step``, one
@@ -58,12 +63,24 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RagspecLLM", "ChatRagspec", "with_documents", "format_documents", "document_texts", "stats_metadata"]
 
-_CALL_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "speculative", "documents")
+_CALL_KWARGS = (
+    "max_new_tokens",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "speculative",
+    "max_draft_tokens",
+    "documents",
+)
 
 
 def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
     """The metadata a wrapper reports for one generation: the headline numbers flat
-    (``accepted_tokens``, ``mean_accepted_tokens``, ``tokens_per_s`` ...) and the whole
+    (``accepted_tokens``, ``mean_accepted_tokens``, ``tokens_per_s`` ...), the drafting
+    statistics under vLLM's per-request names under ``"speculative_decoding"``
+    (:meth:`GenerationStats.spec_decode_metrics`) and the whole
     :meth:`GenerationStats.to_dict` under ``"stats"``."""
     if stats is None:
         return {"model_name": model_name}
@@ -77,6 +94,7 @@ def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> di
         "mean_accepted_tokens": stats.mean_accepted_tokens,
         "acceptance_rate": stats.acceptance_rate,
         "tokens_per_s": stats.tokens_per_s,
+        "speculative_decoding": stats.spec_decode_metrics(),
         "stats": stats.to_dict(),
     }
 
@@ -108,6 +126,9 @@ class _RagspecParams(BaseModel):
     """Stop strings of every call; combined with a call's own ``stop`` as their union."""
     speculative: bool = True
     """Draft and verify (False: plain one-token-per-step decoding, for comparisons)."""
+    max_draft_tokens: Optional[int] = Field(default=None, ge=0)
+    """Draft budget per step of every call, under the engine's own (None: the engine's;
+    0: plain decoding, as ``speculative=False``)."""
     documents: Optional[list[str]] = None
     """Texts the drafter may copy from on every call (besides the prompt and any per-call
     ``documents``)."""
@@ -142,6 +163,7 @@ class _RagspecParams(BaseModel):
             stop=merge_stop(self.stop, stop) or None,
             documents=docs or None,
             speculative=bool(kwargs.get("speculative", self.speculative)),
+            max_draft_tokens=kwargs.get("max_draft_tokens", self.max_draft_tokens),
             temperature=float(kwargs.get("temperature", self.temperature)),
             top_k=int(kwargs.get("top_k", self.top_k)),
             top_p=float(kwargs.get("top_p", self.top_p)),
@@ -264,6 +286,7 @@ class _RagspecParams(BaseModel):
             "seed": self.seed,
             "stop": self.stop,
             "speculative": self.speculative,
+            "max_draft_tokens": self.max_draft_tokens,
         }
 
 

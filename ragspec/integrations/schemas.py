@@ -5,7 +5,8 @@ ask for something ragspec does not do (``n > 1``, log-probabilities, penalties, 
 ``echo``, ``suffix``, ``logit_bias``) are accepted only at their neutral value and
 otherwise answered with a 400 naming the field (:func:`unsupported`). Anything else unknown
 is a 400 too. ragspec extensions: ``top_k``, ``documents`` (texts the drafter may copy
-from), ``datastore`` (by name) and ``speculative``.
+from), ``datastore`` (by name), ``speculative`` and ``max_draft_tokens`` (this request's
+draft budget per step, under the server's; 0 = plain decoding).
 
 Types are strict: no booleans as numbers (``max_tokens: true``, ``prompt: [true]``), no
 strings as booleans (``stream: "yes"``), no floats as integers. Shapes are bounded here
@@ -26,6 +27,7 @@ __all__ = [
     "ChatMessage",
     "ChatCompletionRequest",
     "SummarizeRequest",
+    "AddDocumentsRequest",
     "unsupported",
     "MAX_DOCUMENTS",
     "MAX_MESSAGES",
@@ -54,6 +56,11 @@ MAX_CONTENT_PARTS = 256
 MAX_PROMPT_IDS = 1 << 17
 """Most token ids in a prompt given as ids (the context length checks the rest)."""
 MAX_TOOLS = 128
+MAX_ADD_DOCUMENTS = 10_000
+"""Most documents one ``POST /v1/datastores/{name}/documents`` adds (its body size is
+bounded by ``--max-add-bytes``)."""
+MAX_DRAFT_TOKENS = 4096
+"""Largest ``max_draft_tokens`` accepted (the server's own budget caps it anyway)."""
 
 
 def _bounded(item: Any, max_length: int) -> Any:
@@ -107,6 +114,8 @@ class _Sampling(_Body):
     """Name of a datastore the server was started with (never a path)."""
     speculative: Optional[bool] = None
     """False: plain decoding, no drafts (None: the server's default)."""
+    max_draft_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
+    """This request's draft budget per step, under the server's (0: plain decoding)."""
     documents: Optional[_bounded(StrictStr, MAX_DOCUMENTS)] = None
     """Extra texts the drafter may copy from."""
     user: Optional[str] = None
@@ -205,6 +214,8 @@ class SummarizeRequest(_Body):
     """Name of a datastore the server was started with (never a path)."""
     speculative: Optional[bool] = None
     """False: plain decoding, no drafts (None: the server's default)."""
+    max_draft_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
+    """This request's draft budget per step, under the server's (0: plain decoding)."""
 
     @field_validator("documents")
     @classmethod
@@ -218,6 +229,15 @@ class SummarizeRequest(_Body):
     @classmethod
     def _valid_stop(cls, v):
         return _check_stop(v)
+
+
+class AddDocumentsRequest(_Body):
+    """``POST /v1/datastores/{name}/documents``: texts added to a served datastore."""
+
+    documents: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_ADD_DOCUMENTS, fail_fast=True)]
+    """The texts, one document each (non-empty, no NUL characters)."""
+    source: Optional[StrictStr] = Field(default=None, max_length=200)
+    """What they are, recorded in the new shard's sources (default ``"api"``)."""
 
 
 def first_unknown_field(model: type[BaseModel], data: Mapping[str, Any]) -> Optional[tuple]:

@@ -43,6 +43,7 @@ ENV_VARS = {
     "RAGSPEC_MAX_BODY_BYTES": "max_body_bytes",
     "RAGSPEC_MAX_PROMPT_CHARS": "max_prompt_chars",
     "RAGSPEC_MAX_DOCUMENT_CHARS": "max_document_chars",
+    "RAGSPEC_MAX_ADD_BYTES": "max_add_bytes",
     "RAGSPEC_DOCS": "docs",
     "RAGSPEC_RESPONSE_CACHE_TOKENS": "response_cache_tokens",
     "RAGSPEC_RESPONSE_LOG": "response_log",
@@ -57,6 +58,7 @@ _INT_VARS = (
     "max_body_bytes",
     "max_prompt_chars",
     "max_document_chars",
+    "max_add_bytes",
     "response_cache_tokens",
 )
 _MIB = 1 << 20
@@ -172,6 +174,10 @@ class ServerSettings:
     """Most characters of a completion's or chat's ``documents`` (texts the drafter may copy
     from) together; they are tokenized and indexed for every request. None: 16 per token of
     context (131,072 for 8192 tokens)."""
+    max_add_bytes: int = 8 * _MIB
+    """Largest body of a ``POST /v1/datastores/{name}/documents`` call (the documents it
+    adds to a served datastore); more gets 413 before it is read. 0: runtime additions
+    off (403)."""
     docs: bool = True
     """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (behind the API key when one is
     set); False: not at all."""
@@ -212,6 +218,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.max_add_bytes < 0:
+            raise ConfigError(f"max_add_bytes must be >= 0, got {self.max_add_bytes}")
         if self.response_cache_tokens < 0:
             raise ConfigError(f"response_cache_tokens must be >= 0, got {self.response_cache_tokens}")
         if self.prepare_threads < 1:

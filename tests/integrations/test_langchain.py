@@ -225,3 +225,36 @@ def test_seeded_sampling_is_reproducible(tiny_engine):
     llm = RagspecLLM(engine=tiny_engine, max_new_tokens=N, temperature=0.8, seed=7)
     a, b = llm.invoke(PROMPTS[0]), llm.invoke(PROMPTS[0])
     assert a == b == solo(tiny_engine, PROMPTS[0], temperature=0.8, seed=7).text
+
+
+def test_draft_budget_passes_through_and_metrics_reach_the_metadata(tiny_engine):
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    on = solo(tiny_engine, prompt, chat=False)
+    assert on.stats.num_drafted_tokens > 0
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=N, chat=False)
+    # per call: 0 is plain decoding, the same text, zero drafted tokens in the metrics
+    res = llm.generate([prompt], max_draft_tokens=0)
+    spec = res.generations[0][0].generation_info["speculative_decoding"]
+    assert res.generations[0][0].text == on.text
+    assert spec["num_draft_tokens"] == 0 and spec["num_spec_steps"] == N - 1
+    # the field, and a call's value over it; the metrics are the engine's own
+    capped = RagspecLLM(engine=tiny_engine, max_new_tokens=N, chat=False, max_draft_tokens=2)
+    want = solo(tiny_engine, prompt, chat=False, max_draft_tokens=2).stats.spec_decode_metrics()
+    info = capped.generate([prompt]).generations[0][0].generation_info
+    assert {k: v for k, v in info["speculative_decoding"].items() if not k.endswith("_s")} == {
+        k: v for k, v in want.items() if not k.endswith("_s")
+    }
+    assert capped.generate([prompt], max_draft_tokens=0).generations[0][0].generation_info["drafted_tokens"] == 0
+    # the chat model: in response_metadata, whole and on the last streamed chunk
+    chat = ChatRagspec(engine=tiny_engine, max_new_tokens=N, max_draft_tokens=0)
+    msg = chat.invoke(prompt)
+    assert msg.response_metadata["speculative_decoding"]["num_draft_tokens"] == 0
+    total = None
+    for c in chat.bind(max_draft_tokens=3).stream(prompt):
+        total = c if total is None else total + c
+    assert total.content == msg.content
+    assert total.response_metadata["speculative_decoding"]["num_draft_tokens"] > 0
+    with pytest.raises(ValidationError):
+        RagspecLLM(engine=tiny_engine, max_draft_tokens=-1)
+    with pytest.raises(ConfigError, match="max_draft_tokens"):
+        llm.invoke(prompt, max_draft_tokens=-1)

@@ -6,12 +6,15 @@ Endpoints:
     POST /v1/completions        OpenAI's completions API (``stream`` as SSE, ``[DONE]`` last)
     POST /v1/chat/completions   OpenAI's chat completions API (chat template of the model)
     GET  /v1/models             the served model and its datastores
+    GET  /v1/datastores         the served datastores and their sizes
+    POST /v1/datastores/{name}/documents
+                                {"documents": [...]} added to a served datastore at run time
     GET  /metrics               Prometheus text format (see :mod:`..metrics`)
     GET  /health                liveness, always open
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
-status for bad input (400), a missing or wrong API key (401), an unknown model (404), a body
-over the size limit (413), a body that is not JSON (415) and a full queue (429, with
+status for bad input (400), a missing or wrong API key (401), runtime additions turned off
+(403), an unknown model or datastore (404), a body over the size limit (413), a body that is not JSON (415) and a full queue (429, with
 ``Retry-After``).
 
 The engine loads in the app's lifespan into ``app.state.engine`` (tests pass a ready one to
@@ -36,8 +39,8 @@ The modules, by role:
 * :mod:`.validation`, :mod:`.prepare` - a body parsed and validated; its token ids.
 * :mod:`.generation` - one generation's lifecycle, admission to last chunk.
 * :mod:`.responses` - usage, finish reasons, server-sent events.
-* :mod:`.openai`, :mod:`.summarize`, :mod:`.ops` - the API surfaces, one router each,
-  module-level handlers.
+* :mod:`.openai`, :mod:`.summarize`, :mod:`.datastores`, :mod:`.ops` - the API surfaces,
+  one router each, module-level handlers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`create_app` builds the FastAPI app: the middleware (:mod:`.middleware`), the error
 handlers (:mod:`.errors`), the routers of each API surface (:mod:`.openai`,
-:mod:`.summarize`, :mod:`.ops`) and the request bodies in the OpenAPI schema
+:mod:`.summarize`, :mod:`.datastores`, :mod:`.ops`) and the request bodies in the OpenAPI schema
 (:mod:`.openapi`). Its lifespan loads what is served (:mod:`ragspec.serving`; tests and the
 CLI pass a ready engine), starts the worker (:class:`..scheduler.Scheduler`) and the
 prepare pool, and puts them on ``app.state`` (:class:`.state.ServerState`); at shutdown it
@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -29,7 +30,7 @@ from ragspec.types import StreamChunk
 from ..metrics import ServerMetrics
 from ..scheduler import Job, Scheduler
 from ..settings import ServerSettings
-from . import openai, ops, summarize
+from . import datastores, openai, ops, summarize
 from .errors import install_error_handlers
 from .middleware import CountRequests, RequireApiKey
 from .openapi import document_bodies
@@ -142,6 +143,7 @@ def create_app(
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ragspec", version="0.1.0", lifespan=lifespan, **docs)  # type: ignore[arg-type]
     app.state.settings = settings
+    app.state.datastore_lock = threading.Lock()
     metrics = _metrics(app)
     app.state.metrics = metrics
     if settings.api_key is not None:
@@ -152,6 +154,7 @@ def create_app(
     v1 = APIRouter(prefix="/v1")
     v1.include_router(openai.router)
     v1.include_router(summarize.router)
+    v1.include_router(datastores.router)
     app.include_router(v1)
     if settings.docs:
         document_bodies(app)

@@ -88,17 +88,20 @@ def is_json(content_type: str) -> bool:
     return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
-def _too_large(size: str, limit: int) -> APIError:
+def _too_large(size: str, limit: int, option: str = "--max-body-bytes") -> APIError:
     return APIError(
         413,
-        f"request body{size} is over the limit of {limit:,} bytes (--max-body-bytes)",
+        f"request body{size} is over the limit of {limit:,} bytes ({option})",
         code="request_too_large",
         headers={"Connection": "close"},
     )
 
 
-async def read_body(request: Request, limit: int, on_disconnect: Callable[[], Any]) -> bytes:
-    """The request's body, at most ``limit`` bytes, read from the ASGI ``receive``.
+async def read_body(
+    request: Request, limit: int, on_disconnect: Callable[[], Any], option: str = "--max-body-bytes"
+) -> bytes:
+    """The request's body, at most ``limit`` bytes, read from the ASGI ``receive``
+    (``option``: the setting a 413 names).
 
     Raises:
         APIError: 415 (a ``Content-Type`` that is not JSON), 413 (declared or sent over
@@ -115,7 +118,7 @@ async def read_body(request: Request, limit: int, on_disconnect: Callable[[], An
         )
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(f" of {int(declared):,} bytes", limit)
+        raise _too_large(f" of {int(declared):,} bytes", limit, option)
     receive = request.receive
     parts: list[bytes] = []
     size = 0
@@ -127,7 +130,7 @@ async def read_body(request: Request, limit: int, on_disconnect: Callable[[], An
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large("", limit)
+            raise _too_large("", limit, option)
         parts.append(chunk)
         if not message.get("more_body", False):
             break

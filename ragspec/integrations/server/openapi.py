@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ..schemas import ChatCompletionRequest, CompletionRequest, SummarizeRequest
+from ..schemas import AddDocumentsRequest, ChatCompletionRequest, CompletionRequest, SummarizeRequest
 
 __all__ = ["BODIES", "document_bodies"]
 
@@ -17,6 +17,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/summarize": SummarizeRequest,
+    "/v1/datastores/{name}/documents": AddDocumentsRequest,
 }
 """The body of each POST endpoint."""
 

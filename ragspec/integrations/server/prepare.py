@@ -73,6 +73,7 @@ def engine_kwargs(body: AnyBody, default_max_tokens: int, settings: ServerSettin
         stop=stop or None,
         documents=getattr(body, "documents", None) or None,
         speculative=settings.speculative if body.speculative is None else body.speculative,
+        max_draft_tokens=body.max_draft_tokens,
         temperature=settings.default_temperature if body.temperature is None else body.temperature,
         top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p,

@@ -19,7 +19,9 @@ __all__ = ["usage", "finish_reason", "sse", "stats_dict", "collect_and_close", "
 
 
 def usage(stats: Optional[GenerationStats]) -> dict:
-    """OpenAI's ``usage`` of a generation (zeros without stats)."""
+    """OpenAI's ``usage`` of a generation (zeros without stats), with the request's drafting
+    statistics under ``speculative_decoding`` (vLLM's per-request names:
+    :meth:`~ragspec.types.GenerationStats.spec_decode_metrics`)."""
     p = stats.num_prompt_tokens if stats else 0
     c = stats.num_generated_tokens if stats else 0
     cached = stats.num_cached_prompt_tokens if stats else 0
@@ -28,6 +30,7 @@ def usage(stats: Optional[GenerationStats]) -> dict:
         "completion_tokens": c,
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's field: served by the prefix cache
+        "speculative_decoding": (stats or GenerationStats()).spec_decode_metrics(),
     }
 
 

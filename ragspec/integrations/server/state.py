@@ -6,7 +6,8 @@ picks)."""
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,9 @@ class ServerState:
     """The served model's name (``/v1/models``, responses)."""
     started: int
     """Unix time the app started (``/v1/models``' ``created``)."""
+    datastore_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while documents are added to a served datastore and its engine replaced
+    (:mod:`.datastores`): one addition at a time."""
 
     @classmethod
     def of(cls, app: FastAPI) -> "ServerState":
@@ -55,6 +59,7 @@ class ServerState:
             limits=s.limits,
             model_name=s.model_name,
             started=s.started,
+            datastore_lock=s.datastore_lock,
         )
 
 
