@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping, Optional, Seq
 
 import torch
 
-from .errors import ConfigError, ModelLoadError, ModelNotFoundError
+from ..errors import ConfigError, ModelLoadError, ModelNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
