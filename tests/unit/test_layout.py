@@ -144,6 +144,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "compare.*",
             "eagle.cli",
             "eagle.train",
+            "eagle.train_data",
             "eagle.train_loop",
             "datastore.cli",
         ),
