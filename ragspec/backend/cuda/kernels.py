@@ -465,7 +465,9 @@ def attention_reference(
     """:func:`tree_attention` in torch (each row's keys gathered, one masked softmax over
     all rows at once), computed in ``dtype`` (default float32; float64 for a reference) and
     returned in ``q``'s dtype. No host synchronisation: the gather is as wide as the pool's
-    slots are long (C positions)."""
+    slots are long (C positions). Each row's values are its own (sums along an axis, no
+    batched GEMM), so this is row-invariant too (but neither fast nor bit-equal to the
+    kernel)."""
     cdt = dtype or torch.float32
     r, hq, d = q.shape
     cap, hkv = int(k_pool.shape[1]), int(k_pool.shape[2])
@@ -486,10 +488,11 @@ def attention_reference(
     group = hq // hkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
-    s = torch.einsum("rhd,rchd->rhc", q.to(cdt), k) * scale
+    # products summed along one axis (no batched GEMM: each row's sums are its own)
+    s = (q.to(cdt)[:, :, None, :] * k.transpose(1, 2)).sum(-1) * scale  # [R, Hq, C]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("rhc,rchd->rhd", p, v).to(q.dtype)
+    return (p[..., None] * v.transpose(1, 2)).sum(2).to(q.dtype)
 
 
 def default_scale(head_dim: int) -> float:
