@@ -165,3 +165,18 @@ def test_pad_batch_rows_touch_only_the_scratch_slot():
     assert pad_batch(batch, 2, 5) is batch
     with pytest.raises(ConfigError):
         pad_batch(batch, 1, 5)
+
+
+def test_the_cuda_backend_imports_without_the_server_and_datastore_packages():
+    """The GPU machine's image lacks fastapi, pydantic, faiss, langchain and pyahocorasick:
+    the backend (and the engine it serves) must import without them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('fastapi', 'pydantic', 'faiss', 'langchain', 'langchain_core', 'ahocorasick'):\n"
+        "    sys.modules[m] = None\n"
+        "import ragspec.backend.cuda, ragspec.backend.cuda.target, ragspec.engine\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -147,3 +147,52 @@ def test_engine_speculative_equals_plain_for_requests_stepped_together(model):
     spec, last = _run_together(spec_engine, prompts, 6)
     assert spec == plain
     assert sum(c.stats.num_accepted_tokens for c in last) > 0
+
+
+def _tiny_gemma3(window: int = 4):
+    """A tiny random Gemma-3 text model: a local layer (window 4) and a global one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_gemma3_local_and_global_layers_close_to_the_transformers_backend(numerics):
+    model = _tiny_gemma3()
+    ours, ref = load_cuda_target(model, numerics=numerics, context=64, max_slots=1), HFTarget(model)
+    assert ours.weights.norm_offset and [layer.window for layer in ours.weights.layers] == [4, 0]
+    s, r = ours.new_state(), ref.new_state()
+    assert torch.allclose(ours.prefill(s, PROMPT_A).logits, ref.prefill(r, PROMPT_A).logits, atol=1e-4)
+    (oa,), (ob,) = ours.verify([VerifyItem(s, 4, TREE)]), ref.verify([VerifyItem(r, 4, TREE)])
+    assert torch.allclose(oa.logits, ob.logits, atol=1e-4)
+    ours.commit(s, len(PROMPT_A), [0, 2])
+    ref.commit(r, len(PROMPT_A), [0, 2])
+    chain = DraftTree.chain([11, 12])
+    (oa,), (ob,) = ours.verify([VerifyItem(s, 9, chain)]), ref.verify([VerifyItem(r, 9, chain)])
+    assert torch.allclose(oa.logits, ob.logits, atol=1e-4)
+    if numerics == "exact":  # the tree's rows, one row at a time along the accepted path
+        (tree_out,) = ours.verify([VerifyItem(s, 3, TREE)])
+        past = ours.state_length(s) - 5
+        ours.commit(s, past, [0, 2])
+        ours.rollback(s, past)
+        for row, token in zip([0, 1, 3], [3, 5, 7]):
+            (one,) = ours.verify([VerifyItem(s, token, DraftTree.empty())])
+            assert torch.equal(one.logits[0], tree_out.logits[row]), f"tree row {row}"
+            ours.commit(s, ours.state_length(s) - 1, [])
