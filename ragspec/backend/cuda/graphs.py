@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields, replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -41,9 +41,13 @@ Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 _BATCH_TENSORS = tuple(f.name for f in fields(FlatBatch) if f.name != "cu_rows")
 
 
-def cuda_graph_capture(run: Callable[[], torch.Tensor], warmup: int = 2) -> Callable[[], torch.Tensor]:
+def cuda_graph_capture(
+    run: Callable[[], torch.Tensor], warmup: int = 2, pool: Optional[Any] = None
+) -> Callable[[], torch.Tensor]:
     """Capture ``run`` as a CUDA graph (after ``warmup`` eager runs on a side stream, as
-    torch's docs ask) -> a replay function returning the graph's static output."""
+    torch's docs ask) -> a replay function returning the graph's static output. ``pool``: a
+    memory pool shared with other graphs that are never replayed at the same time (the
+    runner's buckets: each output is copied out right after its replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -51,7 +55,7 @@ def cuda_graph_capture(run: Callable[[], torch.Tensor], warmup: int = 2) -> Call
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = run()
 
     def replay() -> torch.Tensor:
@@ -62,14 +66,15 @@ def cuda_graph_capture(run: Callable[[], torch.Tensor], warmup: int = 2) -> Call
 
 
 class EagerRunner:
-    """Runs every step eagerly (CPU, or graphs off)."""
+    """Runs every step eagerly (CPU, or graphs off), the batch moved to ``device``."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: Step, device: torch.device | str = "cpu") -> None:
         self.step = step
+        self.device = torch.device(device)
 
     def __call__(self, batch: FlatBatch) -> torch.Tensor:
         """The step's output over ``batch``'s rows."""
-        return self.step(batch)
+        return self.step(batch.to(self.device))
 
 
 class GraphRunner:
@@ -109,7 +114,7 @@ class GraphRunner:
         self.device = torch.device(device)
         self.buckets = buckets
         self.path_width = int(path_width)
-        self._capture = capture if capture is not None else cuda_graph_capture
+        self._capture = capture
         self._buffers: dict[int, FlatBatch] = {}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._failed: set[int] = set()
@@ -122,11 +127,12 @@ class GraphRunner:
         return next((b for b in self.buckets if b >= rows), None)
 
     def __call__(self, batch: FlatBatch) -> torch.Tensor:
-        """The step's output over ``batch``'s rows (padding rows cut off)."""
+        """The step's output over ``batch``'s rows (padding rows cut off). ``batch`` may be
+        on the host: it is padded there and copied into the bucket's buffers."""
         bucket = self.bucket(batch.rows)
         if bucket is None or batch.path_width > self.path_width or bucket in self._failed:
             self.eager_steps += 1
-            return self.step(batch)
+            return self.step(batch.to(self.device))
         padded = _widen(pad_batch(batch, bucket, self.scratch_slot), self.path_width)
         buffers = self._buffers.get(bucket)
         if buffers is None:
@@ -142,6 +148,9 @@ class GraphRunner:
         if replay is None:
             static = buffers
             try:
+                if self._capture is None:  # torch's CUDA graphs, one memory pool for all buckets
+                    pool = torch.cuda.graph_pool_handle()
+                    self._capture = lambda run: cuda_graph_capture(run, pool=pool)
                 replay = self._capture(lambda: self.step(static))
             except Exception as e:  # a kernel that cannot be captured: this bucket stays eager
                 logger.warning(
@@ -149,7 +158,7 @@ class GraphRunner:
                 )
                 self._failed.add(bucket)
                 self.eager_steps += 1
-                return self.step(batch)
+                return self.step(batch.to(self.device))
             self._replays[bucket] = replay
             self.captured.append(bucket)
             # capturing ran the step on these buffers already (warm-up), with a side effect

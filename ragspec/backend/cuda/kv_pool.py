@@ -15,6 +15,7 @@ head size), one contiguous tensor each; ``keys[layer]`` is what the attention ke
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -114,6 +115,8 @@ class KVPool:
         Raises:
             CapacityError: every slot is in use.
         """
+        if not self._free:
+            gc.collect()  # states dropped in a reference cycle return their slots
         if not self._free:
             raise CapacityError(f"KV pool full: all {self.num_slots} slots are in use")
         slot = self._free.pop()

@@ -129,7 +129,7 @@ class CudaTarget:
                 path_width=max_path,
             )
         else:
-            self._runner = EagerRunner(self._step)
+            self._runner = EagerRunner(self._step, self.device)
         self._max_path = int(max_path)
         self.steps = 0
 
@@ -195,8 +195,7 @@ class CudaTarget:
         """One step over ``requests`` -> (hidden [R, H], row offsets); each slot advanced."""
         for req in requests:
             self.pool.check_room(req.slot, len(req.tokens))
-        batch = pack_rows(requests).to(self.device)
-        hidden = self._runner(batch)
+        hidden = self._runner(pack_rows(requests))  # packed on the host, moved by the runner
         for req in requests:
             self.pool.advance(req.slot, len(req.tokens))
         self.steps += 1
