@@ -195,7 +195,8 @@ class CudaTarget:
         """One step over ``requests`` -> (hidden [R, H], row offsets); each slot advanced."""
         for req in requests:
             self.pool.check_room(req.slot, len(req.tokens))
-        hidden = self._runner(pack_rows(requests))  # packed on the host, moved by the runner
+        batch = pack_rows(requests)  # on the host: the runner moves it
+        hidden = self._runner(batch)
         for req in requests:
             self.pool.advance(req.slot, len(req.tokens))
         self.steps += 1
