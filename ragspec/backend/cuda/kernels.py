@@ -465,24 +465,30 @@ def attention_reference(
     scale: float,
     window: int = 0,
     dtype: Optional[torch.dtype] = None,
+    trim: bool = True,
+    invariant: bool = True,
 ) -> torch.Tensor:
     """:func:`tree_attention` in torch (each row's keys gathered, one masked softmax over
     all rows at once), computed in ``dtype`` (default float32; float64 for a reference) and
-    returned in ``q``'s dtype. No host synchronisation: the gather is as wide as the pool's
-    slots are long (C positions). Each row's values are its own (sums along an axis, no
-    batched GEMM), so this is row-invariant too (but neither fast nor bit-equal to the
-    kernel)."""
+    returned in ``q``'s dtype. On CPU (``trim``) the gather is as wide as the longest row's
+    keys; elsewhere as wide as a slot (C positions: no host synchronisation). ``invariant``:
+    products summed along an axis (no batched GEMM), so that a row's values are its own
+    whoever shares the call and whatever the gather's width (but neither fast nor bit-equal
+    to the kernel); else batched matrix products (fast mode on CPU)."""
     cdt = dtype or torch.float32
     r, hq, d = q.shape
     cap, hkv = int(k_pool.shape[1]), int(k_pool.shape[2])
     if r == 0:
         return torch.empty_like(q)
+    if trim and q.device.type == "cpu":  # gather only as many keys as the longest row has (a host read)
+        cap = max(1, min(cap, int((ctx_len.long() + path_len.long()).max())))
     lg = torch.arange(cap, device=q.device)[None, :]  # logical index [1, C]
+    full = int(k_pool.shape[1])
     ctx = ctx_len.long()[:, None]
     length = ctx + path_len.long()[:, None]
     in_path = lg >= ctx
     step_idx = (lg - ctx).clamp(0, path.shape[1] - 1)
-    phys = torch.where(in_path, path_base.long()[:, None] + path.long().gather(1, step_idx), lg).clamp(0, cap - 1)
+    phys = torch.where(in_path, path_base.long()[:, None] + path.long().gather(1, step_idx), lg).clamp(0, full - 1)
     valid = lg < length
     if window > 0:
         valid &= lg > length - 1 - window
@@ -492,11 +498,16 @@ def attention_reference(
     group = hq // hkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
-    # products summed along one axis (no batched GEMM: each row's sums are its own)
-    s = (q.to(cdt)[:, :, None, :] * k.transpose(1, 2)).sum(-1) * scale  # [R, Hq, C]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [R, Hq, C, d]
+    if invariant:  # products summed along one axis: each row's sums are its own
+        s = (q.to(cdt)[:, :, None, :] * k).sum(-1) * scale  # [R, Hq, C]
+    else:
+        s = (q.to(cdt)[:, :, None, :] @ k.transpose(-1, -2))[:, :, 0] * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return (p[..., None] * v.transpose(1, 2)).sum(2).to(q.dtype)
+    if invariant:
+        return (p[..., None] * v).sum(2).to(q.dtype)
+    return (p[:, :, None, :] @ v)[:, :, 0].to(q.dtype)
 
 
 def default_scale(head_dim: int) -> float:
