@@ -180,3 +180,22 @@ def test_the_cuda_backend_imports_without_the_server_and_datastore_packages():
         "import ragspec.backend.cuda, ragspec.backend.cuda.target, ragspec.engine\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_gpu_draft_policy_follows_the_measured_table():
+    from ragspec.backend.cuda.drafting import gpu_draft_policy, nearly_free_rows
+    from ragspec.config import PolicyConfig
+
+    # an H200-like step: flat to 32 rows, then growing
+    gpu = {1: 4.0e-3, 2: 4.0e-3, 4: 4.05e-3, 8: 4.1e-3, 16: 4.2e-3, 32: 4.5e-3, 48: 5.2e-3, 64: 6.0e-3}
+    assert nearly_free_rows(gpu) == 32
+    policy = gpu_draft_policy(gpu, PolicyConfig(prefill_chunk_tokens=512))
+    assert policy.max_draft_tokens == 31 and policy.max_step_rows == 64 and policy.prefill_chunk_tokens == 512
+    # a CPU-like table: every row costs; the budget stays at the GPU floor, 16
+    cpu = {1: 0.05, 2: 0.06, 4: 0.08, 8: 0.12, 16: 0.2}
+    assert gpu_draft_policy(cpu).max_draft_tokens == 16
+    assert gpu_draft_policy({1: 1e-3, 128: 1e-3}).max_draft_tokens == 64
+    with pytest.raises(ConfigError):
+        gpu_draft_policy({2: 1e-3})
+    with pytest.raises(ConfigError):
+        gpu_draft_policy(gpu, min_budget=70)
