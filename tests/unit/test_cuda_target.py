@@ -16,7 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from ragspec.backend.base import Capability, Target, VerifyItem  # noqa: E402
-from ragspec.backend.cuda import load_cuda_target  # noqa: E402
+from ragspec.backend.cuda import load_cuda_target, unsupported_reason  # noqa: E402
 from ragspec.backend.cuda.graphs import GraphRunner  # noqa: E402
 from ragspec.backend.cuda.kv_pool import SlotOverflowError  # noqa: E402
 from ragspec.backend.hf import HFTarget  # noqa: E402
@@ -84,6 +84,13 @@ def test_errors_are_typed(model):
         t.verify([VerifyItem(s, 1, DraftTree.empty()), VerifyItem(s, 2, DraftTree.empty())])
     with pytest.raises(ConfigError):
         load_cuda_target(model, numerics="turbo")
+    assert unsupported_reason(model) is None
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96))
+    assert "gpt2" in unsupported_reason(gpt2)
+    with pytest.raises(ConfigError, match="gpt2"):
+        load_cuda_target(gpt2)
 
 
 def test_the_step_under_graph_buckets_gives_the_eager_values(model):

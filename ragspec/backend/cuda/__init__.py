@@ -6,7 +6,8 @@
 * :mod:`~ragspec.backend.cuda.batch`: flat-batch packing of every request's rows;
 * :mod:`~ragspec.backend.cuda.graphs`: the step as CUDA graphs over row-count buckets;
 * :mod:`~ragspec.backend.cuda.weights`: the decoder's weights read from transformers;
-* :mod:`~ragspec.backend.cuda.target`: :class:`CudaTarget`, the ``Target``.
+* :mod:`~ragspec.backend.cuda.target`: :class:`CudaTarget`, the ``Target``;
+* :mod:`~ragspec.backend.cuda.drafting`: GPU-sized draft budgets from its latency table.
 
 Imports torch (and triton, transformers where present) only: it loads on a CPU machine
 without CUDA, and the modules import none of the server or datastore dependencies.
@@ -16,10 +17,22 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from . import kernels
+from .drafting import gpu_draft_policy
 from .graphs import DEFAULT_BUCKETS
 from .target import CudaTarget
+from .weights import unsupported_reason as _model_unsupported
 
-__all__ = ["CudaTarget", "load_cuda_target"]
+__all__ = ["CudaTarget", "gpu_draft_policy", "load_cuda_target", "unsupported_reason"]
+
+
+def unsupported_reason(model: Any) -> Optional[str]:
+    """Why the CUDA backend cannot serve ``model`` (triton missing, an architecture other
+    than Llama / Gemma-3 text, ...), or None: a loader falls back to the transformers
+    backend with this reason."""
+    if not kernels.triton_available():
+        return "triton is not installed"
+    return _model_unsupported(model)
 
 
 def load_cuda_target(
