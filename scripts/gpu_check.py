@@ -209,17 +209,24 @@ def _cuda_engine(base, numerics: str, *, budget: int, drafts: bool = True, slots
     """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
     drafter (``drafts=False``: plain decoding), its latency model measured on the CUDA step
     (q 1-64 with synchronisation on CUDA) unless ``calibrate`` is off, its draft budget
-    ``budget`` (GPU-sized: verification rows are nearly free there)."""
+    ``budget``, or with ``budget`` 0 GPU-sized from that latency table
+    (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes)."""
     import dataclasses
 
     from ragspec import Engine
-    from ragspec.backend.cuda import load_cuda_target
+    from ragspec.backend.cuda import gpu_draft_policy, load_cuda_target
     from ragspec.policy import LatencyModel
 
     target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
     latency = LatencyModel.measure(target) if calibrate and drafts else base.latency
-    return Engine(target, base.tokenizer, drafter=base.drafter if drafts else None,
-                  policy=dataclasses.replace(base.policy, max_draft_tokens=budget), latency=latency,
+    if budget > 0:
+        policy = dataclasses.replace(base.policy, max_draft_tokens=budget)
+    else:
+        policy = gpu_draft_policy(latency.table, base.policy)
+    if drafts:
+        print(f"# CUDA {numerics}: draft budget {policy.max_draft_tokens}, step rows {policy.max_step_rows}"
+              + ("" if budget > 0 else " (from its latency table)"), flush=True)  # fmt: skip
+    return Engine(target, base.tokenizer, drafter=base.drafter if drafts else None, policy=policy, latency=latency,
                   eos_token_ids=base.eos_token_ids, model_name=base.model_name, parts=base.parts)  # fmt: skip
 
 
@@ -275,9 +282,9 @@ def cmd_concurrent(args) -> int:
     cats = [c for c in args.categories.split(",") if c]
     rows = bench.load_prompts(args.data, cats, args.limit)
     base = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, calibrate=False,
-                                  policy=PolicyConfig(max_draft_tokens=args.budget))  # fmt: skip
+                                  policy=PolicyConfig(max_draft_tokens=args.budget or 8))  # fmt: skip
     prompts = [base.encode_prompt(r["turns"][0], chat=True) for r in rows]
-    context = max(len(p) for p in prompts) + args.max_new_tokens + args.budget + 8
+    context = max(len(p) for p in prompts) + args.max_new_tokens + (args.budget or 64) + 8
     results = {"env": _env(), "model": base.model_name, "in_flight": args.in_flight, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "budget": args.budget, "modes": {}}  # fmt: skip
 
@@ -323,13 +330,15 @@ def cmd_concurrent(args) -> int:
             "step_ms_solo": 1e3 * s1_s / max(1, steps),
         }
         r["batching_gain"] = r["together_tok_s"] / r["solo_tok_s"]
+        r["budget"] = spec_eng.policy.max_draft_tokens
         results["modes"][mode] = r
         n = len(prompts)
         print(f"# CUDA {mode}, {args.dtype}: 1 at a time {r['solo_tok_s']:.1f} tok/s (plain {r['solo_plain_tok_s']:.1f}), "
               f"{args.in_flight} together {r['together_tok_s']:.1f} (plain {r['together_plain_tok_s']:.1f}): "
               f"x{r['batching_gain']:.2f}; speculative == plain {r['spec_eq_plain_solo']}/{n} solo, "
               f"{r['spec_eq_plain_together']}/{n} together; together == solo {r['together_eq_solo']}/{n}; "
-              f"drafter {r['draft_ms_per_step']:.2f} ms of a {r['step_ms_solo']:.2f} ms step", flush=True)  # fmt: skip
+              f"drafter {r['draft_ms_per_step']:.2f} ms of a {r['step_ms_solo']:.2f} ms step; budget {r['budget']}",
+              flush=True)  # fmt: skip
         _write_json(Path(args.out), results)
         del spec_eng, plain_eng
         if torch.cuda.is_available():
@@ -358,7 +367,7 @@ def cmd_bench(args) -> int:
     modes = [m for m in (args.cuda_modes or "").split(",") if m]
     if modes and _cuda_backend() is not None:
         longest = max((len(engine.encode_prompt(r["turns"][0], chat=True)) for r in rows), default=0)
-        context = longest + args.max_new_tokens + args.cuda_budget + 8
+        context = longest + args.max_new_tokens + (args.cuda_budget or 64) + 8
         for mode in modes:
             # "X@0": the same backend with drafting off (speculative == plain, per mode)
             variants[f"cuda-{mode}"] = _cuda_engine(engine, mode, budget=args.cuda_budget, slots=4, context=context,
@@ -381,7 +390,7 @@ def cmd_bench(args) -> int:
         "attn_implementation": getattr(engine.model.config, "_attn_implementation", None),
         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
         "cuda_variants": sorted(variants),
-        "cuda_budget": args.cuda_budget,
+        "cuda_budget": {n: e.policy.max_draft_tokens for n, e in variants.items() if "@" not in n},
         "cuda_latency_ms": {n: {q: v * 1e3 for q, v in e.latency.table.items()} for n, e in variants.items() if "@" not in n},
         "load_s": time.perf_counter() - t0,
         "env": _env(),
@@ -469,7 +478,7 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     names = sorted({n for rs in gb.values() for r in rs for n in r.get("variants", {}) if "@" not in n})
     if names:
         head = f"{'category':<14}" + "".join(f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names)
-        lines += [f"CUDA backend (budget {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
+        lines += [f"CUDA backend (draft budgets {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
                   "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16)", head, "-" * len(head)]  # fmt: skip
         for g, rs in gb.items():
             base = _tps(sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs))
@@ -492,7 +501,7 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
             f"{r['solo_tok_s']:.1f} one at a time (x{r['batching_gain']:.2f}; plain {r['together_plain_tok_s']:.1f} / "
             f"{r['solo_plain_tok_s']:.1f}); speculative == plain {r['spec_eq_plain_solo']}/{n} solo, "
             f"{r['spec_eq_plain_together']}/{n} together; together == solo {r['together_eq_solo']}/{n}; "
-            f"drafter {r['draft_ms_per_step']:.2f} ms per {r['step_ms_solo']:.2f} ms step"
+            f"drafter {r['draft_ms_per_step']:.2f} ms per {r['step_ms_solo']:.2f} ms step; budget {r.get('budget')}"
         )
     if conc is None:
         lines.append("CUDA backend, concurrent requests: no results")
@@ -651,7 +660,8 @@ def main(argv=None) -> int:
     b.add_argument("--no-hf-pld", action="store_true")
     b.add_argument("--no-calibrate", action="store_true", help="keep the reference latency table (CPU rehearsal)")
     b.add_argument("--cuda-modes", default="", help="also the CUDA backend in these numerics modes (exact,fast)")
-    b.add_argument("--cuda-budget", type=int, default=32, help="the CUDA backend's draft budget (GPU-sized)")
+    b.add_argument("--cuda-budget", type=int, default=0,
+                   help="the CUDA backend's draft budget (0: GPU-sized from its latency table)")  # fmt: skip
     b.add_argument("--out", required=True)
     b.set_defaults(func=cmd_bench)
     cm = sub.add_parser("cuda-micro")
@@ -672,7 +682,7 @@ def main(argv=None) -> int:
     cc.add_argument("--max-new-tokens", type=int, default=128)
     cc.add_argument("--modes", default="exact,fast")
     cc.add_argument("--in-flight", type=int, default=8)
-    cc.add_argument("--budget", type=int, default=32)
+    cc.add_argument("--budget", type=int, default=0, help="draft budget (0: from the latency table)")
     cc.add_argument("--no-calibrate", action="store_true")
     cc.add_argument("--out", required=True)
     cc.set_defaults(func=cmd_concurrent)

@@ -27,7 +27,8 @@
 # Env: DEVICE (cuda), SMOKE (0: full sizes; 1: a few prompts and tokens), LIMIT (prompts per
 # category, default 2; SMOKE 1), MAX_NEW (new tokens, 128; SMOKE 16), CUDA_MODES (the CUDA
 # backend's numerics, exact,fast; on CPU fast: exact runs there through Triton's
-# interpreter, which tests/unit covers), CUDA_BUDGET (its draft budget, 32), DEADLINE_S
+# interpreter, which tests/unit covers), CUDA_BUDGET (its draft budget; 0, the default:
+# GPU-sized from its measured latency table), DEADLINE_S
 # (seconds for the whole call: 400 first and middle, 560 final, 3000 for a rehearsal; SCALE
 # multiplies each stage's limit, 4 on CPU), OUT (results; the device tool's $OUT, else
 # .devout/), WORK (scratch, default /tmp/ragspec-gpu; kept while the machine stays warm),
@@ -43,7 +44,7 @@ SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then LIMIT=${LIMIT:-1}; MAX_NEW=${MAX_NEW:-16}; else LIMIT=${LIMIT:-2}; MAX_NEW=${MAX_NEW:-128}; fi
 case "$MODE" in first|middle) DEADLINE_S=${DEADLINE_S:-400} ;; final) DEADLINE_S=${DEADLINE_S:-560} ;; *) DEADLINE_S=${DEADLINE_S:-3000} ;; esac
 if [ "$DEVICE" = cpu ]; then CUDA_MODES=${CUDA_MODES:-fast}; HIDE=${HIDE:-1}; else CUDA_MODES=${CUDA_MODES:-exact,fast}; HIDE=${HIDE:-0}; fi
-CUDA_BUDGET=${CUDA_BUDGET:-32}
+CUDA_BUDGET=${CUDA_BUDGET:-0}
 OUT=${OUT:-$REPO/.devout}
 WORK=${WORK:-/tmp/ragspec-gpu}
 STASH=$WORK/stash
@@ -201,9 +202,12 @@ random_model() {
 }
 
 run_pytest() {
-  # run_pytest JUNIT_NAME ARGS...: tests in float32 with TF32 off on $DEVICE
+  # run_pytest JUNIT_NAME ARGS...: tests in float32 with TF32 off on $DEVICE (with the
+  # packages hidden, no plugin autoload: a plugin of this machine may need one of them)
   local junit=$1; shift
-  RAGSPEC_TEST_DEVICE=$DEVICE RAGSPEC_TEST_DTYPE=fp32 RAGSPEC_TEST_DATA=$PROMPTS NVIDIA_TF32_OVERRIDE=0 \
+  local noauto=""
+  [ "$HIDE" = 1 ] && noauto=1
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=$noauto RAGSPEC_TEST_DEVICE=$DEVICE RAGSPEC_TEST_DTYPE=fp32 RAGSPEC_TEST_DATA=$PROMPTS NVIDIA_TF32_OVERRIDE=0 \
     "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/$junit" "$@"
 }
 
@@ -247,7 +251,7 @@ concurrent() {
     --budget "$CUDA_BUDGET" --out "$OUT/concurrent-bf16.json" "${extra[@]}"
 }
 
-export MODE REPO DEVICE SMOKE LIMIT MAX_NEW OUT WORK STASH PY C PROMPTS CATS CUDA_MODES CUDA_BUDGET
+export MODE REPO DEVICE SMOKE LIMIT MAX_NEW OUT WORK STASH PY C PROMPTS CATS CUDA_MODES CUDA_BUDGET HIDE
 export -f transfer_size env_info install_wheels stash_part rebuild_model random_model run_pytest micro bench cuda_micro concurrent
 
 transfer_size
