@@ -134,10 +134,10 @@ def pack_rows(requests: Sequence[RequestRows], *, path_width: int = 0, device: t
             raise ConfigError(f"pack_rows: {len(toks)} tokens for a tree of {tree.num_nodes} nodes and its root")
         if tree is not None and tree.num_nodes > 0 and not tree.is_chain:
             depth = [0] + [int(d) + 1 for d in tree.depth.tolist()]
-            for j, path in enumerate(tree_paths(tree)):
+            for j, ancestors in enumerate(tree_paths(tree)):
                 positions.append(past + depth[j])
                 ctx_len.append(past)
-                paths.append(path)
+                paths.append(ancestors)
         else:
             for j in range(len(toks)):
                 positions.append(past + j)

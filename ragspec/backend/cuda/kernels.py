@@ -36,8 +36,8 @@ try:  # triton is the CUDA extra's; the references below work without it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
 
 __all__ = [
     "ATTN_BLOCK_N",
@@ -102,11 +102,11 @@ class _Interpreted:
             # the library's functions see triton.language.core as the interpreter patches it
             scope = interpreter._patch_lang(tl.standard.sum.fn)
             saved = JITFunction.__call__
-            JITFunction.__call__ = device_call  # type: ignore[method-assign]
+            JITFunction.__call__ = device_call
             try:
                 return self._fn[grid](*args, **kwargs)
             finally:
-                JITFunction.__call__ = saved  # type: ignore[method-assign]
+                JITFunction.__call__ = saved
                 scope.restore()
 
         return launch

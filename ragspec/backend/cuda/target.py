@@ -91,7 +91,7 @@ class CudaTarget:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         *,
         numerics: str = "exact",
         max_slots: int = DEFAULT_SLOTS,
