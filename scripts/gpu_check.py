@@ -1,9 +1,13 @@
 """The Python half of scripts/gpu_check.sh: a random-weights model, the forward
-micro-benchmark, the bench with results written after every prompt, and the final table.
+micro-benchmarks (transformers backend; CUDA backend eager and under graphs), the bench with
+results written after every prompt (the CUDA backend's exact and fast modes beside), the
+concurrency run (8 requests stepped together), and the final table.
 
     python scripts/gpu_check.py random-model --config-tar .gpu/c/model-config.tar.gz --out DIR [--layers N]
     python scripts/gpu_check.py micro --model M --device cuda --dtypes bf16,fp32 --out micro.json [--smoke]
-    python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [...]
+    python scripts/gpu_check.py cuda-micro --model M --device cuda --modes exact,fast --out cuda-micro.json [--smoke]
+    python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [--cuda-modes exact,fast]
+    python scripts/gpu_check.py concurrent --model M --device cuda --data P --modes exact,fast --out concurrent.json
     python scripts/gpu_check.py table --dir OUT [--dir STASH ...]
 
 Every number is printed and written as JSON; ``table`` reads the JSON files back (from the
@@ -168,7 +172,7 @@ def cmd_micro(args) -> int:
             "seconds": time.perf_counter() - t0,
         }
         _print_micro(dt, results["dtypes"][dt])
-        del model, target, state
+        model = target = state = None  # freed before the next dtype loads
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _write_json(Path(args.out), results)
@@ -183,6 +187,165 @@ def _print_micro(dt: str, r: dict) -> None:
     for case, prof in r["attention"].items():
         ops = ", ".join(f"{k.removeprefix('aten::')} x{v}" for k, v in prof["ops"].items()) or "none seen"
         print(f"  attention, {case}: {ops}; device kernels {prof['device_kernels']}")
+
+
+# ---------------------------------------------------------------------------- CUDA backend
+def _cuda_backend():
+    """``ragspec.backend.cuda`` where this tree has it (and triton is installed), else None."""
+    try:
+        from ragspec.backend import cuda
+        from ragspec.backend.cuda import kernels
+    except ImportError as e:
+        print(f"# the CUDA backend is not available here ({e})")
+        return None
+    if not kernels.triton_available():
+        print("# the CUDA backend needs triton; not installed here")
+        return None
+    return cuda
+
+
+def _cuda_engine(base, numerics: str, *, budget: int, drafts: bool = True, slots: int = 16, context: int = 2048,
+                 calibrate: bool = True, graphs=None):
+    """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
+    drafter (``drafts=False``: plain decoding), its latency model measured on the CUDA step
+    (q 1-64 with synchronisation on CUDA) unless ``calibrate`` is off, its draft budget
+    ``budget``, or with ``budget`` 0 GPU-sized from that latency table
+    (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes)."""
+    import dataclasses
+
+    from ragspec.backend.cuda import gpu_draft_policy, load_cuda_target
+    from ragspec.calibrate import measure_latency_model
+    from ragspec.engine import Engine
+
+    target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
+    latency = measure_latency_model(target) if calibrate and drafts else base.latency
+    if budget > 0:
+        policy = dataclasses.replace(base.policy, max_draft_tokens=budget)
+    else:
+        policy = gpu_draft_policy(latency.table, base.policy)
+    if drafts:
+        print(f"# CUDA {numerics}: draft budget {policy.max_draft_tokens}, step rows {policy.max_step_rows}"
+              + ("" if budget > 0 else " (from its latency table)"), flush=True)  # fmt: skip
+    return Engine(target, base.tokenizer, drafter=base.drafter if drafts else None, policy=policy, latency=latency,
+                  eos_token_ids=base.eos_token_ids, model_name=base.model_name, parts=base.parts)  # fmt: skip
+
+
+def cmd_cuda_micro(args) -> int:
+    """The CUDA backend's step time against rows (1-64) at two contexts, per numerics mode,
+    eager and under CUDA graphs (synchronised: wall time of the forward)."""
+    from ragspec import models
+    from ragspec.backend.cuda import load_cuda_target
+    from ragspec.calibrate import measure_latency
+
+    if _cuda_backend() is None:
+        return 1
+    spec = models.resolve_model(args.model)
+    model, _tok = models.load_model(spec, device=args.device, dtype=args.dtype)
+    results = {"env": _env(), "model": spec.name, "model_path": str(spec.path), "dtype": args.dtype, "runs": {}}
+    kw = dict(qs=(1, 2, 4, 8), contexts=(32,), repeats=1) if args.smoke else dict(qs=(1, 2, 4, 8, 16, 32, 64), contexts=(512, 2048))
+    for mode in [m for m in args.modes.split(",") if m]:
+        for graphs in ((False, True) if args.device == "cuda" else (False,)):
+            name = f"{mode} {'graphs' if graphs else 'eager'}"
+            t0 = time.perf_counter()
+            target = load_cuda_target(model, numerics=mode, max_slots=4, context=max(kw["contexts"]) + 80, graphs=graphs)
+            table = measure_latency(target, model_name=spec.name, **kw)
+            runner = target.graphs
+            results["runs"][name] = {
+                "latency": table.to_dict(),
+                "captured": list(runner.captured) if runner else [],
+                "graph_steps": runner.graph_steps if runner else 0,
+                "eager_steps": runner.eager_steps if runner else None,
+                "seconds": time.perf_counter() - t0,
+            }
+            lat = table.to_dict()["full"]
+            print(f"# CUDA backend {name}, {args.dtype}: step ms vs rows"
+                  + (f" (graphs captured {sorted(runner.captured)})" if runner else ""))  # fmt: skip
+            for ctx, row in sorted(lat.items(), key=lambda kv: int(kv[0])):
+                print(f"  context {ctx:>5}: " + "  ".join(f"{q}:{v * 1e3:.2f}" for q, v in row.items()))
+            del target
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _write_json(Path(args.out), results)
+    return 0
+
+
+def cmd_concurrent(args) -> int:
+    """Throughput of one request at a time against ``--in-flight`` requests stepped together
+    (continuous batching, :meth:`Engine.run_requests`), per CUDA numerics mode, speculative
+    and plain; identity: each request's batched output against its solo output and
+    speculative against plain; the drafter's time per step."""
+    from ragspec import load_engine
+    from ragspec.bench import runner as bench
+    from ragspec.bench.data import load_prompts
+    from ragspec.config import PolicyConfig
+
+    if _cuda_backend() is None:
+        return 1
+    cats = [c for c in args.categories.split(",") if c]
+    rows = load_prompts(args.data, cats, args.limit)
+    base = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=False,
+                       policy=PolicyConfig(max_draft_tokens=args.budget or 8))  # fmt: skip
+    prompts = [base.encode_prompt(r["turns"][0], chat=True) for r in rows]
+    context = max(len(p) for p in prompts) + args.max_new_tokens + (args.budget or 64) + 8
+    results = {"env": _env(), "model": base.model_name, "in_flight": args.in_flight, "prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "budget": args.budget, "modes": {}}  # fmt: skip
+
+    def solo(engine):
+        outs, secs, draft_s, steps = [], 0.0, 0.0, 0
+        for ids in prompts:
+            out, s = bench.timed_call(engine.target.device, lambda: engine.generate(ids, max_new_tokens=args.max_new_tokens, chat=False))
+            outs.append(list(out.token_ids))
+            secs += s
+            draft_s += out.stats.draft_s
+            steps += max(0, out.stats.num_forward_passes - 1)
+        return outs, secs, draft_s, steps
+
+    def together(engine):
+        starts = [lambda ids=ids: engine.request(ids, chat=False, max_new_tokens=args.max_new_tokens) for ids in prompts]
+        outs = [[] for _ in prompts]
+        bench.sync_device(engine.target.device)
+        t0 = time.perf_counter()
+        for step in engine.run_requests(starts, args.in_flight):
+            for i, chunk in step:
+                outs[i].extend(chunk.token_ids)
+        bench.sync_device(engine.target.device)
+        return outs, time.perf_counter() - t0
+
+    for mode in [m for m in args.modes.split(",") if m]:
+        spec_eng = _cuda_engine(base, mode, budget=args.budget, slots=args.in_flight + 2, context=context,
+                                calibrate=not args.no_calibrate)  # fmt: skip
+        plain_eng = _cuda_engine(base, mode, budget=args.budget, drafts=False, slots=args.in_flight + 2, context=context)
+        together(spec_eng)  # warm-up: compiles the kernels, captures the graphs
+        s1, s1_s, draft_s, steps = solo(spec_eng)
+        p1, p1_s, _, _ = solo(plain_eng)
+        s8, s8_s = together(spec_eng)
+        p8, p8_s = together(plain_eng)
+        tokens = sum(len(o) for o in s1)
+        r = {
+            "solo_tok_s": tokens / s1_s, "solo_plain_tok_s": sum(len(o) for o in p1) / p1_s,
+            "together_tok_s": sum(len(o) for o in s8) / s8_s, "together_plain_tok_s": sum(len(o) for o in p8) / p8_s,
+            "spec_eq_plain_solo": sum(a == b for a, b in zip(s1, p1)),
+            "spec_eq_plain_together": sum(a == b for a, b in zip(s8, p8)),
+            "together_eq_solo": sum(a == b for a, b in zip(s8, s1)),
+            "plain_together_eq_solo": sum(a == b for a, b in zip(p8, p1)),
+            "draft_ms_per_step": 1e3 * draft_s / max(1, steps),
+            "step_ms_solo": 1e3 * s1_s / max(1, steps),
+        }
+        r["batching_gain"] = r["together_tok_s"] / r["solo_tok_s"]
+        r["budget"] = spec_eng.policy.max_draft_tokens
+        results["modes"][mode] = r
+        n = len(prompts)
+        print(f"# CUDA {mode}, {args.dtype}: 1 at a time {r['solo_tok_s']:.1f} tok/s (plain {r['solo_plain_tok_s']:.1f}), "
+              f"{args.in_flight} together {r['together_tok_s']:.1f} (plain {r['together_plain_tok_s']:.1f}): "
+              f"x{r['batching_gain']:.2f}; speculative == plain {r['spec_eq_plain_solo']}/{n} solo, "
+              f"{r['spec_eq_plain_together']}/{n} together; together == solo {r['together_eq_solo']}/{n}; "
+              f"drafter {r['draft_ms_per_step']:.2f} ms of a {r['step_ms_solo']:.2f} ms step; budget {r['budget']}",
+              flush=True)  # fmt: skip
+        _write_json(Path(args.out), results)
+        del spec_eng, plain_eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
 
 
 # ---------------------------------------------------------------------------- bench
@@ -204,6 +367,17 @@ def cmd_bench(args) -> int:
     t0 = time.perf_counter()
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
                          policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
+    variants = {}
+    modes = [m for m in (args.cuda_modes or "").split(",") if m]
+    if modes and _cuda_backend() is not None:
+        longest = max((len(engine.encode_prompt(r["turns"][0], chat=True)) for r in rows), default=0)
+        context = longest + args.max_new_tokens + (args.cuda_budget or 64) + 8
+        for mode in modes:
+            # "X@0": the same backend with drafting off (speculative == plain, per mode)
+            variants[f"cuda-{mode}"] = _cuda_engine(engine, mode, budget=args.cuda_budget, slots=4, context=context,
+                                                    calibrate=not args.no_calibrate)  # fmt: skip
+            variants[f"cuda-{mode}@0"] = _cuda_engine(engine, mode, budget=args.cuda_budget, drafts=False, slots=4,
+                                                      context=context)  # fmt: skip
     settings = {
         "model": engine.model_name,
         "model_arg": args.model,
@@ -219,6 +393,9 @@ def cmd_bench(args) -> int:
         "eagle": engine.eagle_path,
         "attn_implementation": getattr(engine.model.config, "_attn_implementation", None),
         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
+        "cuda_variants": sorted(variants),
+        "cuda_budget": {n: e.policy.max_draft_tokens for n, e in variants.items() if "@" not in n},
+        "cuda_latency_ms": {n: {q: v * 1e3 for q, v in e.latency.table.items()} for n, e in variants.items() if "@" not in n},
         "load_s": time.perf_counter() - t0,
         "env": _env(),
     }
@@ -238,14 +415,18 @@ def cmd_bench(args) -> int:
         more = "  ".join(f"@{b} {m['tokens'] / m['s']:.1f} {'=' if m['identical'] else 'DIFF@%d' % m['first_diff']}"
                          for b, m in r.more_budgets.items())  # fmt: skip
         static = f"static {r.static_tokens / r.static_s:.1f}  " if r.static_s else ""
+        cuda = "  ".join(f"{n} {m['tokens'] / m['s']:.1f} {'=' if m['identical'] else 'DIFF@%d' % m['first_diff']}"
+                         + ("" if "plain_identical" not in m else " spec==plain" if m["plain_identical"] else " SPEC!=PLAIN")
+                         for n, m in r.variants.items() if "@" not in n)  # fmt: skip
         pld = f"pld {r.hf_pld_tokens / r.hf_pld_s:.1f}  " if r.hf_pld_s else ""
         print(f"  [{i + 1}/{len(rows)}] {r.category:<13} base {r.baseline_tokens / r.baseline_s:.1f}  {static}{pld}"
               f"@{r.max_draft_tokens} {r.ragspec_tokens / r.ragspec_s:.1f} "
-              f"{'=' if r.identical else 'DIFF@%d' % r.first_diff}  {more}", flush=True)  # fmt: skip
+              f"{'=' if r.identical else 'DIFF@%d' % r.first_diff}  {more}  {cuda}", flush=True)  # fmt: skip
         save(False)
 
     bench.run_bench(engine, rows, max_new_tokens=args.max_new_tokens, hf_pld=not args.no_hf_pld,
-                    static_baseline=args.static, draft_budgets=budgets, warmup=True, progress=progress)  # fmt: skip
+                    static_baseline=args.static, draft_budgets=budgets, warmup=True, progress=progress,
+                    variants=variants or None)  # fmt: skip
     save(True)
     print(bench.format_table(bench.summarize(records)))
     return 0
@@ -291,6 +472,55 @@ def _tps(tokens, seconds):
 
 def _fmt(x, width=8, digits=1):
     return f"{x:>{width}.{digits}f}" if isinstance(x, (int, float)) and not math.isnan(x) else f"{'-':>{width}}"
+
+
+def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
+    """The CUDA backend's part of the table: tokens/s per numerics mode against
+    transformers' generate (bf16), identity to transformers greedy (bf16 share, fp32) and
+    speculative == plain within the mode; 8 concurrent requests; step time against rows."""
+    lines = []
+    names = sorted({n for rs in gb.values() for r in rs for n in r.get("variants", {}) if "@" not in n})
+    if names:
+        head = f"{'category':<14}" + "".join(f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names)
+        lines += [f"CUDA backend (draft budgets {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
+                  "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16)", head, "-" * len(head)]  # fmt: skip
+        for g, rs in gb.items():
+            base = _tps(sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs))
+            cells = ""
+            for n in names:
+                ms = [r["variants"][n] for r in rs if n in r.get("variants", {})]
+                fs = [r["variants"][n] for r in gf.get(g, []) if n in r.get("variants", {})]
+                tps = _tps(sum(m["tokens"] for m in ms), sum(m["s"] for m in ms)) if ms else float("nan")
+                same = f"{sum(bool(m['identical']) for m in ms)}/{len(ms)}"
+                same32 = f"{sum(bool(m['identical']) for m in fs)}/{len(fs)}" if fs else "-"
+                plain = [m for m in ms if "plain_identical" in m]
+                sp = f"{sum(bool(m['plain_identical']) for m in plain)}/{len(plain)}" if plain else "-"
+                cells += f"{_fmt(tps, 17)}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
+            lines.append(f"{g:<14}{cells}")
+    conc = _load(dirs, "concurrent-bf16.json")
+    for mode, r in (conc or {}).get("modes", {}).items():
+        n = conc["prompts"]
+        lines.append(
+            f"CUDA {mode}, {conc['in_flight']} concurrent (bf16): {r['together_tok_s']:.1f} tok/s against "
+            f"{r['solo_tok_s']:.1f} one at a time (x{r['batching_gain']:.2f}; plain {r['together_plain_tok_s']:.1f} / "
+            f"{r['solo_plain_tok_s']:.1f}); speculative == plain {r['spec_eq_plain_solo']}/{n} solo, "
+            f"{r['spec_eq_plain_together']}/{n} together; together == solo {r['together_eq_solo']}/{n}; "
+            f"drafter {r['draft_ms_per_step']:.2f} ms per {r['step_ms_solo']:.2f} ms step; budget {r.get('budget')}"
+        )
+    if conc is None:
+        lines.append("CUDA backend, concurrent requests: no results")
+    cm = _load(dirs, "cuda-micro.json")
+    for name, r in (cm or {}).get("runs", {}).items():
+        lat = r["latency"]["full"]
+        cells = "; ".join(
+            f"ctx {c}: " + " ".join(f"q{q} {v * 1e3:.2f}" for q, v in row.items() if q in ("1", "4", "8", "16", "32", "64"))
+            for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
+        )
+        graphs = f" [graphs {r['graph_steps']} steps, {r['eager_steps']} eager]" if r.get("captured") else ""
+        lines.append(f"CUDA step ms, {name}{' (random weights)' if 'random' in cm.get('model_path', '') else ''}: {cells}{graphs}")
+    if cm is None:
+        lines.append("CUDA backend micro-benchmark: no results")
+    return lines
 
 
 def cmd_table(args) -> int:
@@ -371,6 +601,7 @@ def cmd_table(args) -> int:
             f"{_fmt(t8 / base if base else float('nan'), 7, 2)}{_fmt(t32 / base if base else float('nan'), 7, 2)}"
             f"  {ident(rs, budgets[0]) + ' | ' + ident(rs, budgets[-1]):<26}{ident(fr, budgets[0]) + ' | ' + ident(fr, budgets[-1]):<24}"
         )
+    lines += _cuda_lines(dirs, gb, group_rows(fp32), st)
     if micro:
         for dt, r in micro.get("dtypes", {}).items():
             lat = r["latency"]["full"]
@@ -432,8 +663,33 @@ def main(argv=None) -> int:
     b.add_argument("--static", action="store_true")
     b.add_argument("--no-hf-pld", action="store_true")
     b.add_argument("--no-calibrate", action="store_true", help="keep the reference latency table (CPU rehearsal)")
+    b.add_argument("--cuda-modes", default="", help="also the CUDA backend in these numerics modes (exact,fast)")
+    b.add_argument("--cuda-budget", type=int, default=0,
+                   help="the CUDA backend's draft budget (0: GPU-sized from its latency table)")  # fmt: skip
     b.add_argument("--out", required=True)
     b.set_defaults(func=cmd_bench)
+    cm = sub.add_parser("cuda-micro")
+    cm.add_argument("--model", required=True)
+    cm.add_argument("--device", default="cuda")
+    cm.add_argument("--dtype", default="bf16")
+    cm.add_argument("--modes", default="exact,fast")
+    cm.add_argument("--out", required=True)
+    cm.add_argument("--smoke", action="store_true")
+    cm.set_defaults(func=cmd_cuda_micro)
+    cc = sub.add_parser("concurrent")
+    cc.add_argument("--model", default=None)
+    cc.add_argument("--device", default="cuda")
+    cc.add_argument("--dtype", default="bf16")
+    cc.add_argument("--data", required=True)
+    cc.add_argument("--categories", default=",".join(CATEGORIES))
+    cc.add_argument("--limit", type=int, default=2)
+    cc.add_argument("--max-new-tokens", type=int, default=128)
+    cc.add_argument("--modes", default="exact,fast")
+    cc.add_argument("--in-flight", type=int, default=8)
+    cc.add_argument("--budget", type=int, default=0, help="draft budget (0: from the latency table)")
+    cc.add_argument("--no-calibrate", action="store_true")
+    cc.add_argument("--out", required=True)
+    cc.set_defaults(func=cmd_concurrent)
     t = sub.add_parser("table")
     t.add_argument("--dir", action="append", required=True)
     t.set_defaults(func=cmd_table)

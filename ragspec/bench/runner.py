@@ -54,19 +54,19 @@ __all__ = [
 ]
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     """Wait for the device's queued work (CUDA); nothing elsewhere."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(device, fn):
+def timed_call(device, fn):
     """(fn(), seconds) measured between two device synchronisations."""
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     result = fn()
-    _sync(device)
+    sync_device(device)
     return result, time.perf_counter() - t0
 
 
@@ -215,17 +215,17 @@ def run_bench(
 
     def run(name: str, i: int, ids: list[int], docs, new_tokens: int):
         if name == "baseline":
-            return _timed(device, lambda: hf_generate(model, ids, new_tokens, eos, **gen_kw))
+            return timed_call(device, lambda: hf_generate(model, ids, new_tokens, eos, **gen_kw))
         if name == "static":
-            return _timed(device, lambda: hf_generate(model, ids, new_tokens, eos, **static_kw, **gen_kw))
+            return timed_call(device, lambda: hf_generate(model, ids, new_tokens, eos, **static_kw, **gen_kw))
         if name == "hf_pld":
-            return _timed(
+            return timed_call(
                 device, lambda: hf_generate(model, ids, new_tokens, eos, prompt_lookup_num_tokens=10, **gen_kw)
             )
         if name in runners:
-            return _timed(device, lambda: runners[name].generate(ids, new_tokens, eos))
+            return timed_call(device, lambda: runners[name].generate(ids, new_tokens, eos))
         eng = others[name] if name in others else engines[int(name.split("@")[1])]
-        return _timed(
+        return timed_call(
             device,
             lambda: eng.generate(
                 ids,
