@@ -26,6 +26,7 @@ from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from .drafters.selecting import SelectingDrafter
 from .engine import DrafterParts, Engine
 from .errors import ConfigError
+from .policy import LatencyModel
 
 if TYPE_CHECKING:
     from .backend.base import Target

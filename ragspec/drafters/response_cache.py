@@ -354,7 +354,8 @@ class ResponseCache:
             raise ResponseLogError(f"the response cache already journals to {str(self._journal.path)!r}")
         journal = ResponseJournal(path, self._log_lines, flush_interval_s=flush_interval_s, flush_records=flush_records)
         check_log_path(journal.path, ResponseLogError, "response log")
-        rows, skipped = [], []
+        rows: list[tuple[list[int], list[int], str]] = []
+        skipped: list[int] = []
         if journal.path.exists():
             rows, skipped = self._read_log(journal.path, vocab_size, skip_bad=True)
         for tail, out, text in rows:

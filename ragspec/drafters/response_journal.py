@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TextIO
 
 from ..errors import ResponseLogError
 from ..jsonl import check_log_path
@@ -110,7 +110,7 @@ class ResponseJournal:
         self._closed = False
         self._opened = False
         self._thread: Optional[threading.Thread] = None
-        self._file = None
+        self._file: Optional[TextIO] = None
         self._records = 0  # lines in the log (since the last compaction, plus what it wrote)
         self._compacted = 0  # records the last compaction wrote
         self._torn = False  # the last write failed midway: the next one starts on a new line
