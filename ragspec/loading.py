@@ -39,6 +39,7 @@ __all__ = [
     "load_engine",
     "engine_for_target",
     "load_target",
+    "select_target",
     "load_eagle",
     "compose_drafter",
     "with_datastore",
@@ -71,6 +72,66 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     return drafting
 
 
+def select_target(
+    model: torch.nn.Module,
+    *,
+    cpu_kernels: Optional[bool] = None,
+    cache: Optional[Union[str, Path]] = None,
+    gguf: Optional[Union[str, Path]] = None,
+    numerics: str = "exact",
+    speed_ups: bool = True,
+) -> "HFTarget":
+    """The backend for a loaded transformers model, chosen once, here, from its device and
+    dtype (read from its parameters), with its speed-ups installed.
+
+    * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
+      :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
+      attention kernels for float32, the GGUF file's blocks, the fused decoder step;
+      pre-packed oneDNN weights for bfloat16);
+    * any other device: the device-neutral :class:`~ragspec.backend.hf.HFTarget`, its
+      attention routed through ragspec's function
+      (:meth:`~ragspec.backend.hf.HFTarget.route_gqa_attention`).
+
+    Args:
+        model: a loaded ``PreTrainedModel`` for causal LM (eval mode, on its device).
+        cpu_kernels: on the CPU with float32 weights, ragspec's compiled kernels (None: on
+            unless ``RAGSPEC_CPU_KERNELS=0``).
+        cache: ragspec's cache folder (the compiled kernels live in it).
+        gguf: the GGUF file the model was loaded from, or None.
+        numerics: ``"exact"`` or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
+        speed_ups: False: the backend for the device without its speed-ups installed (the
+            EAGLE trainer, which trains through the model's own forward).
+
+    Raises:
+        ConfigError: ``numerics`` is unknown, or ``"fast"`` where it cannot be served (not a
+            GGUF model, no compiled kernel, not a float32 CPU model, a CPU without AVX-512
+            VNNI).
+    """
+    from .backend.hf import HFTarget
+
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        from .backend.cpu.target import CPUTarget
+
+        cpu_target = CPUTarget(model)
+        if speed_ups:
+            cpu_target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
+        return cpu_target
+    # The CUDA backend plugs in here: ragspec/backend/cuda/ (a static KV pool, the flat
+    # batch, CUDA graphs, row-invariant Triton kernels), chosen for device.type == "cuda" and
+    # the dtypes and models it serves; every other device keeps the device-neutral target.
+    if numerics == "fast":
+        raise ConfigError(
+            "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
+        )
+    target = HFTarget(model)
+    if speed_ups:
+        target.route_gqa_attention()
+    return target
+
+
 def load_target(
     model: Optional[str] = None,
     device: Optional[str] = None,
@@ -81,8 +142,7 @@ def load_target(
     numerics: str = "exact",
 ) -> tuple["HFTarget", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
-    the transformers backend, with its speed-ups installed
-    (:meth:`~ragspec.backend.hf.HFTarget.speed_up`).
+    the backend for its device, with its speed-ups installed (:func:`select_target`).
 
     ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
@@ -96,14 +156,10 @@ def load_target(
             compiled kernel, a CPU without AVX-512 VNNI).
     """
     from . import models
-    from .backend.hf import HFTarget
 
     spec = models.resolve_model(model, cache=Path(cache) if cache else None)
     hf_model, tokenizer = models.load_model(spec, device=device, dtype=dtype)
-    target = HFTarget(hf_model)
-    if numerics not in NUMERICS:
-        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    target.speed_up(cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
+    target = select_target(hf_model, cpu_kernels=cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
     return target, tokenizer, spec
 
 

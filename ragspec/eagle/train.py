@@ -885,7 +885,7 @@ def run_training(
         the ``training`` record written into ``config.json``.
     """
     from .. import models
-    from ..backend.hf import HFTarget
+    from ..loading import select_target
     from .head import EagleHead, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
@@ -895,7 +895,8 @@ def run_training(
     else:
         model, tokenizer = model_and_tokenizer
         spec = model_spec
-    target = HFTarget(model)
+    # the backend for the model's device, no speed-ups: the head trains through the model's own forward
+    target = select_target(model, speed_ups=False)
     info = target_fingerprint(target, spec)
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"
