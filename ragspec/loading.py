@@ -81,8 +81,9 @@ def select_target(
     numerics: str = "exact",
     speed_ups: bool = True,
 ) -> "HFTarget":
-    """The backend for a loaded transformers model, chosen once, here, from its device and
-    dtype (read from its parameters), with its speed-ups installed.
+    """The backend for a loaded transformers model, chosen once, here, from its device (read
+    from its parameters; its dtype decides which speed-ups apply), with its speed-ups
+    installed.
 
     * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
       :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
