@@ -40,7 +40,7 @@ RUN pip install ".${RAGSPEC_EXTRAS}" \
 USER ragspec
 # build the kernel into the image (~45 s) instead of at the first start (on a build host
 # without AVX2 this does nothing and the container builds it at first start, if it can)
-RUN python -c "from ragspec.backend.kernels import load_skinny_linear; load_skinny_linear()"
+RUN python -c "from ragspec.backend.cpu.kernels import load_skinny_linear; load_skinny_linear()"
 VOLUME ["/data"]
 EXPOSE 8000
 

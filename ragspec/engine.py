@@ -325,7 +325,7 @@ class Engine:
 
     @property
     def model(self) -> Any:
-        """The backend's underlying model (the transformers model for ``HFTarget``)."""
+        """The backend's underlying model (the transformers model for ``HFTarget`` and ``CPUTarget``)."""
         return getattr(self.target, "model", None)
 
     @property

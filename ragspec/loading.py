@@ -2,7 +2,7 @@
 drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
-only through :func:`load_engine` (over a model they already hold: :func:`target_for_model`,
+only through :func:`load_engine` (over a model they already hold: :func:`select_target`,
 :func:`engine_for_target`, :func:`engine_with_drafter`); an engine for another datastore over
 the same model comes from :func:`with_datastore` (no reload). Nothing is set on an engine
 after construction.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -43,7 +44,7 @@ __all__ = [
     "engine_for_target",
     "engine_with_drafter",
     "load_target",
-    "target_for_model",
+    "select_target",
     "load_eagle",
     "compose_drafter",
     "with_datastore",
@@ -76,6 +77,99 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     return drafting
 
 
+CUDA_SLOTS = 48
+"""Default KV slots of the CUDA backend: a server's default ``max_active + max_queue`` (8 + 32)
+with room to spare; each slot holds the model's context (at most 4096 positions)."""
+
+
+def _cuda_backend_unavailable(model: torch.nn.Module, wanted: Optional[bool]) -> Optional[str]:
+    """Why ragspec's CUDA backend will not serve ``model`` (switched off, triton missing, an
+    architecture it does not run), or None."""
+    if wanted is None:
+        wanted = os.environ.get("RAGSPEC_CUDA_BACKEND", "1") != "0"
+    if not wanted:
+        return "switched off: RAGSPEC_CUDA_BACKEND=0"
+    from .backend.cuda import unsupported_reason
+
+    return unsupported_reason(model)
+
+
+def select_target(
+    model: torch.nn.Module,
+    *,
+    cpu_kernels: Optional[bool] = None,
+    cache: Optional[Union[str, Path]] = None,
+    gguf: Optional[Union[str, Path]] = None,
+    numerics: str = "exact",
+    speed_ups: bool = True,
+    use_cuda_backend: Optional[bool] = None,
+    cuda_slots: int = CUDA_SLOTS,
+) -> "Target":
+    """The backend for a loaded transformers model, chosen once, here, from its device (read
+    from its parameters; its dtype decides which speed-ups apply), with its speed-ups
+    installed.
+
+    * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
+      :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
+      attention kernels for float32, the GGUF file's blocks, the fused decoder step;
+      pre-packed oneDNN weights for bfloat16);
+    * any other device: the device-neutral :class:`~ragspec.backend.hf.HFTarget`, its
+      attention routed through ragspec's function
+      (:meth:`~ragspec.backend.hf.HFTarget.route_gqa_attention`).
+
+    Args:
+        model: a loaded ``PreTrainedModel`` for causal LM (eval mode, on its device).
+        cpu_kernels: on the CPU with float32 weights, ragspec's compiled kernels (None: on
+            unless ``RAGSPEC_CPU_KERNELS=0``).
+        cache: ragspec's cache folder (the compiled kernels live in it).
+        gguf: the GGUF file the model was loaded from, or None.
+        numerics: ``"exact"`` or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
+        speed_ups: False: the backend for the device without its speed-ups installed (the
+            EAGLE trainer, which trains through the model's own forward).
+        use_cuda_backend: on CUDA, ragspec's CUDA backend
+            (:func:`ragspec.backend.cuda.load_cuda_target`) for the models it serves (None: on
+            unless ``RAGSPEC_CUDA_BACKEND=0``); off, or a model it cannot run: the
+            device-neutral target, with a warning naming the reason.
+        cuda_slots: the CUDA backend's KV slots: most requests holding a KV state at once
+            (a server's ``max_active + max_queue`` at most).
+
+    Raises:
+        ConfigError: ``numerics`` is unknown, or ``"fast"`` where it cannot be served (not a
+            GGUF model, no compiled kernel, not a float32 CPU model, a CPU without AVX-512
+            VNNI).
+    """
+    from .backend.hf import HFTarget
+
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        from .backend.cpu.target import CPUTarget
+
+        cpu_target = CPUTarget(model)
+        if speed_ups:
+            cpu_target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
+        return cpu_target
+    if device.type == "cuda" and speed_ups:
+        # ragspec/backend/cuda/: a static KV pool, the flat batch of every request's rows,
+        # CUDA graphs, row-invariant Triton kernels (numerics "exact") or cuBLAS ("fast")
+        reason = _cuda_backend_unavailable(model, use_cuda_backend)
+        if reason is None:
+            from .backend.cuda import load_cuda_target
+
+            return load_cuda_target(model, numerics=numerics, max_slots=cuda_slots)
+        logger.warning("the CUDA backend is not used (%s): transformers' eager forwards instead", reason)
+    # every other device (and CUDA without its backend) keeps the device-neutral target
+    if numerics == "fast":
+        raise ConfigError(
+            "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
+        )
+    target = HFTarget(model)
+    if speed_ups:
+        target.route_gqa_attention()
+    return target
+
+
 def load_target(
     model: Optional[str] = None,
     device: Optional[str] = None,
@@ -84,10 +178,9 @@ def load_target(
     cache: Optional[Union[str, Path]] = None,
     cpu_kernels: Optional[bool] = None,
     numerics: str = "exact",
-) -> tuple["HFTarget", Any, "ModelSpec"]:
+) -> tuple["Target", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
-    the transformers backend, with its speed-ups installed
-    (:meth:`~ragspec.backend.hf.HFTarget.speed_up`).
+    the backend for its device, with its speed-ups installed (:func:`select_target`).
 
     ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
@@ -100,21 +193,17 @@ def load_target(
         ConfigError: ``numerics="fast"`` where it cannot be served (not a GGUF model, no
             compiled kernel, a CPU without AVX-512 VNNI).
     """
-    from .backend.hf import HFTarget
     from .models import load_model, resolve_model
 
     spec = resolve_model(model, cache=Path(cache) if cache else None)
     hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
-    target = HFTarget(hf_model)
-    if numerics not in NUMERICS:
-        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    target.speed_up(cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
+    target = select_target(hf_model, cpu_kernels=cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
     return target, tokenizer, spec
 
 
 def load_eagle(
     eagle: Optional[Union[str, Path]],
-    target: "HFTarget",
+    target: "Target",
     spec: Optional["ModelSpec"] = None,
     tree: Optional["EagleTreeConfig"] = None,
 ) -> tuple[Optional["EagleDrafter"], Optional[str]]:
@@ -249,6 +338,16 @@ def load_engine(
         )
     drafting = resolve_drafting(drafting, target.device)
     latency = measure_latency_model(target) if calibrate else None
+    if (
+        latency is not None
+        and target.device.type == "cuda"
+        and policy.max_draft_tokens == PolicyConfig().max_draft_tokens
+    ):
+        # verification rows are nearly free on a GPU: the draft budget (16-64 nodes) from the
+        # measured latency table, unless the caller chose one
+        from .backend.cuda import gpu_draft_policy
+
+        policy = gpu_draft_policy(latency.table, policy)
     return Engine(
         target,
         tokenizer,
@@ -312,35 +411,6 @@ def engine_with_drafter(
         eos_token_ids=eos_token_ids,
         model_name=model_name,
     )
-
-
-def target_for_model(
-    hf_model: Any,
-    *,
-    speed_up: bool = False,
-    cpu_kernels: Optional[bool] = None,
-    cache: Optional[Union[str, Path]] = None,
-    gguf: Optional[Union[str, Path]] = None,
-    numerics: str = "exact",
-) -> "HFTarget":
-    """The transformers backend over an already loaded causal LM: its forwards as
-    transformers computes them (``speed_up=False``, the default: no I/O; e.g. the EAGLE
-    trainer's reference features), or with the speed-ups :func:`load_target` installs
-    (``speed_up=True``: :meth:`~ragspec.backend.hf.HFTarget.speed_up` with ``cpu_kernels``,
-    ``cache``, ``gguf`` (the GGUF file the weights came from, None: the model's own
-    weights) and ``numerics``, which may build the CPU kernels on first use).
-
-    Raises:
-        ConfigError: ``numerics`` unknown, or ``"fast"`` where it cannot be served.
-    """
-    from .backend.hf import HFTarget
-
-    if numerics not in NUMERICS:
-        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    target = HFTarget(hf_model)
-    if speed_up:
-        target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
-    return target
 
 
 def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:

@@ -12,7 +12,7 @@ retrieval prompt, and the first ``writing`` row, a short one), chat-templated:
   step ``target.verify_one(state, token, DraftTree.empty())`` + ``target.commit`` and the
   argmax of the logits.
 * ``native_f32``: the same fused C++ step over a second copy of the plain float32 model
-  (:func:`ragspec.loading.target_for_model` with its speed-ups, without the GGUF file:
+  (:func:`ragspec.loading.select_target` with its speed-ups, without the GGUF file:
   dense float32 weights, as transformers reads them), to separate the fusion from the
   4.5-bit weights (``--no-native-f32``: skip).
 * ``hf_eager``: a plain transformers model loaded from the same converted HF folder, a
@@ -217,10 +217,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     native_f32 = None
     if not args.no_native_f32:
-        from ragspec.loading import target_for_model
+        from ragspec.loading import select_target
 
         m32 = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
-        native_f32 = target_for_model(m32, speed_up=True)
+        native_f32 = select_target(m32)
         logger.info("native step over float32 weights: %s", native_f32.native_step is not None)
 
     texts = first_prompts(args.data, ("rag", "writing"))

@@ -125,9 +125,9 @@ def cmd_micro(args) -> int:
     attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
     ``ragspec.load_engine`` sets them up."""
     from ragspec import models
-    from ragspec.backend.hf import HFTarget
     from ragspec.bench.runner import profile_attention
     from ragspec.calibrate import measure_latency
+    from ragspec.loading import select_target
     from ragspec.types import DraftTree
 
     _no_tf32()
@@ -136,8 +136,7 @@ def cmd_micro(args) -> int:
     for dt in [d for d in args.dtypes.split(",") if d]:
         t0 = time.perf_counter()
         model, _tok = models.load_model(spec, device=args.device, dtype=dt)
-        target = HFTarget(model)
-        target.speed_up()
+        target = select_target(model)
         kw = dict(qs=(1, 2, 4, 8, 16), contexts=(128, 256), repeats=1) if args.smoke else {}
         table = measure_latency(target, model_name=spec.name, **kw)
         ctx = table.contexts[-1]

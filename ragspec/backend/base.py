@@ -1,7 +1,8 @@
 """The ``Target`` protocol: what the engine, the cost model and the drafters may ask of a
 target model, and nothing more.
 
-A backend (``ragspec.backend.hf`` for transformers models) runs the target's forwards over
+A backend (``ragspec.backend.hf`` for transformers models on any device,
+``ragspec.backend.cpu`` with ragspec's CPU speed-ups) runs the target's forwards over
 per-request KV states it creates itself. The engine never looks inside a state: it hands it
 back to the backend (``prefill``, ``verify``, ``commit``, ``rollback``).
 
@@ -119,7 +120,7 @@ class FastLinear:
             state, ``forward_embeds([state], x [T, H], positions [T], [0, T], [mask [T,
             past + T] | None])`` extends it by T rows and returns their outputs [T, H],
             ``rollback(state, length)`` drops entries (see
-            :class:`~ragspec.backend.native.NativeDecoder`). ``int8=True``: the layers'
+            :class:`~ragspec.backend.cpu.native.NativeDecoder`). ``int8=True``: the layers'
             weights as Q8_0 blocks (a quarter of the bytes; drafts only).
         int8_linear: ``int8_linear(weight [O, I], bias [O] | None)`` -> a function ``x [R,
             I] -> float32 [R, O]`` over a Q8_0 copy of the weight (the backend's block
@@ -184,12 +185,15 @@ class Target(Protocol):
         max_length: the context length in tokens, or None when unbounded.
         device: where the model's tensors live.
         dtype: the model's compute dtype.
+        model: the transformers causal LM whose weights the target computes with (its
+            config, tokenizer-facing ids and embeddings; the reference forward).
     """
 
     vocab_size: int
     max_length: Optional[int]
     device: torch.device
     dtype: torch.dtype
+    model: Any
 
     def new_state(self) -> Any:
         """A fresh, empty KV state for one request (no I/O, no forward)."""

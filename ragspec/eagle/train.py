@@ -120,7 +120,7 @@ def run_training(
         the ``training`` record written into ``config.json``.
     """
     from .. import models
-    from ..loading import target_for_model
+    from ..loading import select_target
     from .head import EagleHead, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
@@ -130,7 +130,8 @@ def run_training(
     else:
         model, tokenizer = model_and_tokenizer
         spec = model_spec
-    target = target_for_model(model)  # transformers' own forwards: the reference features
+    # the backend for the model's device, no speed-ups: the head trains through the model's own forward
+    target = select_target(model, speed_ups=False)
     info = target_fingerprint(target, spec)
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"

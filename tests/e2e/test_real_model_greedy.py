@@ -85,7 +85,7 @@ def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engin
     """With the compiled kernel, every decoder linear (30 layers x 7) and the tied output
     layer of the default model are read from the GGUF's own Q4_1 / Q8_0 blocks, and a
     summarization prompt stays token-identical to ``model.generate`` (float32 weights)."""
-    from ragspec.backend.kernels import load_quant_linear
+    from ragspec.backend.cpu.kernels import load_quant_linear
 
     if real_engine.target.skinny is None:  # no compiler here: the float32 path, nothing read from blocks
         assert real_engine.target.gguf_weights == 0 and load_quant_linear() is None

@@ -1,9 +1,10 @@
 """Lossless on the test device (default CUDA, float32, TF32 off): drafts change how many
 forwards a generation takes, never its tokens.
 
-Each engine here is built as ``load_engine`` builds one (``Engine.speed_up`` on
-the target: the attention route, packed weights, kernels, whatever the device gets), so
-these tests check the production paths of the device."""
+Each engine here is built as ``ragspec.load_engine`` builds one (the backend and
+speed-ups ``ragspec.loading.select_target`` gives the device: the attention route, packed
+weights, kernels, whatever the device gets), so these tests check the production paths of
+the device."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from gpu_testing import (
 )
 
 from ragspec import Engine, PolicyConfig
-from ragspec.backend.hf import HFTarget
 from ragspec.bench.runner import static_generate_kwargs
 from ragspec.drafters import PromptLookupDrafter
+from ragspec.loading import select_target
 from ragspec.policy import LatencyModel
 from ragspec.types import DraftTree
 from ragspec_testing import ScriptedDrafter, make_tree, oracle_plan, wrong_plan
@@ -35,8 +36,7 @@ def _prompt(vocab: int, n: int = 200, seed: int = 0) -> list[int]:
 
 
 def production_engine(model, drafter, *, max_draft: int = 8, adaptive: bool = False) -> Engine:
-    target = HFTarget(model)
-    target.speed_up()
+    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
     return Engine(
         target,
         make_id_tokenizer(model.config.vocab_size),
@@ -105,8 +105,7 @@ def test_tree_verification_equals_per_path_forwards(device, dtype):
     """Each row of one tree-masked verification forward equals the last row of a plain
     causal forward over prompt + root + that node's path."""
     model = on_device(make_smol_shaped_llama(), device, dtype)
-    target = HFTarget(model)
-    target.speed_up()
+    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
     prompt = _prompt(model.config.vocab_size, 300)
     root = 17
     # root children 10, 11, 12; 13 under 11; 14, 15 under 13; 16 under 12; 18 under 15
@@ -132,8 +131,7 @@ def test_commit_equals_a_fresh_prefill_of_the_accepted_path(device, dtype):
     """After verifying a tree and keeping a path that is not a prefix of its rows, the
     cache and the next step equal a fresh prefill of prompt + root + path."""
     model = on_device(make_smol_shaped_llama(), device, dtype)
-    target = HFTarget(model)
-    target.speed_up()
+    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
     prompt = _prompt(model.config.vocab_size, 300, seed=2)
     tree = make_tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0], source="test")
     tol = _tolerance(dtype)

@@ -26,6 +26,7 @@ from ragspec.bench.runner import format_table, profile_attention, run_bench, sum
 from ragspec.calibrate import measure_latency
 from ragspec.config import SamplingParams
 from ragspec.drafters import PromptLookupDrafter
+from ragspec.loading import select_target
 from ragspec.policy import LatencyModel
 from ragspec.sampling import verify_sampling
 from ragspec_testing import make_tree
@@ -47,8 +48,7 @@ def test_cuda_attention_is_fused_and_not_routed_for_generate(device, attn_dtype)
     mask), and ``model.generate`` (the benchmark's baseline) must keep transformers' own
     attention: ragspec's CPU attention route is CPU-only."""
     model = on_device(make_smol_shaped_llama(), device, attn_dtype)
-    target = HFTarget(model)
-    target.speed_up()
+    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
     assert model.config._attn_implementation != "ragspec_sdpa"
     prompt = list(range(3, 700))
     tree = make_tree([10, 11, 12, 13, 14, 15, 16, 18], [-1, -1, -1, 1, 3, 3, 2, 5], source="test")
@@ -179,8 +179,7 @@ def test_bench_times_every_method_and_stays_identical(device, dtype, float32_onl
     warm-up: every method's output equals the baseline's in float32."""
     model = tiny_llama(device, dtype, eos_token_id=None)
     tok = make_id_tokenizer(model.config.vocab_size)
-    target = HFTarget(model)
-    target.speed_up()
+    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
     engine = Engine(
         target,
         tok,

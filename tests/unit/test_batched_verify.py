@@ -1,4 +1,4 @@
-"""Batched verification (issue 21): ``HFTarget.verify`` over several requests runs one
+"""Batched verification (issue 21): ``CPUTarget.verify`` over several requests runs one
 forward over their concatenated rows, and every request must get exactly (``torch.equal``)
 what its own forward gives it: logits, hidden states, KV cache after commit, and through
 the engine its tokens, text and stop/finish behaviour.
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ragspec.backend.base import VerifyItem
-from ragspec.backend.hf import HFTarget
-from ragspec.backend.kernels import SKINNY_MAX_ROWS, _cpu_supported, load_few_query_attention, load_skinny_linear
+from ragspec.backend.cpu.kernels import SKINNY_MAX_ROWS, _cpu_supported, load_few_query_attention, load_skinny_linear
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig, SamplingParams
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
@@ -61,8 +61,8 @@ def _tiny_gemma3(seed: int = 0, window: int = 16):
     return Gemma3ForCausalLM(cfg).eval()
 
 
-def _target(skinny, model, attention_kernel: bool = True) -> HFTarget:
-    target = HFTarget(model)
+def _target(skinny, model, attention_kernel: bool = True) -> CPUTarget:
+    target = CPUTarget(model)
     assert target.route_gqa_attention()
     target.prepack_linears(skinny)
     if attention_kernel:
@@ -71,7 +71,7 @@ def _target(skinny, model, attention_kernel: bool = True) -> HFTarget:
 
 
 class _CountBatches:
-    """Counts HFTarget._verify_batch calls (and their sizes) of one target."""
+    """Counts CPUTarget._verify_batch calls (and their sizes) of one target."""
 
     def __init__(self, target, monkeypatch):
         self.sizes: list[int] = []
@@ -164,7 +164,7 @@ def test_skinny_kernel_computes_each_row_independently(skinny):
     alone = torch.cat([skinny(x[r : r + 1], w, b) for r in range(40)])
     assert torch.equal(skinny(x[:16], w, b), alone[:16])
     assert torch.equal(skinny(x[5:12], w, b), alone[5:12])
-    from ragspec.backend.fastpaths import skinny_linear
+    from ragspec.backend.cpu.fastpaths import skinny_linear
 
     with torch.inference_mode():
         assert skinny_linear(skinny, x, w, b) is None  # above SKINNY_MAX_ROWS: not without chunking
@@ -193,7 +193,7 @@ def test_items_above_the_row_limit_and_single_items_take_the_solo_path(skinny, m
 
 
 def test_no_batching_where_it_could_not_be_exact(skinny):
-    assert not HFTarget(make_tiny_llama(layers=1, head_dim=32)).batches  # no compiled kernel
+    assert not CPUTarget(make_tiny_llama(layers=1, head_dim=32)).batches  # no compiled kernel
     # head size 8: the rotary cos/sin of a row would take ATen's scalar tail in some batches
     assert not _target(skinny, make_tiny_llama(layers=1), attention_kernel=False).batches
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_native_step import _llama, _target, kernels  # noqa: F401
 
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PolicyConfig
 from ragspec.drafters import SelectingDrafter
@@ -402,11 +403,11 @@ def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model)
     float rounding, and greedy output stays identical to plain greedy."""
     import copy
 
-    from ragspec.backend.fastpaths import can_pack
+    from ragspec.backend.cpu.fastpaths import can_pack
 
     if not can_pack(target.device, target.dtype):
         pytest.skip("pre-packed oneDNN linears need a CPU build with oneDNN")
-    fast_target = HFTarget(copy.deepcopy(model))  # its own copy: routing modifies the layers
+    fast_target = CPUTarget(copy.deepcopy(model))  # its own copy: routing modifies the layers
     assert fast_target.capability("fast_linear") is None  # not routed yet: nothing offered
     fast_target.prepack_linears()
     assert fast_target.capability("fast_linear") is not None

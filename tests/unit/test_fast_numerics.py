@@ -1,6 +1,6 @@
 """Fast numerics (issue 18 item 4, ``--numerics fast``): the GGUF-block linears with int8
 activations (per row and block of 32) and AVX-512 VNNI integer dot products
-(csrc/cpu_kernels.cpp ``kvnni``, :meth:`ragspec.backend.quant.GGUFWeight.to_fast`).
+(csrc/fast_numerics.cpp ``kvnni``, :meth:`ragspec.backend.cpu.quant.GGUFWeight.to_fast`).
 
 Checked: the layout (a permutation, the weights round-trip bit for bit); the kernel against a
 float64 emulation of the same quantization (1e-5: only the float accumulation order
@@ -18,10 +18,10 @@ import pytest
 import torch
 from test_native_step import _STEPS, _llama, _quantized_llama, _target, kernels  # noqa: F401
 
-from ragspec.backend import kernels as kernel_lib
-from ragspec.backend.hf import HFTarget
-from ragspec.backend.kernels import load_quant_linear
-from ragspec.backend.quant import Q4_1, Q4_1_FAST, Q6_K, Q8_0, Q8_0_FAST, GGUFWeight, fast_order
+from ragspec.backend.cpu import kernels as kernel_lib
+from ragspec.backend.cpu.kernels import load_quant_linear
+from ragspec.backend.cpu.quant import Q4_1, Q4_1_FAST, Q6_K, Q8_0, Q8_0_FAST, GGUFWeight, fast_order
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.config import PLDConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
@@ -131,7 +131,7 @@ def test_fast_numerics_are_refused_where_avx512_is_masked_off(kernels, tmp_path)
     prev = kernel_lib.set_cpu_isa("avx2")
     try:
         assert not kernel_lib.fast_numerics_supported()
-        target = HFTarget(model)
+        target = CPUTarget(model)
         with pytest.raises(ConfigError, match="AVX-512 VNNI"):
             target.use_gguf_weights(path, load_quant_linear(), numerics="fast")
         f = _random_weight(Q4_1, 4, 64).to_fast()
@@ -140,16 +140,16 @@ def test_fast_numerics_are_refused_where_avx512_is_masked_off(kernels, tmp_path)
     finally:
         kernel_lib.set_cpu_isa(prev)
     with pytest.raises(ConfigError, match="numerics must be"):
-        HFTarget(model).speed_up(numerics="approximate")
+        CPUTarget(model).speed_up(numerics="approximate")
     with pytest.raises(ConfigError, match="needs a GGUF model"):
-        HFTarget(model).speed_up(numerics="fast")  # no GGUF file given
+        CPUTarget(model).speed_up(numerics="fast")  # no GGUF file given
 
 
-def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> HFTarget:  # noqa: F811
+def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> CPUTarget:  # noqa: F811
     """The tiny quantized Llama over its GGUF blocks, the compiled kernels and the native step."""
     skinny, attention, step = kernels
     path = tmp_path / name
-    target = HFTarget(_quantized_llama(path))
+    target = CPUTarget(_quantized_llama(path))
     assert target.use_gguf_weights(path, load_quant_linear(), numerics=numerics) == 2 * 7 + 1
     assert target.numerics == numerics
     target.prepack_linears(skinny)
@@ -159,7 +159,7 @@ def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> HFTarget:
     return target
 
 
-def _assert_verify_rows_equal_one_row_steps(target: HFTarget) -> None:
+def _assert_verify_rows_equal_one_row_steps(target: CPUTarget) -> None:
     """Every tree of ``_STEPS`` verified on one state and, on another with the same history,
     the root and the accepted path as one-row steps: each accepted row's logits bit for
     bit equal (the KV of the accepted path then equal too: the states go on together)."""

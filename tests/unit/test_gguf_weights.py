@@ -10,9 +10,8 @@ import pytest
 import torch
 from test_kernels import _BUILDABLE
 
-from ragspec.backend.hf import HFTarget
-from ragspec.backend.kernels import load_quant_linear
-from ragspec.backend.quant import (
+from ragspec.backend.cpu.kernels import load_quant_linear
+from ragspec.backend.cpu.quant import (
     Q4_1,
     Q6_K,
     Q8_0,
@@ -21,6 +20,7 @@ from ragspec.backend.quant import (
     match_gguf_weights,
     read_gguf_weights,
 )
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree, random_k_blocks
 
@@ -29,7 +29,7 @@ from ragspec_testing import greedy_reference, make_tiny_llama, make_tree, random
 def kernels():
     if not _BUILDABLE:
         pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
-    from ragspec.backend.kernels import load_skinny_linear
+    from ragspec.backend.cpu.kernels import load_skinny_linear
 
     skinny, quant = load_skinny_linear(), load_quant_linear()
     assert skinny is not None and quant is not None, "the kernel failed to build on a machine that can build it"
@@ -202,11 +202,13 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
         calls.append(int(x.shape[0]))
         return quant(x, qs, scales, fmt, bias)
 
-    target = HFTarget(model)
+    target = CPUTarget(model)
     assert target.use_gguf_weights(path, counting) == len(named) - 1
     target.prepack_linears(skinny)
     assert target.gguf_weights == len(named) - 1
-    plain = HFTarget(_quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0])
+    plain = CPUTarget(
+        _quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0]
+    )
     plain.prepack_linears(skinny)
     prompt = list(range(5, 17))
     tree = make_tree([8, 9, 10, 11], [-1, 0, 1, 0], source="test")
@@ -237,7 +239,7 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
 
 
 def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, monkeypatch):
-    import ragspec.backend.quant as quant_mod
+    import ragspec.backend.cpu.quant as quant_mod
 
     path, cache = tmp_path / "m.gguf", tmp_path / "cache" / "blocks.safetensors"
     model, named = _quantized_tiny_model(path, permute="lm_head", perturb="model.layers.0.mlp.gate_proj")
@@ -263,15 +265,15 @@ def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, 
 def test_gguf_weights_are_a_no_op_without_the_kernel_or_for_other_dtypes(tmp_path):
     path = tmp_path / "m.gguf"
     model, _ = _quantized_tiny_model(path, permute="", perturb="lm_head")
-    assert HFTarget(model).use_gguf_weights(path, None) == 0
-    assert HFTarget(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
+    assert CPUTarget(model).use_gguf_weights(path, None) == 0
+    assert CPUTarget(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
 
 
 def test_unreadable_gguf_keeps_the_float32_weights_with_a_warning(tmp_path, caplog):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 64)
-    with caplog.at_level("WARNING", logger="ragspec.backend.hf"):
-        assert HFTarget(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
+    with caplog.at_level("WARNING", logger="ragspec.backend.cpu.target"):
+        assert CPUTarget(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
     assert "cannot read GGUF blocks" in caplog.text
 
 
@@ -279,7 +281,7 @@ def test_gguf_block_cache_of_an_older_ragspec_is_rebuilt(tmp_path, monkeypatch):
     """A cache written before a format was supported (Q5_0 came after Q4_1/Q8_0) holds
     fewer matches, all still exact: it must be rebuilt, not trusted, or the newly read
     weights would never be used."""
-    import ragspec.backend.quant as quant_mod
+    import ragspec.backend.cpu.quant as quant_mod
 
     path, cache = tmp_path / "m.gguf", tmp_path / "blocks.safetensors"
     _, named = _quantized_tiny_model(path, permute="", perturb="model.layers.0.mlp.gate_proj")

@@ -1,4 +1,4 @@
-"""The compiled few-row linear kernel (ragspec/csrc/skinny_linear.cpp) and where it is used.
+"""The compiled few-row linear kernel (ragspec/backend/cpu/csrc/linear.cpp) and where it is used.
 
 The kernel is built on first use (~45 s, cached under ~/.cache/ragspec/kernels). Where the
 machine cannot build it (no AVX2, no compiler or ninja) the tests that need it are skipped
@@ -14,9 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragspec.backend import kernels
-from ragspec.backend.hf import HFTarget
-from ragspec.backend.kernels import SKINNY_MAX_ROWS, _cpu_supported, cpu_kernels_enabled, kernel_dir, load_skinny_linear
+from ragspec.backend.cpu import kernels
+from ragspec.backend.cpu.kernels import (
+    SKINNY_MAX_ROWS,
+    _cpu_supported,
+    cpu_kernels_enabled,
+    kernel_dir,
+    load_skinny_linear,
+)
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_tiny_llama, make_tree
 
@@ -67,7 +73,7 @@ class _CountingKernel:
 def test_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2)
     kernel = _CountingKernel()
-    target = HFTarget(model)
+    target = CPUTarget(model)
     assert target.prepack_linears(kernel) == 2 * 7
     assert target.skinny is kernel
     ids = torch.tensor([[5, 9, 12, 40]])
@@ -94,7 +100,7 @@ def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = HFTarget(make_tiny_llama(layers=2))
+    target = CPUTarget(make_tiny_llama(layers=2))
     target.prepack_linears(skinny)
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
@@ -104,19 +110,19 @@ def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
 
 
 def test_kernel_switch_off_by_argument_and_environment(monkeypatch):
-    target = HFTarget(make_tiny_llama(layers=1))
+    target = CPUTarget(make_tiny_llama(layers=1))
     target.speed_up(cpu_kernels=False)
     assert target.skinny is None and target.attention_kernel is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
     assert not cpu_kernels_enabled()
-    by_env = HFTarget(make_tiny_llama(layers=1))
+    by_env = CPUTarget(make_tiny_llama(layers=1))
     by_env.speed_up()
     assert by_env.skinny is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "")
     assert cpu_kernels_enabled()
     assert cpu_kernels_enabled("1") and not cpu_kernels_enabled("off")
     # other dtypes keep torch's kernels
-    half = HFTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
+    half = CPUTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
     half.speed_up(cpu_kernels=True)
     assert half.skinny is None
 
@@ -125,7 +131,7 @@ def test_kernel_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, c
     if not _cpu_supported():
         pytest.skip("the build is only attempted on Linux x86-64 with AVX2")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.INFO, logger="ragspec.backend.kernels"):
+    with caplog.at_level(logging.INFO, logger="ragspec.backend.cpu.kernels"):
         assert load_skinny_linear(tmp_path / "kernels") is None
     assert "no C++ compiler" in caplog.text
     # a compiler that fails: the error is logged and torch's kernels stay in use
@@ -135,7 +141,7 @@ def test_kernel_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, c
     monkeypatch.setenv("CXX", str(broken))
     if not shutil.which("ninja"):
         pytest.skip("ninja is needed to attempt a build")
-    with caplog.at_level(logging.WARNING, logger="ragspec.backend.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ragspec.backend.cpu.kernels"):
         assert load_skinny_linear(tmp_path / "kernels2") is None
     assert "compiled CPU kernel unavailable" in caplog.text
 
@@ -212,7 +218,7 @@ def test_corrupt_cached_kernel_is_rebuilt(skinny, tmp_path, monkeypatch, caplog)
     import torch.utils.cpp_extension as cpp
 
     monkeypatch.setattr(cpp, "load", _fake_build(real_so, calls))
-    with caplog.at_level(logging.WARNING, logger="ragspec.backend.kernels"):
+    with caplog.at_level(logging.WARNING, logger="ragspec.backend.cpu.kernels"):
         kernel = load_skinny_linear(tmp_path)
     assert kernel is not None and len(calls) == 1
     assert "does not load" in caplog.text
@@ -223,14 +229,14 @@ def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     """Regression (fresh-user trial): ``--dtype bf16`` on a CPU without oneDNN's bfloat16
     support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
     is skipped there and the model decodes with torch's kernels."""
-    from ragspec.backend.fastpaths import _mkldnn_bf16_supported, can_pack
+    from ragspec.backend.cpu.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec.config import PLDConfig
     from ragspec.drafters import PromptLookupDrafter
     from ragspec.engine import Engine
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = HFTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
+    target = CPUTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
     assert can_pack(target.device, torch.bfloat16) == _mkldnn_bf16_supported()
     n = target.prepack_linears(load_skinny_linear() if _BUILDABLE else None)
     assert n == (7 if _mkldnn_bf16_supported() else 0)
@@ -308,7 +314,7 @@ class _CountingAttention:
 def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2, head_dim=32)
     kernel = _CountingAttention()
-    target = HFTarget(model)
+    target = CPUTarget(model)
     assert target.route_gqa_attention()
     assert target.use_attention_kernel(kernel)
     ids = torch.tensor([[5, 9, 12, 40]])
@@ -335,7 +341,7 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
     tok = make_char_tokenizer()
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     ref = greedy_reference(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None), prompt, 60)
-    target = HFTarget(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
+    target = CPUTarget(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
     target.prepack_linears(skinny)
     target.route_gqa_attention()
     assert target.use_attention_kernel(attention)
@@ -345,10 +351,10 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
 
 
 def test_speed_up_installs_both_compiled_kernels(skinny, attention):
-    target = HFTarget(make_tiny_llama(layers=1, head_dim=32))
+    target = CPUTarget(make_tiny_llama(layers=1, head_dim=32))
     target.speed_up()
     assert target.skinny is skinny and target.attention_kernel is attention
-    plain = HFTarget(make_tiny_llama(layers=1, head_dim=32))
+    plain = CPUTarget(make_tiny_llama(layers=1, head_dim=32))
     plain.speed_up(cpu_kernels=False)
     assert plain.skinny is None and plain.attention_kernel is None
 
@@ -357,7 +363,7 @@ def test_q8_0_quantization_rounds_each_block_to_its_scale():
     """quantize_q8_0 (a drafter's own weights as Q8_0 blocks): per 32 weights d = max|w| /
     127 and q = round(w / d), so each weight is off by d / 2 at most; an all-zero block
     stays zero; other shapes are refused."""
-    from ragspec.backend.quant import Q8_0, quantize_q8_0
+    from ragspec.backend.cpu.quant import Q8_0, quantize_q8_0
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(24, 96, generator=gen)
@@ -371,3 +377,65 @@ def test_q8_0_quantization_rounds_each_block_to_its_scale():
     assert int(q.qs.abs().max()) == 127
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q8_0(torch.randn(4, 40))
+
+
+def test_missing_kernel_sources_fall_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    """Regression (issue 40, a non-editable install): the wheel carried none of csrc/, and the
+    kernel loader crashed with FileNotFoundError while hashing the sources for its cache key,
+    before its documented fallback. Now: one warning that names the missing files, torch's
+    kernels, and the model runs (greedy unchanged)."""
+    if not _cpu_supported():
+        pytest.skip("the kernels are only looked for on Linux x86-64 with AVX2")
+    gone = tmp_path / "site-packages" / "csrc"  # an installed package without its sources
+    monkeypatch.setattr(kernels, "_CSRC", gone)
+    monkeypatch.setattr(kernels, "_SOURCES", tuple(gone / p.name for p in kernels._SOURCES))
+    monkeypatch.setattr(kernels, "_HASHED", tuple(gone / p.name for p in kernels._HASHED))
+    assert kernels.missing_sources() == [p.name for p in kernels._HASHED]
+    cache = tmp_path / "cache"
+    target = CPUTarget(make_tiny_llama(layers=1))
+    with caplog.at_level(logging.DEBUG, logger="ragspec.backend.cpu.kernels"):
+        target.speed_up(cache=cache)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "sources are missing" in message and "linear.cpp" in message and "torch's kernels are used" in message
+    assert target.skinny is None and target.native_step is None and not cache.exists()  # no build attempted
+    prompt = [5, 9, 13, 9, 13, 9]
+    assert list(_greedy(target, prompt, 8)) == greedy_reference(make_tiny_llama(layers=1), prompt, 8, eos_token_id=2)
+
+
+def _greedy(target, prompt, steps, eos=2):
+    """Plain greedy decoding through ``target``: the prompt but its last token prefilled, then
+    one verification of an empty draft a token (the last one as the root)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        state = target.new_state()
+        target.prefill(state, prompt[:-1])
+        token = prompt[-1]
+        for _ in range(steps):
+            past = state.length
+            token = int(target.verify_one(state, token, DraftTree.empty()).logits[0].argmax())
+            target.commit(state, past, [])
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+def test_kernel_build_compiles_and_hashes_every_csrc_file(tmp_path, monkeypatch):
+    """The build compiles every .cpp of csrc/ and its cache key covers every .cpp and .h, so a
+    changed file (a header too) builds anew."""
+    csrc = kernels._CSRC
+    assert {p.name for p in kernels._SOURCES} == {p.name for p in csrc.glob("*.cpp")}
+    assert {p.name for p in kernels._HASHED} == {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")}
+    copy = tmp_path / "csrc"
+    shutil.copytree(csrc, copy)
+    monkeypatch.setattr(kernels, "_HASHED", tuple(copy / p.name for p in kernels._HASHED))
+    before = kernel_dir(tmp_path)
+    assert before == kernel_dir(tmp_path)  # stable
+    for name in ("linear_tiles.h", "attention.cpp"):
+        path = copy / name
+        path.write_text(path.read_text() + "\n// changed\n")
+        after = kernel_dir(tmp_path)
+        assert after != before
+        before = after

@@ -1,5 +1,5 @@
-"""The compiled kernels' two instruction-set paths (AVX-512 and AVX2/FMA, csrc/cpu_kernels.cpp)
-and their runtime dispatch (``RAGSPEC_CPU_ISA``, :func:`ragspec.backend.kernels.set_cpu_isa`).
+"""The compiled kernels' two instruction-set paths (AVX-512 and AVX2/FMA, ragspec/backend/cpu/csrc/)
+and their runtime dispatch (``RAGSPEC_CPU_ISA``, :func:`ragspec.backend.cpu.kernels.set_cpu_isa`).
 
 Each path is checked against torch's float32 reference (F.linear / SDPA) within float32
 rounding, ``quant_linear`` against ``skinny_linear`` over the de-quantized weight bit for
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from test_kernels import _BUILDABLE
 
-from ragspec.backend import kernels
-from ragspec.backend.quant import Q4_1, Q6_K, Q8_0, GGUFWeight
+from ragspec.backend.cpu import kernels
+from ragspec.backend.cpu.quant import Q4_1, Q6_K, Q8_0, GGUFWeight
 
 
 def _has_avx512() -> bool:
@@ -174,7 +174,7 @@ def test_few_query_attention_is_bit_identical_on_both_paths(module, half, head_d
 
 
 def test_dispatch_picks_the_cpus_best_and_the_environment_masks_avx512(module):
-    code = "from ragspec.backend import kernels; print(kernels.cpu_isa())"
+    code = "from ragspec.backend.cpu import kernels; print(kernels.cpu_isa())"
     env = dict(os.environ)
     env.pop("RAGSPEC_CPU_ISA", None)
     best = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

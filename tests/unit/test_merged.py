@@ -17,7 +17,7 @@ from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import DrafterParts, Engine
 from ragspec.errors import ConfigError
-from ragspec.loading import compose_drafter, engine_with_drafter, resolve_drafting, target_for_model, with_drafting
+from ragspec.loading import compose_drafter, engine_with_drafter, resolve_drafting, select_target, with_drafting
 from ragspec.policy import AcceptanceModel, run_depths
 from ragspec.tree import merge_trees
 from ragspec.types import DraftTree, VerifyResult
@@ -474,10 +474,10 @@ def test_loading_builds_engines_over_a_model_already_held(model, tok):
     # what `ragspec eagle bench` and the EAGLE trainer build instead of assembling engines
     # by hand: a target over the model (transformers' own forwards unless sped up) and an
     # engine drafting with a drafter set its caller composed
-    target = target_for_model(model)
+    target = select_target(model, speed_ups=False)
     assert isinstance(target, HFTarget) and target.native_step is None and target.model is model
     with pytest.raises(ConfigError, match="numerics"):
-        target_for_model(model, numerics="approximate")
+        select_target(model, speed_ups=False, numerics="approximate")
     drafter = PromptLookupDrafter(PLDConfig())
     policy = PolicyConfig(max_draft_tokens=5, adaptive=False)
     engine = engine_with_drafter(target, tok, drafter, policy=policy, model_name="tiny")

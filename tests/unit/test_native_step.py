@@ -1,4 +1,4 @@
-"""The native decoder step (issue 18 item 2, ragspec/backend/native.py and
+"""The native decoder step (issue 18 item 2, ragspec/backend/cpu/native.py and
 csrc/decoder_step.cpp): every decoder layer of a Llama model in one C++ call over a
 per-request KV buffer.
 
@@ -16,10 +16,16 @@ import torch
 from test_kernels import _BUILDABLE
 
 from ragspec.backend.base import VerifyItem
-from ragspec.backend.hf import HFTarget, KVState
-from ragspec.backend.kernels import load_decoder_step, load_few_query_attention, load_quant_linear, load_skinny_linear
-from ragspec.backend.native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
-from ragspec.backend.quant import Q4_1, Q6_K, Q8_0
+from ragspec.backend.cpu.kernels import (
+    load_decoder_step,
+    load_few_query_attention,
+    load_quant_linear,
+    load_skinny_linear,
+)
+from ragspec.backend.cpu.native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
+from ragspec.backend.cpu.quant import Q4_1, Q6_K, Q8_0
+from ragspec.backend.cpu.target import CPUTarget
+from ragspec.backend.hf import KVState
 from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
@@ -69,10 +75,10 @@ def _llama(seed: int = 0, *, hidden: int = 64, head_dim: int = 32, heads: int = 
     return model
 
 
-def _target(kernels, model, native: bool) -> HFTarget:
+def _target(kernels, model, native: bool) -> CPUTarget:
     """ragspec's transformers path with the compiled kernels, and the native step on top."""
     skinny, attention, step = kernels
-    target = HFTarget(model)
+    target = CPUTarget(model)
     assert target.route_gqa_attention()
     target.prepack_linears(skinny)
     assert target.use_attention_kernel(attention)
@@ -186,7 +192,7 @@ def test_native_prefill_chunk_extension_is_slow_regression(kernels):
     chunk). Chunks over ``NATIVE_EXTEND_GEMM_ROWS`` rows now go through transformers'
     forward writing into the state's own buffer: hidden states, KV entries and the next
     decoding step match a whole-prompt prefill."""
-    from ragspec.backend.hf import NATIVE_EXTEND_GEMM_ROWS
+    from ragspec.backend.cpu.target import NATIVE_EXTEND_GEMM_ROWS
 
     nat = _target(kernels, _llama(), True)
     first, rest = 30, NATIVE_EXTEND_GEMM_ROWS + 20
@@ -307,25 +313,25 @@ def test_buffer_grows_geometrically_and_keeps_its_entries(kernels):
 def test_native_step_switch_and_supported_models(kernels, monkeypatch):
     monkeypatch.setenv("RAGSPEC_NATIVE_STEP", "0")
     assert not native_step_enabled()
-    off = HFTarget(_llama(layers=1))
+    off = CPUTarget(_llama(layers=1))
     off.speed_up()
     assert off.skinny is not None and off.native_step is None and isinstance(off.new_state(), KVState)
     monkeypatch.setenv("RAGSPEC_NATIVE_STEP", "")
     assert native_step_enabled() and native_step_enabled("1") and not native_step_enabled("off")
-    on = HFTarget(_llama(layers=1))
+    on = CPUTarget(_llama(layers=1))
     on.speed_up()
     assert on.native_step is not None and isinstance(on.new_state(), NativeKVState)
     # no compiled kernels: no native step
-    plain = HFTarget(_llama(layers=1))
+    plain = CPUTarget(_llama(layers=1))
     plain.speed_up(cpu_kernels=False)
     assert plain.native_step is None
     # head size 8, a Gemma-3 model: transformers' forward
-    tiny8 = HFTarget(make_tiny_llama(layers=1))
+    tiny8 = CPUTarget(make_tiny_llama(layers=1))
     tiny8.speed_up()
     assert tiny8.native_step is None and "sizes" in native_step_unsupported(tiny8.model.get_decoder())
     from test_batched_verify import _tiny_gemma3
 
-    gemma = HFTarget(_tiny_gemma3())
+    gemma = CPUTarget(_tiny_gemma3())
     gemma.speed_up()
     assert gemma.native_step is None and "model type" in native_step_unsupported(gemma.model.get_decoder())
     with pytest.raises(ValueError, match="unsupported"):
@@ -382,7 +388,7 @@ def test_native_step_over_gguf_blocks_is_bit_identical(kernels, tmp_path):
     model = _quantized_llama(path)
     targets = []
     for native in (False, True):
-        t = HFTarget(_quantized_llama(tmp_path / f"copy{native}.gguf") if native else model)
+        t = CPUTarget(_quantized_llama(tmp_path / f"copy{native}.gguf") if native else model)
         assert t.use_gguf_weights(path, load_quant_linear()) == 2 * 7 + 1
         t.prepack_linears(skinny)
         t.route_gqa_attention()
@@ -447,13 +453,13 @@ def _k_quantized_llama(path):
 def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
     """Q4_K and Q6_K weights (gemma3-270m's formats; here in a Llama) through the native
     step, fused groups of either format included: bit for bit the kernel path's values."""
-    from ragspec.backend.native import _group
+    from ragspec.backend.cpu.native import _group
 
     skinny, attention, step = kernels
     path = tmp_path / "m.gguf"
     targets = []
     for native in (False, True):
-        t = HFTarget(_k_quantized_llama(path if not native else tmp_path / "copy.gguf"))
+        t = CPUTarget(_k_quantized_llama(path if not native else tmp_path / "copy.gguf"))
         assert t.use_gguf_weights(path, load_quant_linear()) == 2 * 7 + 1
         t.prepack_linears(skinny)
         t.route_gqa_attention()
@@ -476,7 +482,7 @@ def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
 
 def test_engine_greedy_with_the_native_step_equals_transformers_generate(kernels):
     tok = make_char_tokenizer()
-    target = HFTarget(_llama(head_dim=32, hidden=64))
+    target = CPUTarget(_llama(head_dim=32, hidden=64))
     target.speed_up()
     assert target.native_step is not None
     reference_model = _llama(head_dim=32, hidden=64)
@@ -492,7 +498,7 @@ def test_engine_greedy_with_the_native_step_equals_transformers_generate(kernels
 
 def test_engine_steps_requests_together_through_one_native_call(kernels, monkeypatch):
     tok = make_char_tokenizer()
-    target = HFTarget(_llama())
+    target = CPUTarget(_llama())
     target.speed_up()
     calls: list[int] = []
     inner = target.native_step.forward

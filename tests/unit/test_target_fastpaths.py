@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspec.backend.hf import HFTarget, RowLogits
+from ragspec.backend.cpu.target import CPUTarget
+from ragspec.backend.hf import RowLogits
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
@@ -20,7 +21,7 @@ def _keys(state):
 
 def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill():
     model = make_tiny_llama(layers=2)
-    target = HFTarget(model)
+    target = CPUTarget(model)
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 96, (300,), generator=gen).tolist()  # past the first capacity (256 + need)
     tree = make_tree([10, 11, 12, 13, 14], [-1, -1, 1, 2, 0], source="test")
@@ -48,7 +49,7 @@ def test_kv_cache_grows_in_place_and_compacts_a_tree_path_like_a_fresh_prefill()
 def test_kv_cache_accepts_keys_replaced_from_outside():
     """A layer whose keys were replaced (not a view of its buffer) is re-seated, not corrupted."""
     model = make_tiny_llama(layers=1)
-    target = HFTarget(model)
+    target = CPUTarget(model)
     with torch.inference_mode():
         state = target.new_state()
         target.prefill(state, [5, 6, 7, 8])
@@ -71,7 +72,7 @@ def test_kv_cache_accepts_keys_replaced_from_outside():
 def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
     model = make_tiny_llama(layers=2)
     ref_model = make_tiny_llama(layers=2)
-    target = HFTarget(model)
+    target = CPUTarget(model)
     n = target.prepack_linears()
     assert n == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert target.prepack_linears() == n  # idempotent
@@ -99,7 +100,7 @@ def test_prepacked_linears_greedy_identical_to_generate():
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = HFTarget(model)
+    target = CPUTarget(model)
     target.prepack_linears()
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
@@ -111,7 +112,7 @@ def test_prepacked_linears_greedy_identical_to_generate():
 @pytest.mark.parametrize("first_right", [False, True])
 def test_row_logits_compute_only_the_accepted_path(first_right):
     model = make_tiny_llama(layers=2)
-    target = HFTarget(model)
+    target = CPUTarget(model)
     prompt = [5, 9, 12, 40, 33, 17]
     with torch.inference_mode():
         state = target.new_state()
@@ -176,7 +177,7 @@ def test_engine_verifies_likely_accepted_drafts_with_full_logits():
 
     prompt = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = greedy_reference(make_tiny_llama(layers=2, eos_token_id=None), prompt, 40)
-    target = HFTarget(make_tiny_llama(layers=2, eos_token_id=None))
+    target = CPUTarget(make_tiny_llama(layers=2, eos_token_id=None))
     calls = []
     forward = target.verify_one
 
@@ -228,7 +229,7 @@ def test_gqa_attention_route_keeps_verification_logits_bit_identical():
     reference = make_tiny_llama(layers=2)
     ref_greedy = greedy_reference(reference, prompt, 24, eos_token_id=2)
     model = make_tiny_llama(layers=2)
-    target = HFTarget(model)
+    target = CPUTarget(model)
     before = verify_all(target)
     assert target.route_gqa_attention() and target.route_gqa_attention()  # idempotent
     assert model.config._attn_implementation == "ragspec_sdpa"
@@ -263,6 +264,6 @@ def test_gqa_attention_route_is_a_no_op_without_grouped_heads():
         num_key_value_heads=4,
     )
     model = LlamaForCausalLM(cfg).eval()
-    target = HFTarget(model)
+    target = CPUTarget(model)
     assert not target.route_gqa_attention()
     assert model.config._attn_implementation == "sdpa"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ragspec import Engine, PolicyConfig
+from ragspec.backend.cpu.target import CPUTarget
 from ragspec.backend.hf import HFTarget
 from ragspec.policy import LatencyModel
 from ragspec.tree import merge_trees, path_to_node, tree_attention_mask, tree_from_candidates, tree_position_ids
@@ -185,7 +186,7 @@ def test_packed_output_layer_matches_plain_linear(char_tokenizer):
     chain = DraftTree.chain([10, 11, 12, 13, 14, 15])
     outs = []
     for pack in (False, True):
-        target = HFTarget(model, pack_lm_head=pack)
+        target = CPUTarget(model, pack_lm_head=pack)
         with torch.inference_mode():
             s = target.new_state()
             target.prefill(s, prompt[:-1])

@@ -114,13 +114,14 @@ class CudaTarget:
         self.numerics = numerics
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
-        self.max_length = int(context) if context else min(limit, DEFAULT_CONTEXT)
-        self.weights: DecoderWeights = read_decoder_weights(model, self.max_length)
+        max_length = int(context) if context else min(limit, DEFAULT_CONTEXT)
+        self.max_length: Optional[int] = max_length
+        self.weights: DecoderWeights = read_decoder_weights(model, max_length)
         w = self.weights
         self.vocab_size = int(w.lm_head.shape[0])
         self._ops = _Ops(numerics, self.device)
         self.pool = KVPool(
-            len(w.layers), max_slots, self.max_length, w.kv_heads, w.head_dim, dtype=self.dtype, device=self.device
+            len(w.layers), max_slots, max_length, w.kv_heads, w.head_dim, dtype=self.dtype, device=self.device
         )
         use_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         if use_graphs:

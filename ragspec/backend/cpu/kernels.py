@@ -4,13 +4,13 @@ few-query attention over the KV cache.
 Decoding multiplies one activation row (verification: a few) with every weight matrix, so a
 step costs streaming the weights from memory once. On the 2-core AMD EPYC CPU of our CI,
 MKL's float32 sgemv/sgemm for one row streams ~10 GB/s, oneDNN's pre-packed path ~13 GB/s,
-while the memory system delivers ~25 GB/s to a plain reduction. ``csrc/cpu_kernels.cpp``
+while the memory system delivers ~25 GB/s to a plain reduction. ``csrc/linear.cpp``
 (AVX2/FMA, ATen's thread pool) streams each weight row once for all rows of the input and
 reaches ~20 GB/s: the decoder's linear layers of SmolLM2-135M for one row 36-47 ms -> 25 ms,
 for 8 rows (oneDNN) 49 -> 36 ms.
 
 ``quant_linear`` (:func:`load_quant_linear`) is the same kernel over weights kept in their
-GGUF block format (:mod:`ragspec.backend.quant`): the same sums bit for bit, a fifth of the bytes.
+GGUF block format (:mod:`ragspec.backend.cpu.quant`): the same sums bit for bit, a fifth of the bytes.
 
 Both linear kernels have an AVX-512F variant (16 lanes, two accumulators per output, for 1-3
 rows the de-quantization fused into the FMA loop), chosen at the first call from the CPU's
@@ -32,7 +32,7 @@ default model): per step at 789 cached tokens, interleaved, 74 -> 61 ms for one 
 
 The same library holds ``DecoderStep`` (:func:`load_decoder_step`, ``csrc/decoder_step.cpp``):
 every decoder layer of a Llama-architecture model for a step's rows in one call, calling
-the kernels above directly (see :mod:`ragspec.backend.native`).
+the kernels above directly (see :mod:`ragspec.backend.cpu.native`).
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension.load`` (about 45 s;
 needs a C++ compiler and ninja) into ragspec's cache (``<cache>/kernels/``, see
@@ -72,6 +72,7 @@ __all__ = [
     "load_decoder_step",
     "fast_numerics_supported",
     "kernel_dir",
+    "missing_sources",
     "cpu_kernels_enabled",
     "cpu_isa",
     "set_cpu_isa",
@@ -86,17 +87,30 @@ SKINNY_MAX_ROWS = 16
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 # x float32 [R, I], qs uint8 [O, I/2] (Q4_1) or int8 [O, I] (Q8_0, Q6_K), scales float32, format
-# code (ragspec.backend.quant.Q4_1 / Q8_0 / Q6_K), bias float32 [O] or None -> [R, O]
+# code (ragspec.backend.cpu.quant.Q4_1 / Q8_0 / Q6_K), bias float32 [O] or None -> [R, O]
 QuantLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]], torch.Tensor]
 
 # query [1, Hq, Q, d], key/value [1, Hkv, S, d], mask bool [1, 1, Q, S] or None, scale -> [1, Q, Hq, d]
 FewQueryAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE = _CSRC / "cpu_kernels.cpp"
-# the extension's translation units, and every file whose change must rebuild it (the hash)
-_SOURCES = (_SOURCE, _CSRC / "decoder_step.cpp")
-_HASHED = (*_SOURCES, _CSRC / "cpu_kernels.h")
+# the extension's translation units, one per kernel family (csrc/cpu_kernels.h says which holds
+# what), and its headers: every file whose change must rebuild it (the hash). The wheel carries
+# them all as package data (tests/unit/test_wheel_contents.py).
+_SOURCES = tuple(
+    _CSRC / name
+    for name in (
+        "isa.cpp",
+        "linear.cpp",
+        "quant_linear.cpp",
+        "fast_numerics.cpp",
+        "attention.cpp",
+        "decoder_step.cpp",
+        "module.cpp",
+    )
+)
+_HEADERS = tuple(_CSRC / name for name in ("cpu_kernels.h", "kernel_simd.h", "linear_tiles.h"))
+_HASHED = (*_SOURCES, *_HEADERS)
 
 
 def cpu_kernels_enabled(value: Optional[str] = None) -> bool:
@@ -127,14 +141,28 @@ def kernel_dir(cache_dir: Optional[Path] = None) -> Path:
     over the kernel's source and compile flags, so a changed source builds anew and any
     checkout or environment with the same torch reuses the same build. ``cache_dir``
     default: ragspec's cache (``$RAGSPEC_CACHE``, else ``$XDG_CACHE_HOME/ragspec``, else
-    ``~/.cache/ragspec``)."""
+    ``~/.cache/ragspec``).
+
+    Raises:
+        FileNotFoundError: a kernel source is missing (:func:`missing_sources`).
+    """
     if cache_dir is None:
-        from ..models import cache_dir as default_cache
+        from ...models import cache_dir as default_cache
 
         cache_dir = default_cache()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HASHED) + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    tag = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    digest = hashlib.sha256()
+    for path in _HASHED:  # name and content of every source: a changed, added or renamed file builds anew
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(_CFLAGS).encode())
+    tag = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest.hexdigest()[:12]}"
     return Path(cache_dir) / "kernels" / tag
+
+
+def missing_sources() -> list[str]:
+    """The kernel sources (``csrc/`` files, by name) missing from this installation: none
+    from a checkout or a wheel (package data); an install that lost them cannot build the
+    kernels (:func:`load_skinny_linear` then returns None with one warning)."""
+    return [path.name for path in _HASHED if not path.is_file()]
 
 
 def _import_built(path: Path):
@@ -213,7 +241,7 @@ def load_quant_linear(cache_dir: Optional[Path] = None) -> Optional[QuantLinear]
 
     Returns:
         ``quant_linear(x, qs, scales, fmt, bias)``: x float32 [R, I] (I a multiple of 32),
-        the weight as a :class:`ragspec.backend.quant.GGUFWeight`'s ``qs``/``scales``/``fmt``, bias
+        the weight as a :class:`ragspec.backend.cpu.quant.GGUFWeight`'s ``qs``/``scales``/``fmt``, bias
         float32 [O] or None -> float32 [R, O], bit for bit ``skinny_linear`` over the
         de-quantized weight (no autograd); or None where unavailable.
     """
@@ -263,7 +291,7 @@ def set_cpu_isa(name: str, cache_dir: Optional[Path] = None) -> str:
 
 def fast_numerics_supported(cache_dir: Optional[Path] = None) -> bool:
     """Whether ``quant_linear``'s fast-numerics formats (int8 activations, AVX-512 VNNI; see
-    :meth:`ragspec.backend.quant.GGUFWeight.to_fast`) run here: the kernels are available,
+    :meth:`ragspec.backend.cpu.quant.GGUFWeight.to_fast`) run here: the kernels are available,
     the CPU has AVX-512 F/BW/VL/DQ and VNNI, and AVX-512 is not masked off
     (``RAGSPEC_CPU_ISA=avx2``, :func:`set_cpu_isa`)."""
     module = _load_module(cache_dir)
@@ -276,7 +304,7 @@ def load_decoder_step(cache_dir: Optional[Path] = None) -> Optional[type]:
 
     Returns:
         the ``DecoderStep`` class (built once per model by
-        :func:`ragspec.backend.native.build_decoder_step`), or None where unavailable.
+        :func:`ragspec.backend.cpu.native.build_decoder_step`), or None where unavailable.
     """
     module = _load_module(cache_dir)
     return None if module is None else getattr(module, "DecoderStep", None)
@@ -287,6 +315,16 @@ def _load_module(cache_dir: Optional[Path] = None):
     or None where it is unavailable (see :func:`load_skinny_linear`)."""
     if not _cpu_supported():
         logger.debug("compiled CPU kernels skipped: needs Linux x86-64 with AVX2")
+        return None
+    missing = missing_sources()
+    if missing:
+        logger.warning(
+            "ragspec's compiled CPU kernels cannot be built: their sources are missing from %s (%s); torch's "
+            "kernels are used (slower decoding). Reinstall ragspec from a wheel or checkout that carries "
+            "ragspec/backend/cpu/csrc/, or set RAGSPEC_CPU_KERNELS=0 to silence this",
+            _CSRC,
+            ", ".join(missing),
+        )
         return None
     final = kernel_dir(cache_dir)
     built = final / f"{_NAME}.so"

@@ -2,7 +2,7 @@
 
 A plain decoding step of the default model streams every weight once: 540 MB as the float32
 that transformers de-quantizes a GGUF to, 110 MB in the file's own formats (Q4_1 for the
-decoder, Q8_0 for the tied output layer). ``quant_linear`` of :mod:`ragspec.backend.kernels`
+decoder, Q8_0 for the tied output layer). ``quant_linear`` of :mod:`ragspec.backend.cpu.kernels`
 multiplies few activation rows with such blocks directly (llama.cpp's layouts,
 ``ggml-quants``), and its output is bit for bit that of the float32 kernel over the
 de-quantized weight (the de-quantization is exact in float32, see the kernel's source), so
@@ -117,7 +117,7 @@ class GGUFWeight:
         """The same weight for the kernel's fast numerics (``--numerics fast``): Q4_1 as
         format :data:`Q4_1_FAST`, Q8_0 as :data:`Q8_0_FAST` (the same codes and scales,
         reordered for AVX-512 VNNI dot products with int8 activations; see
-        ``csrc/cpu_kernels.cpp``). Weights it cannot take (Q6_K, an odd number of blocks per
+        ``csrc/quant_linear.cpp``). Weights it cannot take (Q6_K, an odd number of blocks per
         row, already fast) are returned unchanged and keep their exact float32 arithmetic.
         """
         rows, cols = self.shape
@@ -262,7 +262,7 @@ def _fast_groups(cols: int) -> list[tuple[int, int]]:
 
 def fast_order(cols: int) -> np.ndarray:
     """int64 [cols]: for each position of a row in the fast-numerics layout
-    (``csrc/cpu_kernels.cpp``, ``kvnni``), the weight's index in the row. Within a group of
+    (``csrc/fast_numerics.cpp``, ``kvnni``), the weight's index in the row. Within a group of
     G blocks, position t * 64 + k * 4 + b (step t < G / 2, 32-bit lane k < 16, byte b < 4)
     holds weight t * 4L + (k % L) * 4 + b of the group's block k / L (L = 16 / G).
 

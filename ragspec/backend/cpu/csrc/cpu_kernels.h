@@ -1,8 +1,44 @@
-// Declarations of the compiled CPU kernels of cpu_kernels.cpp, shared with the other
-// sources of the same extension library (decoder_step.cpp calls them directly).
+// Declarations shared by the sources of the compiled CPU kernels' extension library, one
+// source per kernel family:
+//   isa.cpp            which instruction set the kernels use (AVX-512 or AVX2/FMA)
+//   linear.cpp         skinny_linear: few-row float32 linear layers (tiles in linear_tiles.h)
+//   quant_linear.cpp   quant_linear: the same over GGUF blocks (Q4_1, Q8_0, Q6_K)
+//   fast_numerics.cpp  quant_linear's int8-activation formats (AVX-512 VNNI, --numerics fast)
+//   attention.cpp      few_query_attention: a few query rows over a KV cache
+//   decoder_step.cpp   DecoderStep: every decoder layer of a step in one call
+//   module.cpp         the Python module
+// (kernel_simd.h and linear_tiles.h: inline helpers several sources share.)
 #pragma once
 
 #include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// ---- the instruction set (isa.cpp)
+constexpr int kIsaAvx2 = 0, kIsaAvx512 = 1;
+
+// kIsaAvx512 or kIsaAvx2: the instruction set the kernels use now (chosen at the first call
+// from the CPU's flags; RAGSPEC_CPU_ISA=avx2 masks AVX-512 off; set_cpu_isa switches it)
+int current_isa();
+
+// "avx512" or "avx2": current_isa's name
+std::string cpu_isa();
+
+// switch the kernels to "avx2", "avx512" (an error where the CPU lacks it) or "auto" (the
+// CPU's best unless RAGSPEC_CPU_ISA=avx2); returns the previous one
+std::string set_cpu_isa(const std::string& name);
+
+// AVX-512 quant_linear: activation rows up to which each weight row is multiplied alone, by
+// what each CPU ran faster (the same values either way)
+int64_t alone_rows();
+
+// whether this CPU runs quant_linear's fast-numerics formats (3, 4): AVX-512 F/BW/VL/DQ and
+// VNNI, and AVX-512 not masked off
+bool fast_numerics_supported();
+
+// ---- the kernels
 
 // x float32 [R, I] contiguous; weight float32 [O, I] contiguous; bias float32 [O] or empty
 // -> float32 [R, O]. Every output row depends on its input row alone.
@@ -12,6 +48,12 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
 // skinny_linear over the de-quantized weight.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt,
                            c10::optional<torch::Tensor> bias);
+
+// quant_linear's formats 3 and 4 (fast_numerics.cpp): int8 activations, AVX-512 VNNI; x
+// float32 [R, I] (I a multiple of 64), qs uint8, scales float32, bias float32 [O] or empty ->
+// float32 [R, O]
+torch::Tensor quant_linear_fast(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scales,
+                                int64_t fmt, const c10::optional<torch::Tensor>& bias);
 
 // query float32 [1, Hq, Q, d], key/value [1, Hkv, S, d] (contiguous last dimension), mask
 // bool [1, 1, Q, S] or empty, scale -> float32 [1, Q, Hq, d]. Keys/values float32 or float16

@@ -7,7 +7,7 @@ ragspec's compiled kernels doing the arithmetic, that Python (module calls, view
 cache's bookkeeping) is about a third of a one-row step of SmolLM2-135M on the 2-core CPU.
 Here the per-step Python is the embedding lookup, the rotary cos/sin (the model's own
 ``rotary_emb``, so transformers' values), the masks, and the output layer (unchanged, in
-:class:`~ragspec.backend.hf.HFTarget`).
+:class:`~ragspec.backend.cpu.target.CPUTarget`).
 
 Numerics: the step computes what ragspec's transformers path with the compiled kernels
 computes, bit for bit (the same linear and attention kernels on the same inputs; RMSNorm's
@@ -20,7 +20,7 @@ value, head, position, dimension), grown geometrically; a step writes its new ro
 and values at their cache positions in place, ``commit`` copies the accepted entries of a
 tree into place, ``rollback`` only lowers the length.
 
-Enabled by :meth:`HFTarget.speed_up <ragspec.backend.hf.HFTarget.speed_up>` where
+Enabled by :meth:`CPUTarget.speed_up <ragspec.backend.cpu.target.CPUTarget.speed_up>` where
 :func:`native_step_unsupported` finds nothing against it; ``RAGSPEC_NATIVE_STEP=0`` keeps
 transformers' forward (:func:`native_step_enabled`).
 """
@@ -183,7 +183,7 @@ class NativeDecoder:
 
     Args:
         step_cls: the ``DecoderStep`` class of the compiled library
-            (:func:`ragspec.backend.kernels.load_decoder_step`).
+            (:func:`ragspec.backend.cpu.kernels.load_decoder_step`).
         decoder: the transformers base model (checked by :func:`native_step_unsupported`).
         gguf: weight ``data_ptr()`` -> its GGUF-block twin (served by ``quant_linear``);
             other weights through ``skinny_linear`` in float32.

@@ -10,7 +10,7 @@
 // model's own rotary_emb) and the output layer.
 //
 // Numerics: the same values as ragspec's transformers path with the compiled kernels, bit
-// for bit: the linear layers and the attention are the same kernels (cpu_kernels.cpp) on
+// for bit: the linear layers and the attention are the same kernels (linear.cpp, quant_linear.cpp, attention.cpp) on
 // the same inputs; RMSNorm's mean of squares and SiLU are ATen's own kernels (at::mean,
 // at::silu: the calls transformers' modules make); the rest is element-wise float32
 // arithmetic in transformers' order of operations, each operation rounded once (no

@@ -1,7 +1,7 @@
 """CPU fast paths of the transformers backend: few-row linear layers through the compiled
-kernels of :mod:`ragspec.backend.kernels` (float32 or GGUF blocks) or pre-packed oneDNN
-weights, and an attention function that skips grouped-query key/value copies and hands
-few-query attention to the compiled kernel.
+kernels of :mod:`ragspec.backend.cpu.kernels` (float32 or GGUF blocks) or pre-packed oneDNN
+weights, and the compiled few-query attention as the backend's attention function
+(:mod:`ragspec.backend.attention`) takes it.
 
 All of it applies only inside the backend's own forwards (a :class:`KernelScope`), so
 ``model.generate`` and training keep transformers' kernels. Values change by float32
@@ -10,31 +10,28 @@ rounding only (summation order), like any multi-row verification.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 
+from ..attention import AttentionKernel
 from .kernels import SKINNY_MAX_ROWS
 
 if TYPE_CHECKING:
-    from .kernels import QuantLinear, SkinnyLinear
+    from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
     from .quant import GGUFWeight
 
 __all__ = [
     "GGUFLinear",
     "KernelScope",
     "PACKED_MAX_ROWS",
-    "ATTENTION_KERNEL_KW",
-    "ATTENTION_BATCH_KW",
-    "AttentionBatch",
-    "GQA_SDPA",
     "bind_gguf_linear",
     "can_pack",
+    "compiled_attention",
     "kernel_attention_applies",
     "pack_linear_forwards",
     "pack_weight",
     "packed_linear",
-    "register_gqa_attention",
     "skinny_linear",
 ]
 
@@ -74,9 +71,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
 
 class KernelScope:
     """Marks when fast few-row linear kernels apply to a model's layers: while ``active``
-    (set by :class:`~ragspec.backend.hf.HFTarget` around its own forwards). Outside it (``model.generate``,
-    training, user code) the layers compute with torch's ``F.linear``, unchanged. One per
-    :class:`~ragspec.backend.hf.HFTarget`; not thread-safe across concurrent forwards (the engine runs one
+    (set by :class:`~ragspec.backend.cpu.target.CPUTarget` around its own forwards). Outside it
+    (``model.generate``, training, user code) the layers compute with torch's ``F.linear``,
+    unchanged. One per :class:`~ragspec.backend.cpu.target.CPUTarget`; not thread-safe across concurrent forwards (the engine runs one
     forward at a time).
 
     Attributes:
@@ -108,15 +105,15 @@ def skinny_linear(
     chunked: bool = False,
 ) -> Optional[torch.Tensor]:
     """``x`` [..., in] -> [..., out] through the compiled few-row kernel of
-    :mod:`ragspec.backend.kernels` where it applies (a kernel given, autograd off, float32 input and
+    :mod:`ragspec.backend.cpu.kernels` where it applies (a kernel given, autograd off, float32 input and
     weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows, or any number of rows
     with ``chunked``: then in calls of at most ``SKINNY_MAX_ROWS`` rows); None elsewhere,
     for the caller's other path. ``gguf``: the same weight in GGUF blocks
-    (:meth:`~ragspec.backend.hf.HFTarget.use_gguf_weights`), used instead of ``weight`` where the kernel
+    (:meth:`~ragspec.backend.cpu.target.CPUTarget.use_gguf_weights`), used instead of ``weight`` where the kernel
     applies (bit-identical output, fewer bytes streamed).
 
     The kernel computes every output row from its input row alone, in the same order of
-    operations whatever the number of rows (csrc/cpu_kernels.cpp: one accumulator per
+    operations whatever the number of rows (csrc/linear.cpp: one accumulator per
     (weight row, input row), split over output features only), so a row's values do not
     depend on the other rows of the call nor on the chunking."""
     if (
@@ -164,7 +161,7 @@ def pack_linear_forwards(
 ) -> int:
     """Route every ``nn.Linear`` under ``root`` through fast few-row kernels when autograd
     is off: inputs of 1 .. ``SKINNY_MAX_ROWS`` rows through ``skinny`` (the compiled kernel
-    of :mod:`ragspec.backend.kernels`, float32) when given, else inputs of ``min_rows`` ..
+    of :mod:`ragspec.backend.cpu.kernels`, float32) when given, else inputs of ``min_rows`` ..
     ``PACKED_MAX_ROWS`` rows through a pre-packed oneDNN weight; other inputs keep
     ``F.linear``. ``gguf``: weight ``data_ptr()`` -> the weight's GGUF-block twin, used by
     ``skinny``'s path. With a ``scope``, only while ``scope.active``. Modifies the modules in
@@ -199,102 +196,8 @@ def pack_linear_forwards(
     return n
 
 
-GQA_SDPA = "ragspec_sdpa"  # name of the attention function registered by route_gqa_attention
-
-
-def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except that masked multi-token queries (verification)
-    use SDPA's grouped-query mode instead of copying the key/value heads (``repeat_kv``).
-
-    Shapes as transformers' ``sdpa_attention_forward``: query [B, Hq, Q, d], key/value
-    [B, Hkv, S, d], attention_mask bool [B, 1, Q, S] -> ([B, Q, Hq, d], None). The values
-    are the same (the same kernel reads the shared head instead of its copy; checked bit
-    for bit in tests/unit/test_target_fastpaths.py); everything else (prefill without a
-    mask, one-token decoding, float masks, position biases) goes to transformers' function.
-    Measured on the 2-core CPU: 8 queries over 708 keys, 9 query / 3 key-value heads:
-    1.7 ms -> 0.26 ms per layer.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    batch = kwargs.pop(ATTENTION_BATCH_KW, None)
-    if batch is not None:
-        return _batched_attention(batch, module, query, dropout, scaling, is_causal, kwargs), None
-    kernel = kwargs.pop(ATTENTION_KERNEL_KW, None)
-    if kernel is not None and kernel_attention_applies(query, key, attention_mask, dropout, kwargs):
-        # ragspec's own forwards on CPU: the compiled few-query kernel (ragspec.backend.kernels)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return kernel(query, key, value, attention_mask, float(scale)), None
-    if (
-        getattr(module, "num_key_value_groups", 1) > 1
-        and query.shape[2] > 1
-        and attention_mask is not None
-        and attention_mask.dtype == torch.bool
-        and not dropout
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
-    ):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-        )  # [B, Hq, Q, d]
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-    )
-
-
-# keyword under which HFTarget._run hands the compiled attention kernel to
-# _gqa_sdpa_attention (transformers passes a forward's extra keywords on to the attention
-# function): other callers of the model (model.generate, training) never set it
-ATTENTION_KERNEL_KW = "ragspec_attention_kernel"
-
-
-# keyword under which HFTarget's batched verification hands its AttentionBatch (the rows of
-# each request and that request's keys, values and mask) to _gqa_sdpa_attention
-ATTENTION_BATCH_KW = "ragspec_attention_batch"
-
-
-class AttentionBatch(Protocol):
-    """What the attention of a batched verification forward needs to know about its rows:
-    the forward's rows are the concatenated rows of several requests, each attending only
-    to its own KV cache (no padding, no copy of past keys)."""
-
-    def segments(self, layer_idx: int) -> Sequence[tuple[int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
-        """For decoder layer ``layer_idx``, after its cache update: one ``(start, stop, key,
-        value, mask)`` per request, in row order: its rows ``start:stop`` of the forward,
-        its keys/values [1, H_kv, S_i, d] (its whole cache, the new rows included) and its
-        attention mask for that layer ([1, 1, stop - start, S_i], or None), exactly as a
-        forward over that request alone would have them."""
-
-
-def _batched_attention(batch: AttentionBatch, module, query, dropout, scaling, is_causal, kwargs) -> torch.Tensor:
-    """query [1, Hq, R, d] of all requests' rows -> [1, R, Hq, d]: each request's rows
-    attend to its own keys through the same call its forward alone would make (the
-    compiled kernel or SDPA, whichever applies to it), so each request's output is that
-    of its own forward, bit for bit."""
-    position_ids = kwargs.get("position_ids")
-    outs = []
-    for start, stop, key, value, mask in batch.segments(module.layer_idx):
-        seg_kwargs = dict(kwargs)
-        if position_ids is not None:
-            seg_kwargs["position_ids"] = position_ids[:, start:stop]
-        out, _ = _gqa_sdpa_attention(
-            module,
-            query[:, :, start:stop],
-            key,
-            value,
-            mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **seg_kwargs,
-        )
-        outs.append(out)  # [1, stop - start, Hq, d]
-    return torch.cat(outs, dim=1)  # [1, R, Hq, d]
-
-
 def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> bool:
-    """Whether :func:`ragspec.backend.kernels.load_few_query_attention`'s kernel computes this call:
+    """Whether :func:`ragspec.backend.cpu.kernels.load_few_query_attention`'s kernel computes this call:
     one sequence of at most ``SKINNY_MAX_ROWS`` float32 queries on CPU, head size 32, 64,
     128 or 256, no dropout, a bool mask (or none: every key attended) and no extras (soft-capping,
     position biases, attention sinks, returned weights)."""
@@ -322,13 +225,8 @@ def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> boo
     )
 
 
-def register_gqa_attention() -> str:
-    """Register :func:`_gqa_sdpa_attention` (and transformers' SDPA mask builder) with
-    transformers' attention registries under ``"ragspec_sdpa"`` and return that name.
-    The registries are keyed by name: registering again replaces the entry by itself."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GQA_SDPA, _gqa_sdpa_attention)
-    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
-    return GQA_SDPA
+def compiled_attention(kernel: "FewQueryAttention") -> AttentionKernel:
+    """The compiled few-query attention (:func:`ragspec.backend.cpu.kernels.load_few_query_attention`)
+    as the attention function of the backend's own forwards takes it: run where
+    :func:`kernel_attention_applies`, torch's SDPA elsewhere."""
+    return AttentionKernel(applies=kernel_attention_applies, run=kernel)
