@@ -12,7 +12,7 @@
 Datastore drafts are :mod:`ragspec.datastore`; the EAGLE head's :mod:`ragspec.eagle`.
 """
 
-from .base import CompositeDrafter, Drafter, DraftSession, reproducible_drafter
+from .base import CompositeDrafter, Drafter, DraftSession, reproducible_drafter, salted_drafter
 from .merged import MergedDrafter
 from .prompt_lookup import NgramIndex, PromptLookupDrafter, ngram_match
 from .selecting import SelectingDrafter
@@ -27,4 +27,5 @@ __all__ = [
     "SelectingDrafter",
     "ngram_match",
     "reproducible_drafter",
+    "salted_drafter",
 ]

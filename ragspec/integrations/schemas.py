@@ -54,6 +54,8 @@ MAX_CONTENT_PARTS = 256
 MAX_PROMPT_IDS = 1 << 17
 """Most token ids in a prompt given as ids (the context length checks the rest)."""
 MAX_TOOLS = 128
+MAX_CACHE_SALT = 256
+"""Most characters of a ``cache_salt``."""
 
 
 def _bounded(item: Any, max_length: int) -> Any:
@@ -107,6 +109,9 @@ class _Sampling(_Body):
     """Name of a datastore the server was started with (never a path)."""
     speculative: Optional[bool] = None
     """False: plain decoding, no drafts (None: the server's default)."""
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
+    (and, with API keys, the same key)."""
     documents: Optional[_bounded(StrictStr, MAX_DOCUMENTS)] = None
     """Extra texts the drafter may copy from."""
     user: Optional[str] = None
@@ -205,6 +210,9 @@ class SummarizeRequest(_Body):
     """Name of a datastore the server was started with (never a path)."""
     speculative: Optional[bool] = None
     """False: plain decoding, no drafts (None: the server's default)."""
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
+    (and, with API keys, the same key)."""
 
     @field_validator("documents")
     @classmethod
