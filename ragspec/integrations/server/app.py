@@ -23,8 +23,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import APIRouter, FastAPI
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["create_app"]
 
 _UNSET: Any = object()
+T = TypeVar("T")
 
 
 def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
@@ -82,6 +84,34 @@ def _metrics(app: FastAPI) -> ServerMetrics:
         return float(s.num_active) if s is not None else 0.0
 
     return ServerMetrics(queue_depth=queue_depth, active=active)
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread: a model still loading never holds the process up at
+    exit (Ctrl-C while loading ends it at once; ``asyncio.to_thread``'s threads are joined)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            result: Any = (True, fn(*args))
+        except BaseException as e:  # handed to the awaiting coroutine
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="ragspec-load", daemon=True).start()
+    return await fut
 
 
 async def _save_response_cache(cache: ResponseCache, path: str) -> None:
@@ -119,16 +149,16 @@ def create_app(
         eng = engine
         if eng is None:
             logger.info("loading model %s", settings.model or "(default)")
-            eng = await asyncio.to_thread(serving.load_serving_engine, config)
+            eng = await _in_daemon_thread(serving.load_serving_engine, config)
         variants = datastore_engines
         if variants is None:
-            variants = await asyncio.to_thread(serving.datastore_engines, eng, config.datastores)
+            variants = await _in_daemon_thread(serving.datastore_engines, eng, config.datastores)
         cache = response_cache
         if cache is _UNSET:
             cache = None
             if engine is None:
                 tokens, log = config.response_cache_tokens, config.response_log
-                cache = await asyncio.to_thread(serving.open_response_cache, eng, tokens, log)
+                cache = await _in_daemon_thread(serving.open_response_cache, eng, tokens, log)
         if cache is not None:
             eng = with_response_cache(eng, cache)
             variants = {name: with_response_cache(e, cache) for name, e in variants.items()}
