@@ -34,7 +34,14 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
-from .drafters.base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
+from .drafters.base import (
+    Drafter,
+    DraftSession,
+    SessionCapability,
+    reproducible_drafter,
+    salted_drafter,
+    session_capabilities,
+)
 from .errors import ConfigError, PromptTooLongError
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel, choose_draft
 from .prefix_cache import PrefixCache
@@ -133,6 +140,9 @@ class Request:
     """Prompt tokens already in ``state`` (chunked prefill progress)."""
     batch_independent: bool = False
     """Its drafts never depend on the other requests of a step (seeded sampling)."""
+    cache_salt: str = ""
+    """Its partition of the caches shared across requests (prefix cache, response cache):
+    hits only among requests of the same salt ("" : the shared partition)."""
     draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate)
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     root: Optional[int] = None
@@ -405,6 +415,7 @@ class Engine:
         documents: Optional[Sequence[str]] = None,
         document_ids: Optional[Sequence[Sequence[int]]] = None,
         chat: bool = True,
+        cache_salt: str = "",
     ) -> Request:
         """A new request, ready for :meth:`step` (no forward runs here).
 
@@ -414,6 +425,10 @@ class Engine:
             sampling: temperature 0 = greedy; else seeded or fresh sampling.
             documents: extra texts the drafter may copy from.
             document_ids: the same, already tokenized.
+            cache_salt: the request's partition of the prefix cache and the response
+                cache (vLLM's ``cache_salt``): it reuses only what requests of the same
+                salt stored, so tenants of other salts cannot observe its prompts through
+                hits, timing or ``num_cached_prompt_tokens`` ("": the shared partition).
 
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the context length.
@@ -444,6 +459,8 @@ class Engine:
         if decode.speculative and decode.max_draft_tokens != 0 and self.drafter is not None:
             # a seeded sampled request drafts only from its own tokens: same seed, same output
             drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
+            if cache_salt:
+                drafter = salted_drafter(drafter, cache_salt)
             if drafter is not None:
                 session = drafter.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
         req = Request(
@@ -468,6 +485,7 @@ class Engine:
             ),
             prefill_chunk=int(self.policy.prefill_chunk_tokens),
             batch_independent=seeded,
+            cache_salt=cache_salt,
         )
         req.stats.num_prompt_tokens = len(prompt_ids)
         if decode.max_new_tokens == 0:
@@ -621,6 +639,7 @@ class Engine:
         document_ids: Optional[Sequence[Sequence[int]]] = None,
         should_cancel: Optional[Callable[[], bool]] = None,
         max_draft_tokens: Optional[int] = None,
+        cache_salt: Optional[str] = None,
     ) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
 
@@ -645,6 +664,7 @@ class Engine:
             return_steps=return_steps,
             document_ids=document_ids,
             max_draft_tokens=max_draft_tokens,
+            cache_salt=cache_salt,
         )
         return self.iterate(req, should_cancel)
 
@@ -664,6 +684,7 @@ class Engine:
         return_steps: bool = False,
         document_ids: Optional[Sequence[Sequence[int]]] = None,
         max_draft_tokens: Optional[int] = None,
+        cache_salt: Optional[str] = None,
     ) -> Request:
         """:meth:`start` with :meth:`generate`'s keyword arguments (the typed configs built
         from them); no forward runs.
@@ -681,7 +702,15 @@ class Engine:
             max_draft_tokens=max_draft_tokens,
         )
         sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
-        return self.start(prompt, decode, sampling, documents=documents, document_ids=document_ids, chat=chat)
+        return self.start(
+            prompt,
+            decode,
+            sampling,
+            documents=documents,
+            document_ids=document_ids,
+            chat=chat,
+            cache_salt=cache_salt or "",
+        )
 
     def run_requests(
         self, starts: Sequence[Callable[[], Request]], in_flight: int
@@ -736,6 +765,8 @@ class Engine:
             chat: apply the chat template to a text prompt.
             temperature, top_k, top_p, seed: sampling settings (temperature 0 = greedy).
             return_steps: keep per-step stats in ``stats.steps``.
+            cache_salt: the request's partition of the prefix and response caches (see
+                :meth:`start`; None: the shared one).
 
         Returns:
             GenerationOutput with ``.text``, ``.token_ids`` (generated only) and ``.stats``.
@@ -805,7 +836,7 @@ class Engine:
         """Fill an empty request's KV cache with the stored chunks its prompt begins with.
         Returns the last position's logits float32 [1, V] when the whole prompt was stored
         (an identical prompt's final part), else None."""
-        blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden)
+        blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden, salt=req.cache_salt)
         if not blocks:
             return None
         self.target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
@@ -828,10 +859,10 @@ class Engine:
         states), or with ``logits`` the prompt's final part from ``start`` on."""
         if logits is None:
             stop = start + cache.chunk_tokens
-            chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens)
+            chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens, salt=req.cache_salt)
         else:
             stop = len(req.prompt_ids)
-            chain = cache.final_chain(req.prompt_ids)
+            chain = cache.final_chain(req.prompt_ids, salt=req.cache_salt)
         if not cache.wants(chain, need_hidden=hidden is not None, tokens=None if logits is None else stop - start):
             return
         out = cache.reusable(chain) if logits is None else None

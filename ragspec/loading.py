@@ -31,7 +31,6 @@ from .policy import LatencyModel
 
 if TYPE_CHECKING:
     from .backend.base import Target
-    from .backend.hf import HFTarget
     from .datastore import Datastore
     from .eagle import EagleDrafter, EagleTreeConfig
     from .models import ModelSpec
@@ -280,6 +279,7 @@ def load_engine(
     cpu_kernels: Optional[bool] = None,
     drafting: str = AUTO_DRAFTING,
     numerics: str = "exact",
+    recalibrate: Optional[bool] = None,
 ) -> Engine:
     """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
     an EAGLE head when given.
@@ -295,7 +295,9 @@ def load_engine(
             model), else none; None, ``""`` or ``"none"``: no head.
         pld: prompt-lookup settings.
         policy: draft-size settings.
-        calibrate: measure the target's forward latency at start-up (a few seconds); else
+        calibrate: measure the target's forward latency at start-up (a few seconds), or
+            reuse the table measured on the same machine, model, dtype, threads and kernel
+            build (:mod:`ragspec.calibration_cache`, under ``<cache>/calibration/``); else
             the reference CPU's table until refined online.
         cache: ragspec's cache folder (default ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``).
         cpu_kernels: on a CPU with float32 weights, route the model's few-row linear
@@ -310,6 +312,8 @@ def load_engine(
             token-identical to transformers') or ``"fast"`` (opt-in: int8 activations in
             the GGUF-block linears on a CPU with AVX-512 VNNI; speculative == plain within
             the mode; :data:`ragspec.config.NUMERICS`).
+        recalibrate: with ``calibrate``, measure even where a cached table fits (None: when
+            ``RAGSPEC_RECALIBRATE`` is 1/true/yes/on).
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
@@ -337,7 +341,7 @@ def load_engine(
             spec.name,
         )
     drafting = resolve_drafting(drafting, target.device)
-    latency = measure_latency_model(target) if calibrate else None
+    latency = _calibrated(target, spec, cache, cpu_kernels, numerics, recalibrate) if calibrate else None
     if (
         latency is not None
         and target.device.type == "cuda"
@@ -363,6 +367,50 @@ def load_engine(
             eagle_path=eagle_path,
             drafting=drafting,
         ),
+    )
+
+
+def _calibrated(
+    target: "Target",
+    spec: "ModelSpec",
+    cache: Optional[Union[str, Path]],
+    cpu_kernels: Optional[bool],
+    numerics: str,
+    recalibrate: Optional[bool],
+) -> LatencyModel:
+    """The target's measured latency model, from the calibration cache when one measured on
+    the same machine, model, dtype, threads, backend and kernel build is there."""
+    from . import models
+    from .backend.cpu.kernels import kernel_dir
+    from .calibration_cache import (
+        CalibrationCache,
+        CalibrationKey,
+        cached_latency,
+        files_fingerprint,
+        machine_fingerprint,
+    )
+
+    if recalibrate is None:
+        recalibrate = os.environ.get("RAGSPEC_RECALIBRATE", "").strip().lower() in ("1", "true", "yes", "on")
+    folder = Path(cache) if cache else models.cache_dir()
+    device = torch.device(target.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    switches = ",".join(
+        f"{v}={os.environ.get(v, '')}" for v in ("RAGSPEC_CPU_KERNELS", "RAGSPEC_NATIVE_STEP", "RAGSPEC_CPU_ISA")
+    )
+    key = CalibrationKey(
+        machine=machine_fingerprint(gpu=gpu),
+        model=f"{spec.kind}|{spec.sha256 or files_fingerprint(spec.path)}",
+        device=str(device),
+        dtype=str(target.dtype),
+        threads=torch.get_num_threads(),
+        kernels=(
+            f"{type(target).__name__}|{kernel_dir(folder).name}|torch-{torch.__version__}|{numerics}"
+            f"|cpu_kernels={cpu_kernels}|{switches}"
+        ),
+    )
+    return cached_latency(
+        lambda: measure_latency_model(target), key, CalibrationCache(folder / "calibration"), recalibrate
     )
 
 

@@ -98,6 +98,11 @@ class LatencyModel:
         """Current estimate per measured q (seconds), the online scale applied."""
         return {q: v * self._scale for q, v in sorted(self._table.items())}
 
+    @property
+    def early_table(self) -> Optional[dict[int, float]]:
+        """Measured seconds per q with only the first row's logits (None: not measured)."""
+        return dict(sorted(self._early.items())) if self._early is not None else None
+
     def __call__(self, q: int) -> float:
         """Seconds for one forward of q new tokens (q >= 1)."""
         return self._shape(q) * self._scale

@@ -16,7 +16,10 @@ begins with them; a prompt's final part (its last, possibly partial, chunk) is s
 last position's logits and serves only an identical prompt, which then runs no prefill forward.
 
 Entries are keyed by a chained BLAKE2b digest of the token ids up to the chunk's end (and the
-chunk's own tokens are compared on a hit), evicted least recently used beyond a budget of
+chunk's own tokens are compared on a hit), the chain rooted in the request's ``cache_salt``
+(vLLM's: the salt enters the first block's hash), so requests of different salts (tenants)
+never reach each other's entries: no hit, no saved time, no cached-token count tells one
+tenant what another sent. Entries are evicted least recently used beyond a budget of
 cached tokens, a prompt's deeper entries before the ones leading to them. Not thread-safe: owned by one :class:`~ragspec.engine.Engine`, used from its
 stepping thread.
 """
@@ -80,6 +83,13 @@ _FINAL = b"final"
 
 def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def _root(salt: str) -> bytes:
+    """The chain's root of a salt's partition ("" : the shared one)."""
+    if not salt:
+        return _ROOT
+    return hashlib.blake2b(_ROOT + b"\0salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class PrefixCache:
@@ -150,22 +160,24 @@ class PrefixCache:
         self.stats.evicted_tokens += int(block.tokens.numel())
         return block
 
-    def digests(self, prompt_ids: Sequence[int], chunks: int) -> list[bytes]:
-        """The keys of the first ``chunks`` whole chunks of ``prompt_ids``."""
-        out, parent, c = [], _ROOT, self.chunk_tokens
+    def digests(self, prompt_ids: Sequence[int], chunks: int, salt: str = "") -> list[bytes]:
+        """The keys of the first ``chunks`` whole chunks of ``prompt_ids`` in ``salt``'s
+        partition."""
+        out, parent, c = [], _root(salt), self.chunk_tokens
         for j in range(chunks):
             parent = _digest(parent, prompt_ids[j * c : (j + 1) * c])
             out.append(parent)
         return out
 
-    def final_chain(self, prompt_ids: Sequence[int]) -> list[bytes]:
+    def final_chain(self, prompt_ids: Sequence[int], salt: str = "") -> list[bytes]:
         """The keys of the whole prompt: its whole chunks before its last chunk (the first
         ``(len - 1) // C``), then the key of its final part (the rest, 1 to C tokens, and
-        the last logits): an entry that only an identical prompt reaches."""
+        the last logits): an entry that only an identical prompt (of the same ``salt``)
+        reaches."""
         k = (len(prompt_ids) - 1) // self.chunk_tokens
-        chain = self.digests(prompt_ids, k)
+        chain = self.digests(prompt_ids, k, salt)
         tail = prompt_ids[k * self.chunk_tokens :]
-        return chain + [_digest((chain[-1] if chain else _ROOT) + _FINAL, tail)]
+        return chain + [_digest((chain[-1] if chain else _root(salt)) + _FINAL, tail)]
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         """Mark a chain of held chunks recently used, its first chunk the most recent: the
@@ -175,15 +187,15 @@ class PrefixCache:
         for key in reversed(keys):
             self._blocks.move_to_end(key)
 
-    def lookup(self, prompt_ids: Sequence[int], need_hidden: bool = False) -> list[PrefixBlock]:
-        """The stored chunks that begin ``prompt_ids``, in order: the longest run of whole
+    def lookup(self, prompt_ids: Sequence[int], need_hidden: bool = False, salt: str = "") -> list[PrefixBlock]:
+        """The stored chunks of ``salt``'s partition that begin ``prompt_ids``, in order: the longest run of whole
         chunks found, leaving at least the prompt's last token to prefill (and, with
         ``need_hidden``, only chunks stored with their hidden states); when all of those are
         found and an identical prompt stored its final part, that part last (its ``logits``
         set: the whole prompt is cached). Marks them recently used; counts the lookup."""
         c = self.chunk_tokens
         self.stats.queried_tokens += len(prompt_ids)
-        chain = self.final_chain(prompt_ids)
+        chain = self.final_chain(prompt_ids, salt)
         found: list[PrefixBlock] = []
         keys: list[bytes] = []
         for j, key in enumerate(chain):

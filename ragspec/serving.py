@@ -57,7 +57,10 @@ class ServingConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Draft sizes, prefill chunks, prefix caching."""
     calibrate: bool = True
-    """Measure the forward latency table at start-up (a few seconds)."""
+    """Measure the forward latency table at start-up (a few seconds; a table measured on
+    the same machine, model, dtype, threads and kernel build is reused from the cache)."""
+    recalibrate: bool = False
+    """Measure it even where a cached table fits (:mod:`ragspec.calibration_cache`)."""
     datastores: tuple[tuple[str, str], ...] = ()
     """(name, directory) of each datastore requests may name."""
     response_cache_tokens: int = 1_000_000
@@ -93,6 +96,7 @@ def load_serving_engine(config: ServingConfig) -> Engine:
         eagle=config.eagle,
         policy=config.policy,
         calibrate=config.calibrate,
+        recalibrate=config.recalibrate,
         numerics=config.numerics,
         drafting=config.drafting,
     )

@@ -72,7 +72,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise SystemExit(f"ragspec serve exited with {proc.returncode}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return proc, url
         if time.monotonic() > deadline:
             proc.terminate()

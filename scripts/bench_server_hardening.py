@@ -86,7 +86,7 @@ def start_server(pythonpath: Optional[str], threads: Optional[int]) -> tuple[sub
         if proc.poll() is not None:
             raise SystemExit(f"ragspec serve exited with {proc.returncode}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return proc, url
         if time.monotonic() > deadline:
             proc.kill()

@@ -12,7 +12,15 @@
 Datastore drafts are :mod:`ragspec.datastore`; the EAGLE head's :mod:`ragspec.eagle`.
 """
 
-from .base import CompositeDrafter, Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
+from .base import (
+    CompositeDrafter,
+    Drafter,
+    DraftSession,
+    SessionCapability,
+    reproducible_drafter,
+    salted_drafter,
+    session_capabilities,
+)
 from .merged import MergedDrafter
 from .prompt_lookup import NgramIndex, PromptLookupDrafter, ngram_match
 from .selecting import SelectingDrafter
@@ -28,5 +36,6 @@ __all__ = [
     "SessionCapability",
     "ngram_match",
     "reproducible_drafter",
+    "salted_drafter",
     "session_capabilities",
 ]

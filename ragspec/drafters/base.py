@@ -27,6 +27,7 @@ __all__ = [
     "session_capabilities",
     "CompositeDrafter",
     "reproducible_drafter",
+    "salted_drafter",
 ]
 
 
@@ -87,6 +88,10 @@ class Drafter(Protocol):
     (step timings, statistics of earlier requests) defines ``reproducible()``, returning
     one whose proposals do not; the engine uses it for seeded sampled requests, whose
     output must then follow from the seed alone (:func:`reproducible_drafter`).
+
+    Optional: a drafter that drafts from other requests' tokens (a response cache) or holds
+    one defines ``salted(salt)``, returning one that drafts from, and feeds, only the
+    partition of requests with the same ``cache_salt`` (:func:`salted_drafter`).
     """
 
     name: str
@@ -109,6 +114,13 @@ def reproducible_drafter(drafter: Optional[Drafter]) -> Optional[Drafter]:
     ``drafter`` itself."""
     make = getattr(drafter, "reproducible", None)
     return make() if callable(make) else drafter
+
+
+def salted_drafter(drafter: Optional[Drafter], salt: str) -> Optional[Drafter]:
+    """``drafter.salted(salt)`` where the drafter defines it (see :class:`Drafter`), else
+    ``drafter`` itself (also for the empty salt)."""
+    make = getattr(drafter, "salted", None)
+    return make(salt) if salt and callable(make) else drafter
 
 
 class _CompositeSession:
@@ -189,6 +201,13 @@ class CompositeDrafter:
         if not kept:
             return None
         return kept[0] if len(kept) == 1 else CompositeDrafter(kept, self.mode)
+
+    def salted(self, salt: str) -> "CompositeDrafter":
+        """The drafters' salted forms (:func:`salted_drafter`); ``self`` when none changes."""
+        kids = [salted_drafter(d, salt) for d in self.drafters]
+        if all(k is d for k, d in zip(kids, self.drafters)):
+            return self
+        return CompositeDrafter([k for k in kids if k is not None], self.mode)
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

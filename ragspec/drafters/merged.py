@@ -81,7 +81,7 @@ from ..errors import ConfigError
 from ..policy import AcceptanceModel, AcceptedPerStep, ema_update
 from ..tree import follow_path, path_to_node
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
+from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,12 @@ class MergedDrafter:
         if retrieval is self.retrieval and not self.calibrate:
             return self
         return self._like(retrieval, calibrate=False)
+
+    def salted(self, salt: str) -> "MergedDrafter":
+        """The same over retrieval's salted form (a response cache among it drafts from
+        ``salt``'s partition only); ``self`` when that changes nothing."""
+        retrieval = salted_drafter(self.retrieval, salt)
+        return self if retrieval is self.retrieval or retrieval is None else self.with_retrieval(retrieval)
 
     def with_retrieval(self, retrieval: Drafter) -> "MergedDrafter":
         """The same merge over another retrieval drafter (another datastore)."""

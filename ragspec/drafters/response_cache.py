@@ -20,6 +20,11 @@ greedy output is unchanged (drafts never change it), sampled output keeps its di
 but a *seeded* sampled request must follow from its seed alone, so
 :meth:`ResponseCacheDrafter.reproducible` leaves the cache out (``None``).
 
+Tenants: a response cached for a request with a ``cache_salt`` (a tenant's partition, see
+:meth:`ragspec.Engine.start`) is drafted from only by requests of the same salt, so no
+tenant's drafts (hence acceptance, timing) reveal another's answers. Salted responses are
+kept in memory only, never saved: a log feeds datastores shared by everyone.
+
 Persistence: :meth:`ResponseCache.save` writes a JSON-lines log (one response per line:
 ``{"model", "prompt_tail", "output", "text"}``), :meth:`ResponseCache.load` reads it back,
 and ``ragspec datastore add --from-log`` turns a log into a datastore shard (its ``text``
@@ -119,6 +124,7 @@ class ResponseCache:
         # n-gram -> [(entry id, index of the token after the n-gram)], latest last
         self._table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._by_hash: dict[int, int] = {}  # hash of an entry's tokens -> its id (no duplicates)
+        self._salts: dict[int, str] = {}  # entry id -> its cache salt (entries of the shared partition: none)
         self._next_id = 0
         self._num_tokens = 0
         self.hits = 0
@@ -134,9 +140,10 @@ class ResponseCache:
         """Tokens held (prompt tails included)."""
         return self._num_tokens
 
-    def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str = "") -> bool:
-        """Cache one response (``output_ids``, generated after ``prompt_ids``); the same
-        prompt tail and response again only refresh the earlier entry.
+    def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str = "", salt: str = "") -> bool:
+        """Cache one response (``output_ids``, generated after ``prompt_ids``) in ``salt``'s
+        partition ("": the shared one); the same prompt tail and response again only
+        refresh the earlier entry.
 
         Returns:
             False when there is nothing to cache (an empty response, or one whose tokens
@@ -149,10 +156,10 @@ class ResponseCache:
         tokens = tail + out
         if len(tokens) > self.max_tokens:
             return False
-        digest = hash(tuple(tokens))
+        digest = hash((salt, tuple(tokens))) if salt else hash(tuple(tokens))
         with self._lock:
             same = self._by_hash.get(digest)
-            if same is not None and self._entries[same][0] == tokens:
+            if same is not None and self._entries[same][0] == tokens and self._salts.get(same, "") == salt:
                 self._entries.move_to_end(same)  # the same answer again: refreshed, not duplicated
                 return True
             journal = self._journal
@@ -160,18 +167,20 @@ class ResponseCache:
             self._by_hash[digest] = eid
             self._next_id += 1
             self._entries[eid] = (tokens, len(tail), text)
+            if salt:
+                self._salts[eid] = salt
             self._num_tokens += len(tokens)
             for end in range(1, len(tokens)):
                 for n in range(self.min_ngram, self.max_ngram + 1):
                     if end - n < 0:
                         break
-                    slot = self._table.setdefault(tuple(tokens[end - n : end]), [])
+                    slot = self._table.setdefault(_key(salt, tokens[end - n : end]), [])
                     slot.append((eid, end))
                     if len(slot) > self.max_positions:
                         del slot[0]
             while self._num_tokens > self.max_tokens:
                 self._evict_oldest()
-        if journal is not None:
+        if journal is not None and not salt:  # a tenant's answers never reach the shared log
             journal.append(self._record(tokens, len(tail), text))
         return True
 
@@ -179,14 +188,20 @@ class ResponseCache:
         return {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
 
     def records(self) -> list[dict]:
-        """Every cached response, oldest (least recently used) first, as log records:
-        ``{"model", "prompt_tail", "output", "text"}``."""
+        """Every cached response of the shared partition (salted ones stay in memory: logs
+        feed datastores everyone shares), oldest (least recently used) first, as log
+        records: ``{"model", "prompt_tail", "output", "text"}``."""
         with self._lock:
-            return [self._record(tokens, start, text) for tokens, start, text in self._entries.values()]
+            return [
+                self._record(tokens, start, text)
+                for eid, (tokens, start, text) in self._entries.items()
+                if eid not in self._salts
+            ]
 
     def _evict_oldest(self) -> None:
         eid, (tokens, _, _) = self._entries.popitem(last=False)
-        digest = hash(tuple(tokens))
+        salt = self._salts.pop(eid, "")
+        digest = hash((salt, tuple(tokens))) if salt else hash(tuple(tokens))
         if self._by_hash.get(digest) == eid:
             del self._by_hash[digest]
         self._num_tokens -= len(tokens)
@@ -195,7 +210,7 @@ class ResponseCache:
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n < 0:
                     break
-                key = tuple(tokens[end - n : end])
+                key = _key(salt, tokens[end - n : end])
                 slot = self._table.get(key)
                 if slot is None:
                     continue
@@ -204,9 +219,15 @@ class ResponseCache:
                     del self._table[key]
 
     def lookup(
-        self, context: Sequence[int], max_tokens: int, stop_ids: frozenset[int] = frozenset(), max_match: int = 64
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        stop_ids: frozenset[int] = frozenset(),
+        max_match: int = 64,
+        salt: str = "",
     ) -> tuple[list[list[int]], int]:
-        """Continuations of the longest suffix of ``context`` found in the cache.
+        """Continuations of the longest suffix of ``context`` found in ``salt``'s partition
+        of the cache ("": the shared one).
 
         Returns:
             (candidates, match_len): up to ``max_positions`` distinct continuations, the
@@ -219,7 +240,7 @@ class ResponseCache:
         ctx = list(context)
         with self._lock:
             for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
-                slot = self._table.get(tuple(ctx[len(ctx) - n :]))
+                slot = self._table.get(_key(salt, ctx[len(ctx) - n :]))
                 if not slot:
                     continue
                 ranked = []
@@ -251,8 +272,9 @@ class ResponseCache:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: Union[str, os.PathLike]) -> int:
-        """Write every cached response, oldest first, as JSON lines to ``path`` (atomically:
-        a temporary file renamed into place).
+        """Write every cached response of the shared partition (salted ones stay in memory),
+        oldest first, as JSON lines to ``path`` (atomically: a temporary file renamed into
+        place).
 
         Returns:
             the number of responses written.
@@ -411,11 +433,19 @@ class ResponseCache:
         return model, lists[0], lists[1], text
 
 
+def _key(salt: str, ngram: Sequence[int]) -> tuple:
+    """The n-gram table's key of ``ngram`` in ``salt``'s partition."""
+    return (salt, *ngram) if salt else tuple(ngram)
+
+
 class _ResponseCacheSession:
     capabilities = frozenset({SessionCapability.PROPOSE_AFTER, SessionCapability.FINISH})
 
-    def __init__(self, cache: ResponseCache, prompt_ids: Sequence[int], eos: frozenset[int], source: str) -> None:
+    def __init__(
+        self, cache: ResponseCache, prompt_ids: Sequence[int], eos: frozenset[int], source: str, salt: str = ""
+    ) -> None:
         self._cache = cache
+        self._salt = salt
         self._prompt = list(prompt_ids)
         self._ctx = list(prompt_ids)[-(cache.max_ngram + 64) :]
         self._eos = eos
@@ -428,13 +458,13 @@ class _ResponseCacheSession:
             del self._ctx[:-keep]
 
     def propose(self, max_tokens: int) -> DraftTree:
-        cands, n = self._cache.lookup(self._ctx, max_tokens, self._eos)
+        cands, n = self._cache.lookup(self._ctx, max_tokens, self._eos, salt=self._salt)
         return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def propose_after(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree:
         """The draft that would follow the context extended by ``token_ids`` (not
         committed; nothing changes): its nodes hang below the last of them."""
-        cands, n = self._cache.lookup(self._ctx + [int(t) for t in token_ids], max_tokens, self._eos)
+        cands, n = self._cache.lookup(self._ctx + [int(t) for t in token_ids], max_tokens, self._eos, salt=self._salt)
         return draft_from_candidates(cands, max_nodes=max_tokens, source=self._source, match_len=n)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
@@ -444,7 +474,7 @@ class _ResponseCacheSession:
         """The request ended with ``token_ids`` generated: cache them unless it was
         cancelled."""
         if reason in ("stop", "length"):
-            self._cache.add(self._prompt, token_ids, text)
+            self._cache.add(self._prompt, token_ids, text, salt=self._salt)
 
 
 class ResponseCacheDrafter:
@@ -455,12 +485,18 @@ class ResponseCacheDrafter:
 
     Args:
         cache: the cache, shared by every request of one model.
+        salt: the partition drafted from and fed ("": the shared one; see :meth:`salted`).
     """
 
     name = "responses"
 
-    def __init__(self, cache: ResponseCache) -> None:
+    def __init__(self, cache: ResponseCache, salt: str = "") -> None:
         self.cache = cache
+        self.salt = salt
+
+    def salted(self, salt: str) -> "ResponseCacheDrafter":
+        """The drafter of ``salt``'s partition of the same cache."""
+        return self if salt == self.salt else ResponseCacheDrafter(self.cache, salt)
 
     def reproducible(self) -> None:
         """None: a seeded sampled request must not draft from the service's history."""
@@ -469,4 +505,5 @@ class ResponseCacheDrafter:
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
     ) -> DraftSession:
-        return _ResponseCacheSession(self.cache, prompt_ids, frozenset(int(e) for e in eos_token_ids), self.name)
+        eos = frozenset(int(e) for e in eos_token_ids)
+        return _ResponseCacheSession(self.cache, prompt_ids, eos, self.name, self.salt)

@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..policy import AcceptedPerStep, StepTimer
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, session_capabilities
+from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
 
 __all__ = ["SelectingDrafter"]
 
@@ -111,6 +111,12 @@ class SelectingDrafter:
         if retrieval is None:
             return self.eagle  # nothing reproducible to select against: the head alone
         return SelectingDrafter(retrieval, self.eagle, self.min_match, calibrate=False, clock=self.clock)
+
+    def salted(self, salt: str) -> "SelectingDrafter":
+        """The same over retrieval's salted form (a response cache among it drafts from
+        ``salt``'s partition only); ``self`` when that changes nothing."""
+        retrieval = salted_drafter(self.retrieval, salt)
+        return self if retrieval is self.retrieval or retrieval is None else self.with_retrieval(retrieval)
 
     def with_retrieval(self, retrieval: Drafter) -> "SelectingDrafter":
         """The same selection over another retrieval drafter (another datastore)."""

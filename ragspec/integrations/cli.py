@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from .settings import ServerSettings, parse_datastore
 
@@ -58,6 +58,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         speculative=False if args.no_speculation else None,
         default_max_tokens=args.default_max_tokens,
         calibrate=False if args.no_calibrate else None,
+        recalibrate=True if args.recalibrate else None,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
@@ -66,6 +67,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         docs=False if args.no_docs else None,
         response_cache_tokens=0 if args.no_response_cache else args.response_cache_tokens,
         response_log=args.response_log,
+        read_timeout_s=args.read_timeout,
+        min_read_rate=args.min_read_rate,
+        max_reading=args.max_reading,
+        max_client_requests=args.max_client_requests,
+        public_metrics=True if args.public_metrics else None,
     )
 
 
@@ -116,27 +122,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings.check_files()
     import uvicorn
 
-    # load (and check the datastores) before serving: a bad --model / --eagle / --datastore
-    # is then a one-line error (RagspecError, exit 2) instead of a lifespan traceback
-    from ragspec.serving import load_serving
-
     from .server import create_app
 
-    served = load_serving(settings.serving_config())
-    engine = served.engine
-    app = create_app(
-        engine=engine,
-        settings=settings,
-        datastore_engines=served.datastore_engines,
-        response_cache=served.response_cache,
+    # serve at once and load in the background: /health answers from the first moment,
+    # /ready and the API answer 503 until the model is loaded. A bad --model / --eagle /
+    # --datastore stops the server and is then a one-line error (RagspecError, exit 2).
+    server: Optional[uvicorn.Server] = None
+
+    def loaded(error: Optional[BaseException]) -> None:
+        if error is not None:
+            if server is not None:
+                server.should_exit = True
+            return
+        # the one line a user waits for (uvicorn's own start-up lines only with -v)
+        print(
+            f"ragspec serve: {app.state.model_name} on http://{settings.host}:{settings.port} (Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    app = create_app(settings=settings, on_loaded=loaded)
+    log_level = "info" if args.verbose else "warning"
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level))
+    logger.info(
+        "serving on http://%s:%d, loading the model (GET /ready: 200 once loaded)", settings.host, settings.port
     )
-    # the one line a user waits for (uvicorn's own start-up lines only with -v)
-    print(
-        f"ragspec serve: {engine.model_name} on http://{settings.host}:{settings.port} (Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning")
+    server.run()
+    error = getattr(app.state, "load_error", None)
+    if error is not None:
+        raise error
     return 0
 
 
@@ -163,7 +177,15 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (RAGSPEC_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys separated by commas, one per "
+        "tenant: each its own cache partition and share of the queue (RAGSPEC_API_KEY)",
+    )
+    p.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"
+    )
     p.add_argument(
         "--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)"
     )
@@ -197,6 +219,12 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
     p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure the forward latency even where a table measured on this machine, model, dtype, threads and "
+        "kernel build is cached (RAGSPEC_RECALIBRATE)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=None,
@@ -221,6 +249,32 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="largest body of a POST /v1/datastores/NAME/documents call adding documents to a served datastore; "
         "larger gets 413 (default 8 MiB; 0 turns runtime additions off; RAGSPEC_MAX_ADD_BYTES)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="seconds a request body may take, plus one per --min-read-rate bytes received; later gets 408 "
+        "(default 10; RAGSPEC_READ_TIMEOUT)",
+    )
+    p.add_argument(
+        "--min-read-rate",
+        type=int,
+        default=None,
+        help="bytes per second a body must average beyond --read-timeout (default 1024; RAGSPEC_MIN_READ_RATE)",
+    )
+    p.add_argument(
+        "--max-reading",
+        type=int,
+        default=None,
+        help="request bodies read at once, apart from the queue; more get 429 (default 64; RAGSPEC_MAX_READING)",
+    )
+    p.add_argument(
+        "--max-client-requests",
+        type=int,
+        default=None,
+        help="requests one client (API key, else address) may have in the server at once; more get 429 "
+        "(default: 3/4 of --max-active + --max-queue; 0 = no limit; RAGSPEC_MAX_CLIENT_REQUESTS)",
     )
     p.add_argument(
         "--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)"

@@ -1,8 +1,9 @@
 """One worker thread owns the model and interleaves the active requests step by step.
 
 Glossary:
-    ticket: a place in the system, reserved (:meth:`Scheduler.reserve`) before a request's
-        body is read, so that requests being read and prepared count against the bound too.
+    ticket: a place in the system, reserved (:meth:`Scheduler.reserve`) once a request's
+        body is read and parsed, so that requests being prepared count against the bound too
+        (requests still being read have places of their own: the server's admission).
     job: one request's generation: its engine and :class:`~ragspec.engine.Request`, its
         asyncio queue, its cancel flag.
     incoming: submitted jobs not yet seen by the worker.
@@ -152,7 +153,7 @@ class Scheduler:
     # ------------------------------------------------------------------ event-loop side
     @property
     def num_jobs(self) -> int:
-        """Requests in the system: reserved (being read or prepared) + incoming + waiting + active."""
+        """Requests in the system: reserved (being prepared) + incoming + waiting + active."""
         return self._num_jobs
 
     @property
@@ -170,8 +171,9 @@ class Scheduler:
         self._num_jobs += 1
 
     def reserve(self) -> Ticket:
-        """Reserve a place before reading and preparing a request, so that requests in
-        preparation count against ``max_active + max_queue`` (their memory is bounded).
+        """Reserve a place before preparing a request (its body read and parsed), so that
+        requests in preparation count against ``max_active + max_queue`` (their memory is
+        bounded).
 
         Raises:
             CapacityError: the system is full.

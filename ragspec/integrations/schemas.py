@@ -61,6 +61,8 @@ MAX_ADD_DOCUMENTS = 10_000
 bounded by ``--max-add-bytes``)."""
 MAX_DRAFT_TOKENS = 4096
 """Largest ``max_draft_tokens`` accepted (the server's own budget caps it anyway)."""
+MAX_CACHE_SALT = 256
+"""Most characters of a ``cache_salt``."""
 
 
 def _bounded(item: Any, max_length: int) -> Any:
@@ -116,6 +118,9 @@ class _Sampling(_Body):
     """False: plain decoding, no drafts (None: the server's default)."""
     max_draft_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     """This request's draft budget per step, under the server's (0: plain decoding)."""
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
+    (and, with API keys, the same key)."""
     documents: Optional[_bounded(StrictStr, MAX_DOCUMENTS)] = None
     """Extra texts the drafter may copy from."""
     user: Optional[str] = None
@@ -216,6 +221,9 @@ class SummarizeRequest(_Body):
     """False: plain decoding, no drafts (None: the server's default)."""
     max_draft_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     """This request's draft budget per step, under the server's (0: plain decoding)."""
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
+    (and, with API keys, the same key)."""
 
     @field_validator("documents")
     @classmethod

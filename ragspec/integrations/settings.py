@@ -47,6 +47,12 @@ ENV_VARS = {
     "RAGSPEC_DOCS": "docs",
     "RAGSPEC_RESPONSE_CACHE_TOKENS": "response_cache_tokens",
     "RAGSPEC_RESPONSE_LOG": "response_log",
+    "RAGSPEC_READ_TIMEOUT": "read_timeout_s",
+    "RAGSPEC_MIN_READ_RATE": "min_read_rate",
+    "RAGSPEC_MAX_READING": "max_reading",
+    "RAGSPEC_MAX_CLIENT_REQUESTS": "max_client_requests",
+    "RAGSPEC_PUBLIC_METRICS": "public_metrics",
+    "RAGSPEC_RECALIBRATE": "recalibrate",
 }
 _INT_VARS = (
     "port",
@@ -60,7 +66,12 @@ _INT_VARS = (
     "max_document_chars",
     "max_add_bytes",
     "response_cache_tokens",
+    "min_read_rate",
+    "max_reading",
+    "max_client_requests",
 )
+_FLOAT_VARS = ("read_timeout_s",)
+_BOOL_VARS = ("docs", "public_metrics", "recalibrate")
 _MIB = 1 << 20
 _CHARS_PER_TOKEN = 32
 """Prompt characters allowed per token of context: real text has 3-5 per token, so a text
@@ -129,7 +140,9 @@ class ServerSettings:
     """How retrieval and the EAGLE head share a step: "auto" (merged on CUDA, retrieval on a
     CPU), "merged", "select" or "retrieval" (:func:`ragspec.loading.resolve_drafting`)."""
     api_key: Optional[str] = None
-    """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
+    """When set, ``/v1/*`` requests (and ``/metrics`` unless ``public_metrics``) need
+    ``Authorization: Bearer <key>``: one key, or several separated by commas, one per
+    tenant (each key its own cache partition and its own share of the queue)."""
     max_active: int = 8
     """Generations interleaved step by step by the worker."""
     max_queue: int = 32
@@ -193,6 +206,27 @@ class ServerSettings:
     prepare_threads: int = 2
     """Threads that parse, validate and tokenize requests, off the event loop and the
     worker (a request's cost there is bounded by the limits above)."""
+    read_timeout_s: float = 10.0
+    """Seconds a request's body may take to arrive, plus one second per ``min_read_rate``
+    bytes received (Apache's mod_reqtimeout rule); a body still arriving past that gets 408
+    and the connection is closed, so a client trickling bytes holds nothing for long."""
+    min_read_rate: int = 1024
+    """Bytes per second a body must average beyond ``read_timeout_s`` (see there)."""
+    max_reading: int = 64
+    """Requests whose body is being read at once, apart from the queue: a request takes
+    its place in the queue (``max_active + max_queue``) only once its body is read and
+    parsed; more readers get 429. Memory: at most this many bodies of ``max_body_bytes``."""
+    max_client_requests: Optional[int] = None
+    """Requests one client (its API key when keys are set, else its address) may have in
+    the server at once, being read, queued or generated; more get 429. None: three
+    quarters of ``max_active + max_queue`` (no limit below 4 places: too few to share), so
+    one client never takes every place; 0: no per-client limit (e.g. behind a proxy that
+    hides the clients' addresses)."""
+    public_metrics: bool = False
+    """Serve ``/metrics`` without the API key (it counts every tenant's traffic)."""
+    recalibrate: bool = False
+    """Measure the latency table even where one measured on this machine, model, dtype,
+    threads and kernel build is cached (:mod:`ragspec.calibration_cache`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -224,6 +258,16 @@ class ServerSettings:
             raise ConfigError(f"response_cache_tokens must be >= 0, got {self.response_cache_tokens}")
         if self.prepare_threads < 1:
             raise ConfigError(f"prepare_threads must be >= 1, got {self.prepare_threads}")
+        if not self.read_timeout_s > 0:
+            raise ConfigError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if self.min_read_rate < 1:
+            raise ConfigError(f"min_read_rate must be >= 1 byte/s, got {self.min_read_rate}")
+        if self.max_reading < 1:
+            raise ConfigError(f"max_reading must be >= 1, got {self.max_reading}")
+        if self.max_client_requests is not None and self.max_client_requests < 0:
+            raise ConfigError(f"max_client_requests must be >= 0, got {self.max_client_requests}")
+        if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
+            raise ConfigError("api_key holds an empty key (several keys are separated by commas)")
         names = [n for n, _ in self.datastores]
         if len(set(names)) != len(names):
             raise ConfigError(f"datastore names must be unique, got {names}")
@@ -241,6 +285,20 @@ class ServerSettings:
         """
         if self.response_log and self.response_cache_tokens > 0:
             check_log_path(self.response_log, ResponseLogError, "--response-log")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (none: no key needed)."""
+        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key is not None else ()
+
+    @property
+    def client_limit(self) -> int:
+        """Requests one client may have in the server at once (0: no limit); see
+        ``max_client_requests``."""
+        if self.max_client_requests is not None:
+            return self.max_client_requests
+        places = self.max_active + self.max_queue
+        return places * 3 // 4 if places >= 4 else 0
 
     def replace(self, **changes) -> "ServerSettings":
         return dataclasses.replace(self, **changes)
@@ -265,6 +323,7 @@ class ServerSettings:
                 prefix_cache_tokens=self.prefix_cache_tokens,
             ),
             calibrate=self.calibrate,
+            recalibrate=self.recalibrate,
             datastores=self.datastores,
             response_cache_tokens=self.response_cache_tokens,
             response_log=self.response_log,
@@ -296,7 +355,12 @@ class ServerSettings:
                     values[name] = int(raw)
                 except ValueError:
                     raise ConfigError(f"{var} must be an integer, got {raw!r}") from None
-            elif name == "docs":
+            elif name in _FLOAT_VARS:
+                try:
+                    values[name] = float(raw)
+                except ValueError:
+                    raise ConfigError(f"{var} must be a number, got {raw!r}") from None
+            elif name in _BOOL_VARS:
                 if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                     raise ConfigError(f"{var} must be true or false, got {raw!r}")
                 values[name] = raw.strip().lower() in ("1", "true", "yes", "on")

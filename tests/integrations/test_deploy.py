@@ -88,8 +88,9 @@ def test_image_and_compose_run_the_tested_serve_command(compose):
     assert (settings.max_queue, settings.max_active) == (32, 8)
     # ports, health check, cache volume and scraping all point at what serve binds
     assert api["ports"] == [f"127.0.0.1:{settings.port}:{settings.port}"]
-    assert f":{settings.port}/health" in " ".join(api["healthcheck"]["test"])
-    assert f":{settings.port}/health" in dockerfile_instruction("HEALTHCHECK")
+    # the container is healthy once the engine is loaded (/ready); /health is liveness only
+    assert f":{settings.port}/ready" in " ".join(api["healthcheck"]["test"])
+    assert f":{settings.port}/ready" in dockerfile_instruction("HEALTHCHECK")
     cache = api["environment"]["RAGSPEC_CACHE"]
     assert any(v.endswith(":" + cache) for v in api["volumes"])
     assert f"RAGSPEC_CACHE={cache}" in dockerfile_instruction("ENV").replace(" ", "")
@@ -125,8 +126,8 @@ def test_serve_options_and_environment(monkeypatch):
 
 def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
     # the compose command, bound to loopback on a free port, on a tiny model folder: the
-    # parser, the settings, the model loading and create_app all run for real;
-    # only uvicorn.run is swapped for a server this test can stop
+    # parser, the settings, the model loading and create_app all run for real; the
+    # uvicorn server is recorded so that this test can stop it
     import uvicorn
 
     tok = make_char_tokenizer()
@@ -142,12 +143,13 @@ def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
     args += ["--model", str(folder), "--no-calibrate", "--max-queue", "4"]
     monkeypatch.setenv("RAGSPEC_API_KEY", "k3y")
     servers = []
+    real_run = uvicorn.Server.run
 
-    def run(app, host, port, log_level):
-        servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")))
-        servers[-1].run()
+    def run(self, sockets=None):
+        servers.append(self)
+        return real_run(self, sockets)
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     parsed = build_parser().parse_args(args)
     thread = threading.Thread(target=parsed.func, args=(parsed,), daemon=True)
     thread.start()
@@ -159,6 +161,10 @@ def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "ragspec serve did not come up: ragspec " + shlex.join(args)
             time.sleep(0.05)
         assert servers[0].config.host == "127.0.0.1"
+        assert httpx.get(url + "/health").status_code == 200  # at once, while the model loads
+        while httpx.get(url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
         assert httpx.get(url + "/health").json()["model"] == "tiny"
         assert httpx.get(url + "/v1/models").status_code == 401
         r = httpx.post(
@@ -178,8 +184,9 @@ def test_ragspec_serve_command_serves(tmp_path, monkeypatch):
 
 def test_serve_with_a_bad_eagle_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """Regression (fresh-user trial): ``ragspec serve --eagle /nonexistent`` (or a bad
-    model or datastore) exited after a 30-line uvicorn lifespan traceback. The engine now
-    loads before serving: a one-line ``ragspec: error:`` and exit status 2."""
+    model or datastore) exited after a 30-line uvicorn lifespan traceback. The engine loads
+    in the background while the server answers /health (issue 42); a load that fails stops
+    the server: a one-line ``ragspec: error:`` and exit status 2."""
     import uvicorn
 
     from ragspec.cli import main
@@ -190,7 +197,7 @@ def test_serve_with_a_bad_eagle_folder_is_a_one_line_error(tmp_path, monkeypatch
     make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3).save_pretrained(folder)
     tok.save_pretrained(folder)
     capsys.readouterr()  # (the save's progress bar)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("served despite a bad --eagle"))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn.run: not how serve runs"))
     rc = main(["serve", "--model", str(folder), "--no-calibrate", "--eagle", str(tmp_path / "nope")])
     err = capsys.readouterr().err
     assert rc == 2

@@ -424,7 +424,10 @@ def test_docs_and_schema_need_the_api_key_or_are_off(tiny_engine):
         assert ref == {"$ref": "#/components/schemas/ChatCompletionRequest"}
         assert "ChatMessage" in schema["components"]["schemas"]
         assert httpx.get(srv.url + "/docs", headers={"Authorization": "Bearer k3y"}).status_code == 200
-        assert httpx.get(srv.url + "/health").status_code == 200 and httpx.get(srv.url + "/metrics").status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        # /metrics counts every tenant's traffic: behind the key too (issue 42; --public-metrics opens it)
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer k3y"}).status_code == 200
     app = create_app(engine=tiny_engine, settings=ServerSettings(docs=False))
     with LiveServer(app) as srv:
         for path in ("/docs", "/redoc", "/openapi.json"):

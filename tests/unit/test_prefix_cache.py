@@ -233,3 +233,23 @@ def test_cached_prefixes_give_feature_drafters_the_same_hidden_states(tok, kerne
     want = off.generate(prompt, max_new_tokens=12, chat=False)
     assert got.stats.num_cached_prompt_tokens == 192 and got.token_ids == want.token_ids
     assert torch.equal(_prompt_hidden(rec_on, len(prompt)), _prompt_hidden(rec_off, len(prompt)))
+
+
+def test_requests_of_other_salts_never_hit_each_others_chunks(tok):
+    """Tenant isolation (issue 42): the salt roots the digest chain, so a prompt stored by
+    one ``cache_salt`` is a hit for that salt only; another salt (or none) prefills it
+    whole, counts no cached token, and gets the same output."""
+    on, off = _engines(HFTarget(make_tiny_llama(seed=4, eos_token_id=None, max_position_embeddings=1024)), tok)
+    prompt = DOC[:200]
+    first = on.generate(prompt, max_new_tokens=8, chat=False, cache_salt="tenant-a")
+    assert first.stats.num_cached_prompt_tokens == 0
+    again = on.generate(prompt, max_new_tokens=8, chat=False, cache_salt="tenant-a")
+    assert again.stats.num_cached_prompt_tokens == len(prompt)  # the same salt: the whole prompt
+    for salt in ("tenant-b", ""):
+        other = on.generate(prompt, max_new_tokens=8, chat=False, cache_salt=salt)
+        assert other.stats.num_cached_prompt_tokens == 0, salt
+        assert other.token_ids == first.token_ids == off.generate(prompt, max_new_tokens=8, chat=False).token_ids
+    cache = on.prefix_cache
+    ids = tok(prompt)["input_ids"]
+    assert cache.digests(ids, 2, salt="a") != cache.digests(ids, 2, salt="b") != cache.digests(ids, 2)
+    assert cache.lookup(ids, salt="tenant-c") == []

@@ -185,3 +185,30 @@ def test_with_response_cache_keeps_a_custom_drafter(no_eos_setup, char_tokenizer
     assert engine.generate(prompt, max_new_tokens=20).token_ids == ref[:20] and len(cache) == 1
     with pytest.raises(ConfigError):
         with_response_cache(engine, ResponseCache(100))
+
+
+def test_salted_responses_are_drafted_from_by_their_salt_only():
+    """Tenant isolation (issue 42): a response cached under a ``cache_salt`` is found by
+    lookups of that salt only; the same tokens under two salts are two entries; a salted
+    drafter feeds and reads its own partition."""
+    cache = ResponseCache(1000, context_tokens=4)
+    cache.add([1, 2, 3, 4], [10, 11, 12, 13], salt="a")
+    assert cache.lookup([3, 4], 4, salt="a") == ([[10, 11, 12, 13]], 2)
+    assert cache.lookup([3, 4], 4, salt="b") == ([], 0)
+    assert cache.lookup([3, 4], 4) == ([], 0)
+    cache.add([1, 2, 3, 4], [10, 11, 12, 13], salt="b")
+    assert len(cache) == 2 and cache.lookup([3, 4], 4, salt="b")[0] == [[10, 11, 12, 13]]
+    drafter = ResponseCacheDrafter(cache)
+    assert drafter.salted("") is drafter and drafter.salted("a").salted("a").salt == "a"
+    composite = CompositeDrafter([PromptLookupDrafter(), drafter])
+    salted = composite.salted("c")
+    assert salted is not composite and salted.drafters[1].salt == "c"
+    session = salted.start_request([7, 8, 9])
+    session.finish([20, 21, 22], "stop")
+    assert cache.lookup([8, 9], 3, salt="c") == ([[20, 21, 22]], 2)
+    assert cache.lookup([8, 9], 3) == ([], 0)
+    # evicting salted entries leaves no stale index rows
+    small = ResponseCache(8, context_tokens=2)
+    small.add([1, 2], [3, 4], salt="x")
+    small.add([5, 6], [7, 8, 9, 10, 11, 12], salt="y")
+    assert small.lookup([1, 2], 2, salt="x") == ([], 0) and len(small) == 1

@@ -7,6 +7,14 @@ handlers (:mod:`.errors`), the routers of each API surface (:mod:`.openai`,
 CLI pass a ready engine), starts the worker (:class:`..scheduler.Scheduler`) and the
 prepare pool, and puts them on ``app.state`` (:class:`.state.ServerState`); at shutdown it
 stops them and saves the response cache to ``response_log``.
+
+Readiness: when the lifespan loads the model itself, it does so in a background task and
+the app serves at once: ``/health`` (liveness) answers 200 from the first moment, ``/ready``
+and every API request answer 503 with ``Retry-After`` until the engine is loaded
+(``app.state.ready``), as container orchestrators and load balancers expect. A load that
+fails is kept in ``app.state.load_error`` (``/health`` then answers 503 with it).
+``on_loaded(error)`` is called once the background load ends, with None or the exception
+(the CLI prints its ready line, or stops the server and prints the error).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import APIRouter, FastAPI
 
@@ -31,6 +39,7 @@ from ..metrics import ServerMetrics
 from ..scheduler import Job, Scheduler
 from ..settings import ServerSettings
 from . import datastores, openai, ops, summarize
+from .admission import Admission
 from .errors import install_error_handlers
 from .middleware import CountRequests, RequireApiKey
 from .openapi import document_bodies
@@ -40,6 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["create_app"]
 
 _UNSET: Any = object()
+T = TypeVar("T")
 
 
 def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
@@ -76,6 +86,34 @@ def _metrics(app: FastAPI) -> ServerMetrics:
     return ServerMetrics(queue_depth=queue_depth, active=active)
 
 
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread: a model still loading never holds the process up at
+    exit (Ctrl-C while loading ends it at once; ``asyncio.to_thread``'s threads are joined)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            result: Any = (True, fn(*args))
+        except BaseException as e:  # handed to the awaiting coroutine
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="ragspec-load", daemon=True).start()
+    return await fut
+
+
 async def _save_response_cache(cache: ResponseCache, path: str) -> None:
     try:
         n = await asyncio.to_thread(serving.close_response_log, cache, path)
@@ -90,6 +128,7 @@ def create_app(
     *,
     datastore_engines: Optional[dict[str, Engine]] = None,
     response_cache: Any = _UNSET,
+    on_loaded: Optional[Callable[[Optional[BaseException]], Any]] = None,
 ) -> FastAPI:
     """The FastAPI app. ``engine``: a ready :class:`ragspec.Engine` (None: the lifespan loads
     ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables.
@@ -98,25 +137,28 @@ def create_app(
     ``response_cache``: the cache of the server's own responses, already built by
     :func:`ragspec.serving.open_response_cache` (None: none; unset: the lifespan builds it
     from the settings when it loads the engine itself, and a ready ``engine`` is served as
-    given)."""
+    given). Without ``engine`` the model loads in the background while the app already
+    serves (``/health`` 200, ``/ready`` and the API 503); ``on_loaded(error)`` is called
+    when that load ends (``error``: None, or what it raised; logged here only without
+    ``on_loaded``)."""
     settings = settings if settings is not None else ServerSettings.from_env()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def load(app: FastAPI) -> Optional[ResponseCache]:
+        """Load what is served and start the worker; ``app.state.ready`` once done."""
         config = settings.serving_config()
         eng = engine
         if eng is None:
             logger.info("loading model %s", settings.model or "(default)")
-            eng = await asyncio.to_thread(serving.load_serving_engine, config)
+            eng = await _in_daemon_thread(serving.load_serving_engine, config)
         variants = datastore_engines
         if variants is None:
-            variants = await asyncio.to_thread(serving.datastore_engines, eng, config.datastores)
+            variants = await _in_daemon_thread(serving.datastore_engines, eng, config.datastores)
         cache = response_cache
         if cache is _UNSET:
             cache = None
             if engine is None:
                 tokens, log = config.response_cache_tokens, config.response_log
-                cache = await asyncio.to_thread(serving.open_response_cache, eng, tokens, log)
+                cache = await _in_daemon_thread(serving.open_response_cache, eng, tokens, log)
         if cache is not None:
             eng = with_response_cache(eng, cache)
             variants = {name: with_response_cache(e, cache) for name, e in variants.items()}
@@ -132,12 +174,49 @@ def create_app(
         app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
         app.state.started = int(time.time())
         logger.info("request limits: %s", app.state.limits)
+        app.state.ready = True
+        return cache
+
+    async def load_in_background(app: FastAPI) -> Optional[ResponseCache]:
+        try:
+            cache = await load(app)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # kept for /health and the CLI; the server keeps answering 503
+            app.state.load_error = e
+            if on_loaded is None:
+                logger.error("the model did not load: %s", e)
+            else:
+                on_loaded(e)
+            return None
+        if on_loaded is not None:
+            on_loaded(None)
+        return cache
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.ready = False
+        app.state.load_error = None
+        loading: Optional[asyncio.Task] = None
+        if engine is None:
+            loading = asyncio.ensure_future(load_in_background(app))
+        else:
+            await load(app)  # a ready engine: nothing slow to wait for
         try:
             yield
         finally:
-            await asyncio.to_thread(scheduler.stop)
-            pool.shutdown(wait=False, cancel_futures=True)
-            if cache is not None and settings.response_log:
+            cache = getattr(app.state, "response_cache", None)
+            if loading is not None and not loading.done():
+                loading.cancel()  # the load's thread finishes on its own; nothing of it is served
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await loading
+            scheduler = getattr(app.state, "scheduler", None)
+            if scheduler is not None:
+                await asyncio.to_thread(scheduler.stop)
+            pool = getattr(app.state, "prepare_pool", None)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+            if cache is not None and settings.response_log and app.state.ready:
                 await _save_response_cache(cache, settings.response_log)
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -146,8 +225,19 @@ def create_app(
     app.state.datastore_lock = threading.Lock()
     metrics = _metrics(app)
     app.state.metrics = metrics
-    if settings.api_key is not None:
-        app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    # the last added runs first: count, check the key, then admit (limits, read deadline)
+    app.add_middleware(
+        Admission,
+        read_timeout_s=settings.read_timeout_s,
+        min_read_rate=settings.min_read_rate,
+        max_reading=settings.max_reading,
+        client_limit=settings.client_limit,
+        keyed=bool(settings.api_keys),
+        metrics=metrics,
+        retry_after_s=settings.retry_after_s,
+    )
+    if settings.api_keys:
+        app.add_middleware(RequireApiKey, api_key=settings.api_keys, public_metrics=settings.public_metrics)
     app.add_middleware(CountRequests, metrics=metrics)
     install_error_handlers(app)
 

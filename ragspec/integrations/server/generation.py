@@ -3,10 +3,13 @@
 What a request costs before any work is bounded, and none of it runs on the event loop or
 the worker:
 
-1. admission: a place is reserved in the scheduler (429 when ``max_active + max_queue``
-   requests are in the system), before the body is read;
-2. the body is read up to ``RequestLimits.body_bytes`` (:func:`.middleware.read_body`),
-   then parsed and validated (:func:`.validation.validate_body`) in the prepare pool;
+1. the body is read up to ``RequestLimits.body_bytes`` (:func:`.middleware.read_body`)
+   by its deadline, in one of the reading places (:mod:`.admission`, which also bounds
+   each client's requests), then parsed and validated (:func:`.validation.validate_body`)
+   in the prepare pool;
+2. admission: only then is a place reserved in the scheduler (429 when
+   ``max_active + max_queue`` requests are in the system): a client slow to send its body
+   holds no place in the queue;
 3. the prompt is prepared in the same pool (:mod:`.prepare`: sizes checked, then
    tokenized);
 4. the job goes to the worker (:class:`..scheduler.Scheduler`) with token ids only.
@@ -33,7 +36,8 @@ from ragspec.engine import Request as EngineRequest
 from ragspec.errors import CapacityError
 from ragspec.types import StreamChunk
 
-from ..scheduler import CHUNK, ERROR, GONE, Job
+from ..scheduler import CHUNK, ERROR, GONE, Job, Ticket
+from .admission import cache_salt
 from .errors import ClientGone, api_error
 from .middleware import read_body, watch_disconnect
 from .prepare import Prepared
@@ -47,8 +51,9 @@ T = TypeVar("T")
 
 
 class Generation:
-    """One generation: ``Generation(request, state, endpoint)`` reserves a place (429 when
-    full); :meth:`read` reads the body (bounded) and validates it off the event loop;
+    """One generation: ``Generation(request, state, endpoint)``; :meth:`read` reads the
+    body (bounded) and validates it off the event loop, then reserves a place in the
+    scheduler (429 when full);
     :meth:`start` prepares the token ids off the event loop, submits the job and waits
     until the worker accepted it; :meth:`chunks` / :meth:`collect` read the generation.
     From :meth:`read` on, a watcher task listens for the client's ``http.disconnect`` and
@@ -75,24 +80,28 @@ class Generation:
         self._watcher: Optional[asyncio.Task] = None
         self._done = False
         self._closed = False
-        try:
-            self._ticket = self._scheduler.reserve()
-        except CapacityError as e:
-            self.metrics.rejected.inc()
-            raise api_error(e, self.settings.retry_after_s) from None
+        self._ticket: Optional[Ticket] = None
 
     # ------------------------------------------------------------------ stages
     async def read(self, model: type[Body]) -> Body:
-        """The body, read up to the limit, parsed and validated in the prepare pool.
+        """The body, read up to the limit, parsed and validated in the prepare pool; then a
+        place reserved in the scheduler.
 
         Raises:
-            APIError: 415 (not JSON), 413 (too large), 400 (empty, malformed).
+            APIError: 415 (not JSON), 413 (too large), 408 (not read by its deadline), 400
+                (empty, malformed), 429 (the scheduler is full).
             RequestValidationError: invalid body.
             ClientGone: the client left.
         """
         raw = await read_body(self.request, self.limits.body_bytes, self.gone.set)
         self._watcher = watch_disconnect(self.request, self._client_left)
-        return await self._off_loop(validate_body, model, raw, self.limits.json_values)
+        body = await self._off_loop(validate_body, model, raw, self.limits.json_values)
+        try:
+            self._ticket = self._scheduler.reserve()
+        except CapacityError as e:
+            self.metrics.rejected.inc()
+            raise api_error(e, self.settings.retry_after_s) from None
+        return body
 
     async def start(self, engine: Engine, prepare: Callable[[threading.Event], Prepared], kwargs: dict) -> None:
         """Prepare the token ids off the event loop (``prepare(cancel)``), submit the job,
@@ -104,6 +113,7 @@ class Generation:
         """
         prepared: Prepared = await self._off_loop(prepare, self._cancel)
         kw = {k: v for k, v in kwargs.items() if k != "documents"}
+        kw["cache_salt"] = cache_salt(self.request.scope, bool(self.settings.api_keys), kwargs.get("cache_salt"))
 
         def make_request() -> tuple[Engine, EngineRequest]:
             return engine, engine.request(prepared.prompt_ids, chat=False, document_ids=prepared.document_ids, **kw)
@@ -159,7 +169,8 @@ class Generation:
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
-        self._ticket.release()  # no-op once the job took it
+        if self._ticket is not None:
+            self._ticket.release()  # no-op once the job took it
         if self.job is not None:
             if not self._done:
                 self.job.cancel()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, Union
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,7 +25,7 @@ __all__ = ["CountRequests", "RequireApiKey", "ENDPOINTS", "DOC_PATHS", "is_json"
 
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """The API docs' paths: behind the API key when one is set."""
-ENDPOINTS = ("/v1/summarize", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health")
+ENDPOINTS = ("/v1/summarize", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health", "/ready")
 """The endpoints counted by name in ``ragspec_requests_total`` (any other path: "other")."""
 
 
@@ -57,20 +57,31 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """ASGI middleware: ``/v1/*`` requests and the API docs (``/docs``, ``/redoc``,
-    ``/openapi.json``) need ``Authorization: Bearer <key>``, checked before anything else
-    (body reading included), as vLLM does; ``/health`` and ``/metrics`` stay open."""
+    """ASGI middleware: ``/v1/*`` requests, the API docs (``/docs``, ``/redoc``,
+    ``/openapi.json``) and, unless ``public_metrics``, ``/metrics`` (every tenant's traffic)
+    need ``Authorization: Bearer <key>`` with one of the keys (``api_key``: one, or a
+    sequence), checked before anything else (body reading included), as vLLM does;
+    ``/health`` and ``/ready`` stay open."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: Union[str, Sequence[str]], public_metrics: bool = False) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
+        self.public_metrics = public_metrics
+
+    def _guarded(self, path: str) -> bool:
+        bare = path.rstrip("/")
+        return (path + "/").startswith("/v1/") or bare in DOC_PATHS or (bare == "/metrics" and not self.public_metrics)
+
+    def _valid(self, token: bytes) -> bool:
+        # every key compared (no early exit): the time does not tell which key came close
+        return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if scope["type"] == "http" and ((path + "/").startswith("/v1/") or path.rstrip("/") in DOC_PATHS):
+        if scope["type"] == "http" and self._guarded(path):
             auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            if scheme.lower() != b"bearer" or not self._valid(token.strip()):
                 error = APIError(
                     401,
                     "missing or invalid API key: send 'Authorization: Bearer <key>'",

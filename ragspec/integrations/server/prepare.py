@@ -78,6 +78,7 @@ def engine_kwargs(body: AnyBody, default_max_tokens: int, settings: ServerSettin
         top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
+        cache_salt=body.cache_salt,
     )
 
 

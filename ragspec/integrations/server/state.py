@@ -19,7 +19,7 @@ from ..scheduler import Scheduler
 from ..settings import RequestLimits, ServerSettings
 from .errors import APIError
 
-__all__ = ["ServerState", "server_state", "check_model", "pick_engine"]
+__all__ = ["ServerState", "server_state", "not_ready", "check_model", "pick_engine"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,28 @@ class ServerState:
         )
 
 
+def not_ready(app: FastAPI) -> APIError:
+    """The 503 of a request that came before the engine was loaded (or after its load
+    failed), with ``Retry-After``."""
+    error = getattr(app.state, "load_error", None)
+    settings = getattr(app.state, "settings", None)
+    retry = str(getattr(settings, "retry_after_s", 1))
+    if error is not None:
+        message = f"the model did not load: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    else:
+        message = "the model is loading; retry shortly (GET /ready says when it is loaded)"
+    return APIError(503, message, type="server_error", code="not_ready", headers={"Retry-After": retry})
+
+
 async def server_state(request: Request) -> ServerState:
     """FastAPI dependency: the serving state of the request's app (async: runs on the
-    event loop, no thread hop)."""
+    event loop, no thread hop).
+
+    Raises:
+        APIError: 503 ``not_ready`` (with ``Retry-After``) until the engine is loaded.
+    """
+    if getattr(request.app.state, "ready", True) is False:
+        raise not_ready(request.app)
     return ServerState.of(request.app)
 
 
