@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+import ragspec.loading
 from ragspec.calibration_cache import (
     CalibrationCache,
     CalibrationKey,
@@ -158,7 +159,7 @@ def test_restart_on_a_warm_cache_does_not_calibrate(tmp_path, monkeypatch):
         calls.append(target)
         return LatencyModel({1: 0.01, 2: 0.011, 4: 0.013})
 
-    monkeypatch.setattr(LatencyModel, "measure", staticmethod(fake_measure))
+    monkeypatch.setattr(ragspec.loading, "measure_latency_model", fake_measure)
     monkeypatch.delenv("RAGSPEC_RECALIBRATE", raising=False)
     cache = tmp_path / "cache"
 
