@@ -653,6 +653,12 @@ def shutdown(local: bool, name: str = RayOptions.name, *, grace_s: float = 15.0)
     return _end_leftovers(started, grace_s) if local else []
 
 
+def _ray_initialized() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that :func:`run` stops as on Ctrl-C."""
 
@@ -682,7 +688,8 @@ def run(
     previous = signal.getsignal(signal.SIGTERM) if main_thread else None
     local = connected = False
     try:
-        with step("joining Ray" if options.address or os.environ.get("RAY_ADDRESS") else "starting Ray"):
+        joined = options.address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and _ray_initialized())
+        with step("connecting to Ray" if joined else "starting a local Ray"):
             local = connect(options.address)
             connected = True
         if main_thread:
