@@ -744,7 +744,7 @@ def test_sigterm_to_ragspec_serve_ray_leaves_no_ray_process(model_dir):
         seen |= _children(proc.pid)
         assert any("ray::" in _cmdline(p) or "raylet" in _cmdline(p) for p in seen), "Ray ran under the command"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        rc = proc.wait(timeout=180)
         deadline = time.monotonic() + 20
         while True:
             by_dir = {int(p) for p in os.listdir("/proc") if p.isdigit() and temp_dir in _cmdline(int(p))}
@@ -754,6 +754,7 @@ def test_sigterm_to_ragspec_serve_ray_leaves_no_ray_process(model_dir):
             time.sleep(0.25)
         assert not left, f"Ray processes left behind: {[f'{p}: {_cmdline(p)[:120]}' for p in sorted(left)]}"
         text = log.read_text()
+        assert rc == 0, text[-3000:]
         assert "graceful_shutdown failed" not in text and "Traceback" not in text, text[-3000:]
         assert "ragspec: starting a local Ray..." in text and "ragspec: deploying 1 replica(s) on Ray Serve" in text
         assert "WARNING ragspec.integrations.ray" not in text  # the ready line is INFO, printed by the command
