@@ -175,16 +175,13 @@ class Cluster:
         return now
 
     def shutdown(self) -> list[str]:
-        """Stop Serve and Ray; the Ray processes still alive 20 s later (as command lines)."""
-        import ray
-        from ray import serve
+        """Stop Serve and Ray as ``ragspec serve --ray`` does (:func:`ragspec.integrations.ray.shutdown`:
+        Serve, Ray, then what Ray left); the Ray processes still alive 20 s later (as command lines)."""
+        from ragspec.integrations.ray import shutdown
 
         self.record()
         self.closed = True
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        shutdown(local=True)
         deadline = time.monotonic() + 20
         left: set[int] = set()
         while time.monotonic() < deadline:
