@@ -434,7 +434,7 @@ def test_replica_with_a_missing_datastore_fails_its_health_check(cluster, model_
     missing = tmp_path / "gone"
     args = ["serve", "--ray", "--app-name", "bad", "--replicas", "1", "--cpus-per-replica", "0", "--start-retries", "1"]
     args += ["--host", "127.0.0.1", "--port", str(cluster.port), "--model", str(model_dir / "tiny"), "--eagle", "none"]
-    args += ["--datastore", f"notes={missing}", "--no-calibrate"]
+    args += ["--datastore", f"notes={missing}", "--no-calibrate", "-q"]  # -q: no progress lines, the error alone
     capsys.readouterr()
     rc = main(args)
     err = capsys.readouterr().err
