@@ -305,9 +305,11 @@ def sse_events(text: str) -> list:
 
 
 def _usage(usage: Optional[dict]) -> Optional[dict]:
-    """A usage without the prompt tokens a server's prefix cache served (that depends on what
-    the server answered before, not on the answer)."""
-    kept = {k: v for k, v in (usage or {}).items() if k != "prompt_tokens_details"}
+    """A usage without the prompt tokens a server's prefix cache served and without the
+    request's drafting statistics: both depend on what that server (replica) answered
+    before (its prefix cache, its response cache) and on its load (seconds), not on the
+    answer."""
+    kept = {k: v for k, v in (usage or {}).items() if k not in ("prompt_tokens_details", "speculative_decoding")}
     return kept or None
 
 
@@ -715,7 +717,8 @@ def test_sigterm_to_ragspec_serve_ray_leaves_no_ray_process(model_dir):
     """Regression (issue 40): after SIGTERM, ``ragspec serve --ray`` left ``ray::DashboardAgent``
     and ``ray::RuntimeEnvAgent`` running (parent PID 1, ignoring SIGTERM) and logged
     ``ServeController.graceful_shutdown failed``: Ray's own SIGTERM handler killed the local
-    Ray's processes before Serve could shut down. Its ready line was logged at WARNING.
+    Ray's processes before Serve could shut down, and the command died with SIGABRT (exit
+    -6 here). Its ready line was logged at WARNING.
     Now SIGTERM stops it as Ctrl-C does: Serve, then Ray, then what is left of that Ray."""
     if not HAVE_RAY:
         pytest.skip("needs the ray extra: pip install 'ragspec[ray]' (make test installs it)")
@@ -752,7 +755,10 @@ def test_sigterm_to_ragspec_serve_ray_leaves_no_ray_process(model_dir):
         assert not left, f"Ray processes left behind: {[f'{p}: {_cmdline(p)[:120]}' for p in sorted(left)]}"
         text = log.read_text()
         assert rc == 0, text[-3000:]
-        assert "graceful_shutdown failed" not in text and "Traceback" not in text, text[-3000:]
+        # (not checked: Ray's raylet may log "Task ServeController.graceful_shutdown failed ... will be
+        # retried" on any serve.shutdown(): in Ray 2.60 that task never returns, the controller kills
+        # itself; under Ray's own SIGTERM handler it came with the crash checked above)
+        assert "Traceback" not in text, text[-3000:]
         assert "ragspec: starting a local Ray..." in text and "ragspec: deploying 1 replica(s) on Ray Serve" in text
         assert "WARNING ragspec.integrations.ray" not in text  # the ready line is INFO, printed by the command
     finally:
