@@ -26,9 +26,10 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _pristine_progress_logger(monkeypatch):
+def _pristine_progress_logger(monkeypatch, tmp_path):
     """Each test starts, and leaves, the progress logger as a library user has it, and the
-    torch thread count as it was (the CLI sets both)."""
+    torch thread count as it was (the CLI sets both); its own ragspec cache (the latency
+    calibration is cached there)."""
 
     def reset() -> None:
         log = logging.getLogger(PROGRESS_LOGGER)
@@ -38,6 +39,8 @@ def _pristine_progress_logger(monkeypatch):
         log.propagate = True
 
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
+    monkeypatch.setenv("RAGSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAGSPEC_RECALIBRATE", raising=False)
     threads = torch.get_num_threads()
     reset()
     yield
@@ -66,6 +69,9 @@ def test_progress_lines_on_stderr_while_loading_and_calibrating(tiny_folder, cap
     assert lines[1].startswith(f"ragspec: loading {name}: done in ") and lines[1].endswith(" s"), err
     assert lines[2].startswith("ragspec: calibrating the latency model (~10 s"), err
     assert lines[3].startswith("ragspec: calibrating the latency model: done in "), err
+    # the second start finds the calibration in the cache: no calibration line
+    rc, out, err = _run(capsys, "generate", "the cat", "--model", str(tiny_folder), "--max-new-tokens", "4", "--json")
+    assert rc == 0 and "ragspec: loading" in err and "calibrating" not in err, err
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
