@@ -19,6 +19,7 @@ import torch
 
 from .backend.base import Capability, Target, VerifyItem
 from .policy import LatencyModel, LatencyTable
+from .progress import step
 from .types import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,18 @@ def measure_latency_model(
     """
     if context is not None and contexts is not None:
         raise ValueError("give context or contexts, not both")
-    measured = measure_latency(
-        target,
-        qs=qs,
-        contexts=(context,) if context is not None else contexts,
-        repeats=repeats,
-        early=early,
-        model_name=model_name,
-    )
+    with step(
+        "calibrating the latency model",
+        "~10 s, timing the model's forwards; cached for this machine, model and threads",
+    ):
+        measured = measure_latency(
+            target,
+            qs=qs,
+            contexts=(context,) if context is not None else contexts,
+            repeats=repeats,
+            early=early,
+            model_name=model_name,
+        )
     model = LatencyModel.from_table(measured)
     mid = statistics.fmean(measured.full)
     logger.info("latency model (ms), %s: %s", measured.key, {q: round(v * 1e3, 2) for q, v in measured.at(mid).items()})

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .bench.cli import add_bench_command
-from .cli_common import add_model_args, engine_from_args
+from .cli_common import (
+    add_global_args,
+    add_global_args_everywhere,
+    add_model_args,
+    engine_from_args,
+    show_progress,
+)
 from .errors import ConfigError, RagspecError
 
 logger = logging.getLogger("ragspec")
@@ -25,10 +31,24 @@ SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, always the likeliest token)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample only among the K likeliest tokens (default 0: no limit)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample only among the likeliest tokens whose probabilities add up to P (default 1.0: no limit)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed of the sampling, for a repeatable output (default: random)"
+    )
 
 
 def _read_text(path: str) -> str:
@@ -247,11 +267,12 @@ def cmd_summarize(args) -> int:
 
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ragspec", description="Lossless retrieval-augmented speculative decoding.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, the core count)"
+    parser = argparse.ArgumentParser(
+        prog="ragspec",
+        description="Lossless retrieval-augmented speculative decoding.",
+        epilog="-v, -q and --threads may also follow the command (ragspec generate --threads 2 ...).",
     )
+    add_global_args(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("model", help="fetch or describe a model")
@@ -263,36 +284,58 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true", help="download and extract again")
     f.set_defaults(func=cmd_model_fetch)
     i = msub.add_parser("info", help="model facts (name, path, sha256, parameters, vocabulary)")
-    i.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"))
-    i.add_argument("--device", default=None)
-    i.add_argument("--dtype", default=None)
-    i.add_argument("--json", action="store_true")
+    i.add_argument(
+        "--model",
+        default=os.environ.get("RAGSPEC_MODEL"),
+        help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct; RAGSPEC_MODEL)",
+    )
+    i.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)")
+    i.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)")
+    i.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     i.set_defaults(func=cmd_model_info)
 
     def add_gen_args(p):
         add_model_args(p)
         _add_sampling_args(p)
-        p.add_argument("--stop", action="append", help="stop string (repeatable)")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--no-speculation", action="store_true", help="plain decoding")
+        p.add_argument(
+            "--stop", action="append", help="stop when the output contains this text (repeatable; \\n for a newline)"
+        )
+        p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated (default 128)")
+        p.add_argument(
+            "--no-speculation",
+            action="store_true",
+            help="plain decoding, no drafts (for comparison: greedy output is the same)",
+        )
         p.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
         p.add_argument(
-            "--compare", action="store_true", help="also run plain model.generate greedy: speedup and identity"
+            "--compare",
+            action="store_true",
+            help="also run transformers' plain model.generate (greedy): the speedup, and whether the tokens are identical",
         )
 
     g = sub.add_parser("generate", help="generate from a prompt")
     g.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
-    g.add_argument("--prompt-file")
+    g.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file instead")
     g.add_argument("--docs", nargs="*", help="document files the drafter may copy from")
     add_gen_args(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("summarize", help="summarize documents (the main job)")
-    s.add_argument("files", nargs="*")
-    s.add_argument("--instruction", default=None)
+    s.add_argument("files", nargs="*", help="UTF-8 text files to summarize together")
+    s.add_argument(
+        "--instruction",
+        default=None,
+        help=f"what to ask after the documents (default: {SUMMARY_INSTRUCTION!r})",
+    )
     s.add_argument("--specbench", default=None, help="take the documents of one Spec-Bench prompt from this JSONL")
-    s.add_argument("--category", default="rag")
-    s.add_argument("--index", type=int, default=0)
+    s.add_argument(
+        "--category",
+        default="rag",
+        help="with --specbench: the category to take the prompt from (default rag; e.g. summarization)",
+    )
+    s.add_argument(
+        "--index", type=int, default=0, help="with --specbench: which prompt of the category, from 0 (default 0)"
+    )
     add_gen_args(s)
     s.set_defaults(func=cmd_summarize)
 
@@ -311,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         getattr(module, fn)(sub)
+    add_global_args_everywhere(parser)
     return parser
 
 
@@ -320,6 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    show_progress(not args.quiet)
     if not args.verbose:
         # transformers' de-quantization progress bars and deprecation notices are noise here
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

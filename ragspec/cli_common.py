@@ -8,15 +8,94 @@ import it without a cycle.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from .config import AUTO_DRAFTING, DRAFTING_MODES
+from .progress import PROGRESS_LOGGER
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["add_model_args", "engine_from_args"]
+__all__ = ["add_global_args", "add_global_args_everywhere", "add_model_args", "engine_from_args", "show_progress"]
+
+
+def add_global_args(p: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """Add the options every command takes, before or after its name: ``-v``/``--verbose``,
+    ``-q``/``--quiet``, ``--threads``. ``suppress``: no defaults (for the subcommands'
+    copies, so an option given before the subcommand is not reset by the subcommand's
+    default; the main parser's defaults stand)."""
+    group = p.add_argument_group("global options (before or after the command)") if suppress else p
+    group.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
+        help="log more: every module's INFO lines and, on an internal error, its traceback",
+    )
+    group.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
+        help="no progress lines on stderr (model loading, kernel compilation, latency calibration, "
+        "progress bars); warnings and errors still show",
+    )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=argparse.SUPPRESS if suppress else None,
+        metavar="N",
+        help="CPU threads torch computes with (default: torch's choice, one per core)",
+    )
+
+
+def add_global_args_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand of ``parser`` (at every depth) :func:`add_global_args`'
+    options without defaults, so ``ragspec generate --threads 2 ...`` means what
+    ``ragspec --threads 2 generate ...`` means."""
+    seen: set[int] = set()
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    if id(sub) in seen:
+                        continue
+                    seen.add(id(sub))
+                    add_global_args(sub, suppress=True)
+                    walk(sub)
+
+    walk(parser)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (not the one at creation: tests and
+    wrappers replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def show_progress(enabled: bool = True) -> None:
+    """Print the progress lines (:mod:`ragspec.progress`) to stderr as ``ragspec: <line>``,
+    or (``enabled`` False: ``-q``) silence them. Replaces what an earlier call installed;
+    the lines then do not also reach the root logger (no duplicates under ``-v``)."""
+    logger = logging.getLogger(PROGRESS_LOGGER)
+    for old in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+        logger.removeHandler(old)
+    if not enabled:
+        logger.setLevel(logging.WARNING)
+        logger.propagate = True
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("ragspec: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
@@ -51,10 +130,10 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
         "--drafting",
         choices=(AUTO_DRAFTING, *DRAFTING_MODES),
         default=os.environ.get("RAGSPEC_DRAFTING") or "auto",
-        help="with a head: 'merged' one draft tree from retrieval, the head and retrieval's copies after the "
-        "head's tokens; 'select' one source per step (the behaviour before issue 22); 'retrieval' retrieval's "
-        "drafts only (the head unused); 'auto' (default) merged on CUDA, retrieval on a CPU, where the head's "
-        "proposals cost more than they add (RAGSPEC_DRAFTING)",
+        help="how an EAGLE head and retrieval share a step: 'merged' one draft tree from retrieval, the head "
+        "and retrieval's copies after the head's tokens; 'select' the better of the two each step, never both; "
+        "'retrieval' retrieval's drafts only (the head unused); 'auto' (default) merged on CUDA, retrieval on a "
+        "CPU, where the head's proposals cost more than they add (RAGSPEC_DRAFTING)",
     )
     if datastore:
         p.add_argument(

@@ -28,6 +28,7 @@ from .drafters.selecting import SelectingDrafter
 from .engine import DrafterParts, Engine
 from .errors import ConfigError
 from .policy import LatencyModel
+from .progress import step
 
 if TYPE_CHECKING:
     from .backend.base import Target
@@ -195,8 +196,9 @@ def load_target(
     from .models import load_model, resolve_model
 
     spec = resolve_model(model, cache=Path(cache) if cache else None)
-    hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
-    target = select_target(hf_model, cpu_kernels=cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
+    with step(f"loading {spec.name}", "GGUF" if spec.kind == "gguf" else "transformers folder"):
+        hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
+        target = select_target(hf_model, cpu_kernels=cpu_kernels, cache=cache, gguf=spec.gguf_file, numerics=numerics)
     return target, tokenizer, spec
 
 
@@ -331,7 +333,8 @@ def load_engine(
     if datastore:
         from .datastore import Datastore
 
-        stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
+        with step(f"opening the datastore {datastore}"):
+            stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
     if eagle_drafter is None and drafting in ("merged", "select"):
         logger.warning(

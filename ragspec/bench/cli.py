@@ -28,14 +28,16 @@ __all__ = ["add_bench_command", "cmd_bench", "cmd_replay", "cmd_profile_step", "
 def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ragspec bench`` on the main parser's sub-parsers; returns its parser."""
     b = subparsers.add_parser("bench", help="ragspec vs plain transformers decoding on Spec-Bench")
-    b.add_argument("--data", default=DEFAULT_DATA)
+    b.add_argument("--data", default=DEFAULT_DATA, help=f"Spec-Bench prompts, a JSONL file (default {DEFAULT_DATA})")
     b.add_argument("--categories", default=None, help="comma-separated; 'mt_bench' = the 8 MT-bench categories")
     b.add_argument("--limit", type=int, default=None, help="prompts per category")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     b.add_argument("--json", default=None, help="write all records and the summary here")
     b.add_argument("--plot", default=None, help="PNG: speedup per category and accepted-length histogram")
     b.add_argument("--no-hf-pld", action="store_true", help="skip transformers' prompt lookup")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of every run (default 0: greedy)"
+    )
     b.add_argument(
         "--static-baseline",
         action="store_true",

@@ -413,8 +413,13 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     a = sub.add_parser("add", help="append inputs to a datastore as a new shard")
-    a.add_argument("directory", metavar="DIR")
-    a.add_argument("inputs", nargs="*", metavar="INPUT")
+    a.add_argument("directory", metavar="DIR", help="the datastore to add to")
+    a.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="directory (recursive: .txt .md .rst .py .html .jsonl), file, or - for JSONL on stdin",
+    )
     a.add_argument(
         "--from-log",
         action="append",
@@ -423,30 +428,30 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="a response log of 'ragspec serve --response-log' (JSON lines; its responses' text), repeatable",
     )
     a.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
-    a.add_argument("--field", default="text")
+    a.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")
-    a.add_argument("--no-progress", action="store_true")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_add)
 
     i = sub.add_parser("info", help="format, tokenizer, counts and size of a datastore")
-    i.add_argument("directory", metavar="DIR")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("directory", metavar="DIR", help="the datastore")
+    i.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     i.add_argument(
         "--verify", action="store_true", help="also check every file's sha256 and every token id against the vocabulary"
     )
     i.set_defaults(func=cmd_info)
 
     q = sub.add_parser("query", help="show the continuations a context gets")
-    q.add_argument("directory", metavar="DIR")
+    q.add_argument("directory", metavar="DIR", help="the datastore")
     q.add_argument("--text", required=True, help="the context")
     q.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
-    q.add_argument("--max-len", type=int, default=10)
-    q.add_argument("--max-candidates", type=int, default=16)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--max-len", type=int, default=10, help="longest continuation shown, in tokens (default 10)")
+    q.add_argument("--max-candidates", type=int, default=16, help="most different continuations shown (default 16)")
+    q.add_argument("--json", action="store_true", help="print the continuations as JSON")
     q.set_defaults(func=cmd_query)
 
     be = sub.add_parser("bench", help="lookup latency (p50/p99) over real contexts")
-    be.add_argument("directory", metavar="DIR")
+    be.add_argument("directory", metavar="DIR", help="the datastore")
     be.add_argument(
         "--input",
         nargs="*",
@@ -454,12 +459,14 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     )
     be.add_argument("--model", default=model_default, help="tokenizer for --input (default: the datastore's)")
     be.add_argument("--num", type=int, default=2000, help="contexts (default 2000)")
-    be.add_argument("--max-len", type=int, default=10)
-    be.add_argument("--max-candidates", type=int, default=64)
+    be.add_argument("--max-len", type=int, default=10, help="longest continuation per lookup, in tokens (default 10)")
+    be.add_argument(
+        "--max-candidates", type=int, default=64, help="most different continuations per lookup (default 64)"
+    )
     be.add_argument("--max-samples", type=int, default=64, help="occurrences read per lookup (default 64)")
     be.add_argument("--cold", action="store_true", help="do not fault the datastore's pages in first")
-    be.add_argument("--seed", type=int, default=0)
-    be.add_argument("--json", action="store_true")
+    be.add_argument("--seed", type=int, default=0, help="random seed choosing the contexts (default 0)")
+    be.add_argument("--json", action="store_true", help="print the timings as JSON")
     be.set_defaults(func=cmd_bench)
     return p
 

@@ -52,7 +52,7 @@ def cmd_eagle_train(args) -> int:
         device=args.device,
         resume=args.resume,
         command=command,
-        progress=not args.quiet,
+        progress=not getattr(args, "quiet", False),
         init_head=args.init_head,
         generate_with=args.generate_with,
     )
@@ -113,21 +113,28 @@ def add_eagle_commands(subparsers) -> None:
     t.add_argument("--data", nargs="+", default=None, help='JSONL files: Spec-Bench rows (turns) or {"text": ...} rows')
     t.add_argument("-o", "--output", required=True, help="output folder (head.safetensors + config.json)")
     t.add_argument("--work-dir", default=None, help="features cache and checkpoints (default OUTPUT/work)")
-    t.add_argument("--epochs", type=int, default=8)
+    t.add_argument("--epochs", type=int, default=8, help="passes over the training text (default 8)")
     t.add_argument("--max-steps", type=int, default=0, help="stop after this many optimiser steps (0 = no limit)")
     t.add_argument("--max-tokens", type=int, default=0, help="most tokens of text used (0 = all)")
     t.add_argument("--responses", type=int, default=64, help="prompts that get the target's greedy response appended")
     t.add_argument("--samples", type=int, default=0, help="extra sampled responses per such prompt")
-    t.add_argument("--sample-temperature", type=float, default=0.8)
-    t.add_argument("--response-tokens", type=int, default=128)
-    t.add_argument("--generation-batch", type=int, default=8)
+    t.add_argument(
+        "--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses (default 0.8)"
+    )
+    t.add_argument("--response-tokens", type=int, default=128, help="longest generated response (default 128)")
+    t.add_argument("--generation-batch", type=int, default=8, help="responses generated together (default 8)")
     t.add_argument("--holdout", type=int, default=5, help="first rows per category left out (the benchmark's)")
-    t.add_argument("--batch-tokens", type=int, default=2048)
-    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimiser step (default 2048)")
+    t.add_argument("--lr", type=float, default=5e-4, help="learning rate (default 5e-4)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts from (0 = all)")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the training: initial weights, batch order, sampled responses (default 0)",
+    )
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the head's matmuls")
     t.add_argument(
         "--ttt-steps",
@@ -147,12 +154,12 @@ def add_eagle_commands(subparsers) -> None:
         "--init-head", default=None, help="head folder to start from (fine-tune; keeps its draft vocabulary)"
     )
     t.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu or cuda")
-    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    # -q/--quiet (no progress bars) is the global option (ragspec.cli_common.add_global_args)
     t.set_defaults(func=cmd_eagle_train)
 
     i = esub.add_parser("info", help="what a head was trained for, and how")
-    i.add_argument("head")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("head", help="the head's folder")
+    i.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     i.set_defaults(func=cmd_eagle_info)
 
     b = esub.add_parser("bench", help="ragspec bench for several drafter sets: head alone, prompt lookup, both")
@@ -170,22 +177,30 @@ def add_eagle_commands(subparsers) -> None:
         default=os.environ.get("RAGSPEC_EAGLE") or "auto",
         help="EAGLE head directory, or 'auto' (default): the head shipped for the model",
     )
-    b.add_argument("--depth", type=int, default=4)
-    b.add_argument("--top-k", type=int, default=3)
-    b.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"))
-    b.add_argument("--device", default=None)
-    b.add_argument("--dtype", default=None)
-    b.add_argument("--data", default=DEFAULT_DATA)
-    b.add_argument("--categories", default=None)
-    b.add_argument("--limit", type=int, default=5)
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--max-draft-tokens", type=int, default=8)
-    b.add_argument("--fixed-draft", action="store_true")
+    b.add_argument("--depth", type=int, default=4, help="tokens the head drafts ahead per step (default 4)")
+    b.add_argument("--top-k", type=int, default=3, help="tokens the head proposes at each position (default 3)")
+    b.add_argument(
+        "--model",
+        default=os.environ.get("RAGSPEC_MODEL"),
+        help="registry name, GGUF file or HF folder (default: smollm2-135m-instruct; RAGSPEC_MODEL)",
+    )
+    b.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present, else cpu)")
+    b.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)")
+    b.add_argument("--data", default=DEFAULT_DATA, help=f"Spec-Bench prompts, a JSONL file (default {DEFAULT_DATA})")
+    b.add_argument(
+        "--categories",
+        default=None,
+        help="comma-separated categories (default: all); 'mt_bench' = the 8 MT-bench categories",
+    )
+    b.add_argument("--limit", type=int, default=5, help="prompts per category (default 5)")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    b.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step (default 8)")
+    b.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     b.add_argument(
         "--measure-latency",
         action="store_true",
         help="time the target at start-up (default: the engine's reference CPU table, refined online)",
     )
     b.add_argument("--no-hf-pld", action="store_true", help="accepted for symmetry with ragspec bench (never run here)")
-    b.add_argument("--json", default=None)
+    b.add_argument("--json", default=None, metavar="FILE", help="write every record and the tables to this JSON file")
     b.set_defaults(func=cmd_eagle_bench)

@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # one fails its health check and this ends with its one-line error
         from .ray import run
 
-        return run(settings, ray_options)
+        return run(settings, ray_options, ready=_say_ready)
     # files the service writes are checked before the model loads (a bad path fails in
     # a second, not after the load)
     settings.check_files()
@@ -135,11 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 server.should_exit = True
             return
         # the one line a user waits for (uvicorn's own start-up lines only with -v)
-        print(
-            f"ragspec serve: {app.state.model_name} on http://{settings.host}:{settings.port} (Ctrl-C stops)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say_ready(f"{app.state.model_name} on http://{settings.host}:{settings.port}")
 
     app = create_app(settings=settings, on_loaded=loaded)
     log_level = "info" if args.verbose else "warning"
@@ -152,6 +148,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if error is not None:
         raise error
     return 0
+
+
+def _say_ready(where: str) -> None:
+    """The one line a user waits for, on stderr (with ``-q`` too)."""
+    print(f"ragspec serve: {where} (Ctrl-C stops)", file=sys.stderr, flush=True)
 
 
 def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:

@@ -40,12 +40,16 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ragspec.errors import ConfigError, RagspecError
+from ragspec.progress import step
 
 from .settings import ServerSettings
 
@@ -64,6 +68,7 @@ __all__ = [
     "parse_autoscale",
     "proxy_middlewares",
     "run",
+    "shutdown",
     "PROXY_CALLBACK",
     "REPLICA_HEADER",
 ]
@@ -560,49 +565,161 @@ def deploy(settings: ServerSettings, options: RayOptions, route_prefix: str = "/
 
 
 def _wait_forever() -> None:
-    import time
-
     while True:
         time.sleep(3600)
 
 
-def run(settings: ServerSettings, options: RayOptions, *, wait: Optional[Callable[[], None]] = None) -> int:
-    """``ragspec serve --ray``: connect (or start a local Ray), deploy, serve until
-    interrupted, then remove the application (and stop the local Ray).
+# ---------------------------------------------------------------------- stopping
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every live process, from /proc (empty where
+    there is none)."""
+    table: dict[int, tuple[int, str]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # a zombie has ended already
+            table[int(entry)] = (int(fields[1]), cmdline)
+    return table
 
-    Args:
-        wait: called once the service is up, returns when it should stop (None: sleep
-            until Ctrl-C).
+
+def _local_ray_processes() -> dict[int, str]:
+    """pid -> command line of this process's descendants that are Ray's (its GCS, raylet,
+    agents, workers, replicas): what a local Ray started here runs as."""
+    table = _process_table()
+    out: dict[int, str] = {}
+    frontier = {os.getpid()}
+    while frontier:
+        children = {p for p, (parent, _) in table.items() if parent in frontier and p not in out}
+        out.update({p: table[p][1] for p in children})
+        frontier = children
+    return {p: cmd for p, cmd in out.items() if "ray" in cmd}
+
+
+def _end_leftovers(processes: dict[int, str], grace_s: float) -> list[str]:
+    """Wait up to ``grace_s`` for ``processes`` (pid -> command line) to end, then SIGKILL
+    those still running the same command line (Ray's dashboard and runtime-env agents
+    outlive their raylet and ignore SIGTERM). The killed ones' command lines."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        table = _process_table()
+        left = {p: cmd for p, cmd in processes.items() if p in table and table[p][1] == cmd}
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    killed = []
+    for pid, cmd in sorted(left.items()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # ended meanwhile, or not ours
+            continue
+        killed.append(f"{pid}: {cmd[:120]}")
+    if killed:
+        logger.info("ended %d Ray process(es) left after ray.shutdown(): %s", len(killed), "; ".join(killed))
+    return killed
+
+
+def shutdown(local: bool, name: str = RayOptions.name, *, grace_s: float = 15.0) -> list[str]:
+    """Stop serving: remove the application ``name`` from a cluster this process joined,
+    or, for the local Ray :func:`connect` started (``local``), stop Ray Serve (its
+    controller shuts its replicas and proxies down), then Ray, then end what is left of
+    that Ray's processes after ``grace_s`` seconds (SIGKILL).
+
+    Returns:
+        The command lines of the processes that had to be killed (empty: none).
     """
-    local = connect(options.address)
     serve = _import_serve()
     import ray
 
+    started = _local_ray_processes() if local else {}
     try:
-        url = deploy(settings, options)
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(name)
+    finally:
+        if local:
+            ray.shutdown()
+    return _end_leftovers(started, grace_s) if local else []
+
+
+def _ray_initialized() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that :func:`run` stops as on Ctrl-C."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def run(
+    settings: ServerSettings,
+    options: RayOptions,
+    *,
+    wait: Optional[Callable[[], None]] = None,
+    ready: Optional[Callable[[str], None]] = None,
+) -> int:
+    """``ragspec serve --ray``: connect (or start a local Ray), deploy, serve until
+    interrupted (Ctrl-C or SIGTERM), then remove the application (or stop Serve and the
+    local Ray, leaving none of its processes: :func:`shutdown`).
+
+    Args:
+        wait: called once the service is up, returns when it should stop (None: sleep
+            until Ctrl-C or SIGTERM).
+        ready: called with the one line saying where it serves, once it does (it is
+            logged at INFO too).
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    local = connected = False
+    try:
+        joined = options.address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and _ray_initialized())
+        with step("connecting to Ray" if joined else "starting a local Ray"):
+            local = connect(options.address)
+            connected = True
+        if main_thread:
+            # Ray's own handler kills the local Ray's processes first, after which Serve
+            # cannot shut down gracefully and Ray's agents are left running
+            signal.signal(signal.SIGTERM, _raise_terminated)
         scale = (
             f"{options.autoscale[0]}..{options.autoscale[1]} replicas"
             if options.autoscale
             else f"{options.replicas} replica(s)"
         )
-        logger.warning(
-            "ragspec on Ray Serve: %s, %s each %g CPU / %g GPU, %d thread(s)",
-            url,
-            scale,
-            options.cpus_per_replica,
-            options.gpus_per_replica,
-            options.threads,
+        with step(f"deploying {scale} on Ray Serve", "each replica loads the model"):
+            url = deploy(settings, options)
+        line = (
+            f"ragspec on Ray Serve: {url}, {scale} each {options.cpus_per_replica:g} CPU / "
+            f"{options.gpus_per_replica:g} GPU, {options.threads} thread(s)"
         )
+        logger.info("%s", line)
+        if ready is not None:
+            ready(line)
         (wait or _wait_forever)()
     except KeyboardInterrupt:
         pass
     finally:
         try:
-            if local:
-                serve.shutdown()
-            else:
-                serve.delete(options.name)
+            if main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # no second interruption mid-shutdown
+            if connected:
+                shutdown(local, options.name)
         finally:
-            if local:
-                ray.shutdown()
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return 0

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 import torch
 
 from ..errors import ConfigError, ModelLoadError, ModelNotFoundError
+from ..progress import step
 from .conversion import (
     _SOURCE_JSON,
     _check_gguf_digest,
@@ -107,20 +108,19 @@ def _convert_gguf(spec: ModelSpec, digest: str) -> Optional["PreTrainedModel"]:
     """
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    t0 = time.perf_counter()
     try:
         # dequantize=True: a plain dense model, serializable (no GGUF quantizer attached),
         # whatever kernels are installed.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(spec.path.parent),
-            gguf_file=spec.path.name,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True),
-            local_files_only=True,
-        )
+        with step(f"de-quantizing {spec.path.name}", "first load only, ~15 s for the default model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(spec.path.parent),
+                gguf_file=spec.path.name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+                local_files_only=True,
+            )
     except Exception as e:  # transformers raises many types on a bad file; re-raised typed
         raise _load_failure(spec, "weights", e) from e
-    logger.info("de-quantized %s in %.1f s", spec.path.name, time.perf_counter() - t0)
     folder = converted_model_dir(spec.path)
     t1 = time.perf_counter()
     try:

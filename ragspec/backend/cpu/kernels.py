@@ -59,6 +59,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ragspec.progress import step
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -343,9 +345,9 @@ def _load_module(cache_dir: Optional[Path] = None):
             "torch's kernels are used (slower; RAGSPEC_CPU_KERNELS=0 silences this)"
         )
         return None
-    logger.warning("compiling the CPU decoding kernel (first use only, ~45 s) into %s", final)
     try:
-        module = _build(final)
+        with step("compiling the CPU decoding kernels", "first use only, ~45 s"):
+            module = _build(final)
         logger.debug("compiled CPU kernels built into %s: %s path", final, module.cpu_isa())
         return module
     except Exception as exc:  # compiler errors, missing headers, an unwritable cache
