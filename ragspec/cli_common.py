@@ -127,6 +127,12 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
     )
     p.add_argument("--fixed-draft", action="store_true", help="verify every proposed draft (no cost model)")
     p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure the forward latency even where a table measured on this machine, model, dtype, threads and "
+        "kernel build is cached (RAGSPEC_RECALIBRATE)",
+    )
+    p.add_argument(
         "--drafting",
         choices=(AUTO_DRAFTING, *DRAFTING_MODES),
         default=os.environ.get("RAGSPEC_DRAFTING") or "auto",
@@ -171,6 +177,7 @@ def engine_from_args(args: argparse.Namespace, calibrate: bool = True) -> "Engin
             prefix_cache_tokens=getattr(args, "prefix_cache_tokens", PolicyConfig.prefix_cache_tokens),
         ),
         calibrate=calibrate,
+        recalibrate=True if getattr(args, "recalibrate", False) else None,
         drafting=getattr(args, "drafting", None) or "auto",
         numerics=getattr(args, "numerics", None) or "exact",
     )

@@ -220,12 +220,6 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
     p.add_argument(
-        "--recalibrate",
-        action="store_true",
-        help="measure the forward latency even where a table measured on this machine, model, dtype, threads and "
-        "kernel build is cached (RAGSPEC_RECALIBRATE)",
-    )
-    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=None,

@@ -86,3 +86,14 @@ def test_every_commands_help_renders():
     # a stray '%' in a help text breaks argparse's formatting only when --help is asked for
     for path, parser in _parsers(build_parser()):
         assert "global options" in parser.format_help() or path == ("ragspec",), " ".join(path)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench"], ["serve"]])
+def test_recalibrate_is_accepted_by_every_command_that_calibrates(command):
+    # --recalibrate was a serve option only: generate and bench reused a cached table with no way
+    # to force a new measurement but RAGSPEC_RECALIBRATE
+    from ragspec.cli import build_parser
+
+    args = build_parser().parse_args([*command, "--recalibrate"])
+    assert args.recalibrate is True
+    assert build_parser().parse_args(command).recalibrate is False
