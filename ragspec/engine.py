@@ -19,6 +19,10 @@ target forward for all requests of the step:
 
 :meth:`Engine.stream` and :meth:`Engine.generate` are thin loops over ``start``/``step``;
 servers call ``step`` once per round for the requests they hold.
+
+The step's parts live by role: the request's state and lifecycle (commit, chunk, stats) in
+:mod:`ragspec.request`, the prefill chunks in :mod:`ragspec.prefill`, the draft choice
+(stage 1) in :mod:`ragspec.draft_choice`, prompt encoding in :mod:`ragspec.prompts`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -34,19 +38,15 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .config import DecodeConfig, PolicyConfig, SamplingParams
 from .detok import TextAssembler
-from .drafters.base import (
-    Drafter,
-    DraftSession,
-    SessionCapability,
-    reproducible_drafter,
-    salted_drafter,
-    session_capabilities,
-)
+from .draft_choice import Pending, draft_for_step, observe_gates, per_request_drafts
+from .drafters.base import Drafter, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
 from .errors import ConfigError, PromptTooLongError
-from .policy import AcceptanceModel, DraftTimeGate, LatencyModel, choose_draft
+from .policy import AcceptanceModel, LatencyModel
+from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
-from .tree import drop_invalid_nodes
-from .types import DraftTree, GenerationOutput, GenerationStats, StepStats, StreamChunk, VerifyResult
+from .prompts import Prompt, encode_documents, encode_messages, encode_prompt
+from .request import Request, StepReport, commit_tokens, record_step, take_chunk
+from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
 if TYPE_CHECKING:
@@ -58,8 +58,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Request", "DrafterParts", "StepReport"]
-
-Prompt = Union[str, Sequence[int]]
 
 # Default latency table (seconds per forward of q new tokens) measured on the reference
 # 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md). Used
@@ -100,135 +98,6 @@ class DrafterParts:
     eagle_path: Optional[str] = None
     response_cache: Optional["ResponseCache"] = None
     drafting: str = "merged"
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation: everything that is per request, never shared.
-
-    Made by :meth:`Engine.start`; advanced by :meth:`Engine.step`. Its first step is the
-    prefill; it is finished once a step returned its final chunk (``finish_reason`` set).
-
-    Attributes:
-        prompt_ids: the prompt's token ids.
-        decode: limits (``max_new_tokens``, stop strings, speculation on/off, its own draft
-            budget ``max_draft_tokens``).
-        sampling: how tokens are chosen (temperature 0 = greedy).
-        state: the backend's KV state of this request.
-        session: the drafter's per-request session, or None (plain decoding).
-        generator: the request's random generator (None when greedy).
-        root: the last committed token, whose KV entry is not in the cache yet (None
-            before the prefill).
-        stats: counters and timings so far.
-        finish_reason: "stop", "length" or "cancelled" once finished, else "".
-    """
-
-    prompt_ids: list[int]
-    decode: DecodeConfig
-    sampling: SamplingParams
-    state: Any
-    verifier: Verifier
-    session: Optional[DraftSession]
-    generator: Optional[torch.Generator]
-    acceptance: AcceptanceModel
-    latency: LatencyModel
-    assembler: TextAssembler
-    want_hidden: bool = False
-    prefill_chunk: int = 0
-    """Prompt tokens per prefill step (0: the whole prompt at once); fixed at start."""
-    prefilled: int = 0
-    """Prompt tokens already in ``state`` (chunked prefill progress)."""
-    batch_independent: bool = False
-    """Its drafts never depend on the other requests of a step (seeded sampling)."""
-    cache_salt: str = ""
-    """Its partition of the caches shared across requests (prefix cache, response cache):
-    hits only among requests of the same salt ("" : the shared partition)."""
-    draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate)
-    """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
-    root: Optional[int] = None
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = ""
-    cancel_requested: bool = False
-    done: bool = False
-    """The final chunk has been returned; stepping it again is an error."""
-    started_s: float = 0.0
-    """``time.perf_counter()`` at its first step (0 before)."""
-    created_s: float = field(default_factory=time.perf_counter)
-    """``time.perf_counter()`` when :meth:`Engine.start` made it."""
-
-    def cancel(self) -> None:
-        """Ask the engine to end this request at its next step (with ``finish_reason``
-        "cancelled"; no forward is run for it)."""
-        self.cancel_requested = True
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.assembler.token_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        """Whether its prompt is not fully in its KV cache yet (its next step is a chunk)."""
-        return self.root is None and not self.finish_reason
-
-    def next_prefill_tokens(self) -> int:
-        """Prompt tokens its next step puts through the model (0 once prefilled)."""
-        if not self.prefilling:
-            return 0
-        left = len(self.prompt_ids) - self.prefilled
-        return min(left, self.prefill_chunk) if self.prefill_chunk else left
-
-    def draft_budget(self, engine_budget: int) -> int:
-        """Most draft tokens a step of this request verifies: ``engine_budget`` (the
-        engine's ``PolicyConfig.max_draft_tokens``), capped by its own
-        ``decode.max_draft_tokens`` when set."""
-        cap = self.decode.max_draft_tokens
-        return engine_budget if cap is None else min(engine_budget, cap)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What one :meth:`Engine.step` call did (``Engine.last_step``), for schedulers and
-    metrics.
-
-    Attributes:
-        requests: requests handed to the step.
-        verified: requests verified in its forward (decoding requests).
-        rows: verification rows of that forward (roots + draft nodes, all requests).
-        prefill_tokens: prompt tokens prefilled in it (all chunks).
-        prefill_chunks: prefill forwards run in it.
-        seconds: wall time of the step.
-    """
-
-    requests: int = 0
-    verified: int = 0
-    rows: int = 0
-    prefill_tokens: int = 0
-    prefill_chunks: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _Pending:
-    """A request's part of a step between drafting and verification."""
-
-    index: int
-    request: Request
-    tree: DraftTree
-    predicted: float
-    lazy: bool
-    draft_s: float
-    past: int
-    proposed: bool = False
-    """The session was asked for a proposal (a budget above 0, not skipped)."""
-
-
-def _check_text(text: str, what: str) -> None:
-    """Raise ConfigError where ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g.
-    from JSON ``"\ud800"``): the tokenizer would fail with an internal type error."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ConfigError(f"{what} is not valid Unicode text: a lone surrogate at character {e.start}") from None
 
 
 class Engine:
@@ -361,22 +230,7 @@ class Engine:
         Raises:
             ConfigError: the prompt is empty, or not valid Unicode text (a lone surrogate).
         """
-        if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise ConfigError("prompt is empty")
-            return ids
-        _check_text(prompt, "prompt")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        if not ids:
-            raise ConfigError("prompt is empty")
-        return list(ids)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) through the chat template.
@@ -384,12 +238,7 @@ class Engine:
         Raises:
             ConfigError: a message's content is not valid Unicode text (a lone surrogate).
         """
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                _check_text(content, f"messages[{i}].content")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_messages(self.tokenizer, messages)
 
     def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
         """Token ids of each document (no special tokens).
@@ -397,13 +246,7 @@ class Engine:
         Raises:
             ConfigError: a document is not a string, or not valid Unicode text.
         """
-        out = []
-        for i, d in enumerate(documents):
-            if not isinstance(d, str):
-                raise ConfigError(f"documents must be strings, got {type(d).__name__}")
-            _check_text(d, f"documents[{i}]")
-            out.append(list(self.tokenizer(d, add_special_tokens=False)["input_ids"]))
-        return out
+        return encode_documents(self.tokenizer, documents)
 
     # ------------------------------------------------------------------ requests
     def start(
@@ -529,7 +372,7 @@ class Engine:
             if req.done:
                 raise ConfigError("request already finished: its final chunk was returned")
         t_step = time.perf_counter()
-        pending: list[_Pending] = []
+        pending: list[Pending] = []
         prefill_tokens = chunks = 0
         with torch.inference_mode():
             decoding: list[tuple[int, Request]] = []
@@ -546,14 +389,20 @@ class Engine:
                     prefilling.append((req.created_s, i, req))
                 else:
                     decoding.append((i, req))
-            budget = self._prefill_budget()
+            budget = prefill_budget(self.policy)
             for _, _, req in sorted(prefilling, key=lambda t: t[:2]):  # earliest first
                 if chunks and budget is not None and prefill_tokens + req.next_prefill_tokens() > budget:
                     break
-                prefill_tokens += self._prefill(req)
+                prefill_tokens += prefill(
+                    self.target,
+                    req,
+                    self.prefix_cache,
+                    hidden_states=self._hidden_states,
+                    eos_token_ids=self.eos_token_ids,
+                )
                 chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
-            cap = self._per_request_drafts(len(decoding)) if batch else None
+            cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
             gate = batch and self.policy.draft_time_gate
             gated: list[bool] = []  # drafted under the gate: observed after the step
             t_decode = time.perf_counter()
@@ -579,7 +428,7 @@ class Engine:
                 outs = self.target.verify(items)
                 results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
                 if any(gated):
-                    self._observe_gates(pending, results, gated, time.perf_counter() - t_decode)
+                    observe_gates(pending, results, gated, time.perf_counter() - t_decode)
         self.last_step = StepReport(
             requests=len(requests),
             verified=len(pending),
@@ -588,38 +437,7 @@ class Engine:
             prefill_chunks=chunks,
             seconds=time.perf_counter() - t_step,
         )
-        return [self._emit(req) for req in requests]
-
-    @staticmethod
-    def _observe_gates(
-        pending: Sequence[_Pending], results: Sequence[VerifyResult], gated: Sequence[bool], seconds: float
-    ) -> None:
-        """Feed each gated request's :class:`~ragspec.policy.DraftTimeGate` with this batched
-        step (``seconds``: its decoding part, drafting to commit)."""
-        if seconds <= 0:
-            return
-        rate = sum(len(r.tokens) for r in results) / seconds  # committed tokens per second
-        rows = sum(1 + p.tree.num_nodes for p in pending)
-        for p, res, g in zip(pending, results, gated):
-            if not g:
-                continue
-            nodes = p.tree.num_nodes
-            rows_s = p.request.latency(rows) - p.request.latency(rows - nodes) if nodes else 0.0
-            p.request.draft_gate.observe(res.num_accepted, rate, p.draft_s, rows_s)
-
-    def _prefill_budget(self) -> Optional[int]:
-        """Prompt tokens one step may prefill (``PolicyConfig.prefill_step_tokens``; None:
-        no limit)."""
-        if self.policy.prefill_step_tokens is not None:
-            return int(self.policy.prefill_step_tokens)
-        return int(self.policy.prefill_chunk_tokens) or None
-
-    def _per_request_drafts(self, n: int) -> int:
-        """Most draft nodes per request in a step verifying ``n`` requests: the step's row
-        budget (``max_step_rows``, default the latency model's largest measured q) shared
-        evenly, one row of each request being its root."""
-        rows = self.policy.max_step_rows or max(self.latency.table)
-        return max(0, rows // max(1, n) - 1)
+        return [take_chunk(req) for req in requests]
 
     # ------------------------------------------------------------------ thin loops
     def stream(
@@ -787,94 +605,6 @@ class Engine:
         return GenerationOutput("".join(text_parts), tokens, stats)
 
     # ------------------------------------------------------------------ stages
-    def _prefill(self, req: Request) -> int:
-        """One chunk of the request's prefill (the whole prompt when unchunked); after the
-        last one, its first token (from that chunk's last logits). Returns the tokens run."""
-        t0 = time.perf_counter()
-        cache = self.prefix_cache if req.prefill_chunk == getattr(self.prefix_cache, "chunk_tokens", -1) else None
-        logits = None
-        if cache is not None and req.prefilled == 0:
-            logits = self._load_cached_prefix(req, cache)  # the stored last logits: the whole prompt was cached
-        stats = req.stats
-        n = 0
-        if logits is None:
-            n = req.next_prefill_tokens()
-            start = req.prefilled
-            chunk = req.prompt_ids[start : start + n]
-            final = start + n == len(req.prompt_ids)
-            want_hidden = req.want_hidden or (
-                cache is not None and self._hidden_states and (n == req.prefill_chunk or final)
-            )
-            out = self.target.prefill(req.state, chunk, return_hidden=want_hidden)
-            req.prefilled += n
-            if req.want_hidden:
-                req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
-            if cache is not None and start % cache.chunk_tokens == 0:
-                if n == cache.chunk_tokens:
-                    self._store_chunk(req, cache, start, out.hidden)
-                if final:
-                    self._store_chunk(req, cache, start, out.hidden, out.logits)
-            stats.num_prefill_chunks += 1
-            if req.prefilled < len(req.prompt_ids):
-                stats.prefill_s += time.perf_counter() - t0
-                return n
-            assert out.logits is not None, "a prefill returns the last position's logits"
-            logits = out.logits
-        # the prefill counts as one forward, also when the prefix cache served all of it
-        # (decode steps stay num_forward_passes - 1)
-        stats.num_forward_passes += 1
-        res = req.verifier(DraftTree.empty(), logits, req.generator)
-        stats.prefill_s += time.perf_counter() - t0
-        stats.time_to_first_token_s = time.perf_counter() - req.started_s
-        req.root = res.bonus_token
-        self._commit_tokens(req, [req.root])
-        if req.session is not None:
-            req.session.extend([req.root])
-        return n
-
-    def _load_cached_prefix(self, req: Request, cache: PrefixCache) -> Optional[torch.Tensor]:
-        """Fill an empty request's KV cache with the stored chunks its prompt begins with.
-        Returns the last position's logits float32 [1, V] when the whole prompt was stored
-        (an identical prompt's final part), else None."""
-        blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden, salt=req.cache_salt)
-        if not blocks:
-            return None
-        self.target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
-        n = sum(int(b.tokens.numel()) for b in blocks)
-        if req.want_hidden:
-            req.session.extend_hidden(torch.cat([b.hidden for b in blocks]))  # type: ignore[union-attr, misc]
-        req.prefilled = n
-        req.stats.num_cached_prompt_tokens = n
-        return blocks[-1].logits
-
-    def _store_chunk(
-        self,
-        req: Request,
-        cache: PrefixCache,
-        start: int,
-        hidden: Optional[torch.Tensor],
-        logits: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden
-        states), or with ``logits`` the prompt's final part from ``start`` on."""
-        if logits is None:
-            stop = start + cache.chunk_tokens
-            chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens, salt=req.cache_salt)
-        else:
-            stop = len(req.prompt_ids)
-            chain = cache.final_chain(req.prompt_ids, salt=req.cache_salt)
-        if not cache.wants(chain, need_hidden=hidden is not None, tokens=None if logits is None else stop - start):
-            return
-        out = cache.reusable(chain) if logits is None else None
-        kv = self.target.export_kv(req.state, start, stop, out=out)  # type: ignore[attr-defined]
-        cache.store(
-            chain,
-            req.prompt_ids[start:stop],
-            kv,
-            None if hidden is None else hidden.detach().clone(),
-            None if logits is None else logits.detach().clone(),
-        )
-
     def _draft(
         self,
         index: int,
@@ -883,50 +613,22 @@ class Engine:
         other_committed: float = 0.0,
         cap: Optional[int] = None,
         skip: bool = False,
-    ) -> _Pending:
-        """Stage 1: the part of the session's proposal worth verifying (``other_rows``,
-        ``other_committed``: the rest of a batched step, see :meth:`step`; ``cap``: most
-        draft nodes; ``skip``: no proposal, a plain step)."""
-        max_draft = req.draft_budget(self.policy.max_draft_tokens)
-        if cap is not None:
-            max_draft = min(cap, max_draft)
-        remaining = req.decode.max_new_tokens - req.num_generated_tokens
-        past = self.target.state_length(req.state)
-        limit = self.target.max_length
-        room = (limit - past - 2) if limit else max_draft
-        budget = max(0, min(max_draft, remaining - 1, room))
-        # greedy verification needs only the output-layer rows on the accepted path
-        greedy = req.verifier.greedy and self._lazy_rows
-        t0 = time.perf_counter()
-        tree = DraftTree.empty()
-        predicted = 0.0
-        lazy = greedy
-        proposed = req.session is not None and budget > 0 and not skip
-        if proposed:
-            raw = req.session.propose(budget)  # type: ignore[union-attr]
-            # a misbehaving drafter (a damaged datastore, ...) never reaches the target
-            proposal, dropped = drop_invalid_nodes(raw, self.target.vocab_size)
-            if dropped:
-                self._dropped_invalid_drafts(req.stats, raw, proposal, dropped)
-            if proposal.num_nodes:
-                if self.policy.adaptive:
-                    choice = choose_draft(
-                        proposal,
-                        req.latency,
-                        req.acceptance,
-                        budget,
-                        lazy=greedy,
-                        other_rows=other_rows,
-                        other_committed=other_committed,
-                    )
-                    tree, predicted = choice.tree, choice.expected_accepted
-                    # a draft likely accepted from its first token: all rows' logits at once
-                    lazy = greedy and choice.lazy_logits
-                else:
-                    tree = proposal.truncate(budget)
-        # a plain step (speculation off, no budget, skipped) spends no time drafting
-        draft_s = time.perf_counter() - t0 if proposed else 0.0
-        return _Pending(index, req, tree, predicted, lazy, draft_s, past, proposed)
+    ) -> Pending:
+        """Stage 1 for one request: :func:`~ragspec.draft_choice.draft_for_step` with this
+        engine's target and policy (``other_rows``, ``other_committed``, ``cap``, ``skip``:
+        see there)."""
+        return draft_for_step(
+            self.target,
+            self.policy,
+            index,
+            req,
+            lazy_rows=self._lazy_rows,
+            on_invalid=self._dropped_invalid_drafts,
+            other_rows=other_rows,
+            other_committed=other_committed,
+            cap=cap,
+            skip=skip,
+        )
 
     def _dropped_invalid_drafts(self, stats: GenerationStats, raw: DraftTree, kept: DraftTree, dropped: int) -> None:
         """Count draft nodes dropped by :func:`~ragspec.tree.drop_invalid_nodes`; warn once
@@ -945,7 +647,7 @@ class Engine:
                 dropped,
             )
 
-    def _accept(self, p: _Pending, out: Any, t1: float, solo: bool) -> VerifyResult:
+    def _accept(self, p: Pending, out: Any, t1: float, solo: bool) -> VerifyResult:
         """Stages 2-4 for one request: verify its tree against ``out`` (the backend's
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
@@ -963,7 +665,7 @@ class Engine:
         self.target.commit(req.state, p.past, res.accepted_nodes)
         t2 = time.perf_counter()
         committed = res.tokens
-        kept = self._commit_tokens(req, committed)
+        kept = commit_tokens(req, committed, self.eos_token_ids)
         # 4. feedback
         if tree.num_nodes:
             req.acceptance.observe(tree, res)
@@ -976,82 +678,5 @@ class Engine:
         if req.session is not None and not req.finish_reason:
             req.session.extend(committed)
         req.root = committed[-1]
-        self._record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
+        record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
         return res
-
-    def _commit_tokens(self, req: Request, tokens: Sequence[int]) -> int:
-        """Pass committed tokens one by one through the stop conditions.
-
-        Returns how many of ``tokens`` were kept; sets ``req.finish_reason`` when the
-        generation ends (EOS, stop string, max_new_tokens)."""
-        eos = self.eos_token_ids
-        kept = 0
-        for t in tokens:
-            kept += 1
-            if t in eos:
-                req.assembler.add(t, with_text=False)
-                req.finish_reason = "stop"
-                break
-            if req.assembler.add(t):
-                req.finish_reason = "stop"
-                break
-            if len(req.assembler.token_ids) >= req.decode.max_new_tokens:
-                req.finish_reason = "length"
-                break
-        return kept
-
-    def _emit(self, req: Request) -> StreamChunk:
-        """The chunk of this step: new text and tokens; the last one with the stats."""
-        if not req.finish_reason:
-            text, toks = req.assembler.take()
-            return StreamChunk(text, toks)
-        stats = req.stats
-        stats.num_generated_tokens = req.num_generated_tokens
-        stats.finish_reason = req.finish_reason
-        stats.total_s = time.perf_counter() - req.started_s
-        text, toks = req.assembler.take(final=True)
-        req.done = True
-        session = req.session
-        if session is not None and SessionCapability.FINISH in session_capabilities(session):
-            tokens = list(req.assembler.token_ids)
-            session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
-        return StreamChunk(text, toks, req.finish_reason, stats)
-
-    @staticmethod
-    def _record_step(
-        stats: GenerationStats,
-        tree: DraftTree,
-        res: VerifyResult,
-        kept: int,
-        draft_s: float,
-        verify_s: float,
-        predicted: float,
-        keep_steps: bool,
-    ) -> None:
-        stats.num_forward_passes += 1
-        stats.num_drafted_tokens += tree.num_nodes
-        # accepted draft tokens that were actually kept (a stop may cut the step short)
-        acc = min(res.num_accepted, kept)
-        stats.num_accepted_tokens += acc
-        stats.draft_s += draft_s
-        stats.verify_s += verify_s
-        stats.accepted_histogram[res.num_accepted] = stats.accepted_histogram.get(res.num_accepted, 0) + 1
-        for d in range(int(tree.depth.max().item()) + 1 if tree.num_nodes else 0):
-            stats.drafted_per_position[d] = stats.drafted_per_position.get(d, 0) + 1
-            if d < res.num_accepted:
-                stats.accepted_per_position[d] = stats.accepted_per_position.get(d, 0) + 1
-        if keep_steps:
-            stats.steps.append(
-                StepStats(
-                    num_drafted=tree.num_nodes,
-                    num_accepted=res.num_accepted,
-                    num_committed=kept,
-                    draft_s=draft_s,
-                    verify_s=verify_s,
-                    source="+".join(dict.fromkeys(tree.sources)),
-                    predicted_accepted=predicted,
-                    accepted_source="+".join(dict.fromkeys(tree.sources[i] for i in res.accepted_nodes))
-                    if tree.sources
-                    else "",
-                )
-            )

@@ -134,7 +134,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
     ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
-    ("loop", ("engine", "loading", "serving")),
+    ("loop", ("prompts", "request", "prefill", "draft_choice", "engine", "loading", "serving")),
     (
         "top",
         (

@@ -1,0 +1,130 @@
+"""A request's prefill: its prompt enters its KV cache in chunks of at most
+``PolicyConfig.prefill_chunk_tokens`` tokens, one chunk per :meth:`Engine.step
+<ragspec.engine.Engine.step>` (:func:`prefill`), within the step's prompt-token budget
+(:func:`prefill_budget`); chunks already in the engine's
+:class:`~ragspec.prefix_cache.PrefixCache` are loaded instead of run
+(:func:`load_cached_prefix`), and whole chunks run are kept there (:func:`store_chunk`).
+The last chunk's last logits give the request's first token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from .backend.base import Target
+from .config import PolicyConfig
+from .prefix_cache import PrefixCache
+from .request import Request, commit_tokens
+from .types import DraftTree
+
+__all__ = ["prefill", "prefill_budget", "load_cached_prefix", "store_chunk"]
+
+
+def prefill_budget(policy: PolicyConfig) -> Optional[int]:
+    """Prompt tokens one step may prefill (``PolicyConfig.prefill_step_tokens``; None:
+    no limit)."""
+    if policy.prefill_step_tokens is not None:
+        return int(policy.prefill_step_tokens)
+    return int(policy.prefill_chunk_tokens) or None
+
+
+def prefill(
+    target: Target,
+    req: Request,
+    prefix_cache: Optional[PrefixCache],
+    *,
+    hidden_states: bool,
+    eos_token_ids: Sequence[int],
+) -> int:
+    """One chunk of the request's prefill (the whole prompt when unchunked); after the
+    last one, its first token (from that chunk's last logits, through the stop conditions
+    of ``eos_token_ids``). ``prefix_cache``: the engine's, used when its chunks are the
+    request's; ``hidden_states``: the target returns hidden states
+    (``Capability.HIDDEN_STATES``). Returns the tokens run."""
+    t0 = time.perf_counter()
+    cache = prefix_cache if req.prefill_chunk == getattr(prefix_cache, "chunk_tokens", -1) else None
+    logits = None
+    if cache is not None and req.prefilled == 0:
+        logits = load_cached_prefix(target, req, cache)  # the stored last logits: the whole prompt was cached
+    stats = req.stats
+    n = 0
+    if logits is None:
+        n = req.next_prefill_tokens()
+        start = req.prefilled
+        chunk = req.prompt_ids[start : start + n]
+        final = start + n == len(req.prompt_ids)
+        want_hidden = req.want_hidden or (cache is not None and hidden_states and (n == req.prefill_chunk or final))
+        out = target.prefill(req.state, chunk, return_hidden=want_hidden)
+        req.prefilled += n
+        if req.want_hidden:
+            req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+        if cache is not None and start % cache.chunk_tokens == 0:
+            if n == cache.chunk_tokens:
+                store_chunk(target, req, cache, start, out.hidden)
+            if final:
+                store_chunk(target, req, cache, start, out.hidden, out.logits)
+        stats.num_prefill_chunks += 1
+        if req.prefilled < len(req.prompt_ids):
+            stats.prefill_s += time.perf_counter() - t0
+            return n
+        assert out.logits is not None, "a prefill returns the last position's logits"
+        logits = out.logits
+    # the prefill counts as one forward, also when the prefix cache served all of it
+    # (decode steps stay num_forward_passes - 1)
+    stats.num_forward_passes += 1
+    res = req.verifier(DraftTree.empty(), logits, req.generator)
+    stats.prefill_s += time.perf_counter() - t0
+    stats.time_to_first_token_s = time.perf_counter() - req.started_s
+    req.root = res.bonus_token
+    commit_tokens(req, [req.root], eos_token_ids)
+    if req.session is not None:
+        req.session.extend([req.root])
+    return n
+
+
+def load_cached_prefix(target: Target, req: Request, cache: PrefixCache) -> Optional[torch.Tensor]:
+    """Fill an empty request's KV cache with the stored chunks its prompt begins with.
+    Returns the last position's logits float32 [1, V] when the whole prompt was stored
+    (an identical prompt's final part), else None."""
+    blocks = cache.lookup(req.prompt_ids, need_hidden=req.want_hidden, salt=req.cache_salt)
+    if not blocks:
+        return None
+    target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
+    n = sum(int(b.tokens.numel()) for b in blocks)
+    if req.want_hidden:
+        req.session.extend_hidden(torch.cat([b.hidden for b in blocks]))  # type: ignore[union-attr, misc]
+    req.prefilled = n
+    req.stats.num_cached_prompt_tokens = n
+    return blocks[-1].logits
+
+
+def store_chunk(
+    target: Target,
+    req: Request,
+    cache: PrefixCache,
+    start: int,
+    hidden: Optional[torch.Tensor],
+    logits: Optional[torch.Tensor] = None,
+) -> None:
+    """Keep the whole chunk just prefilled at ``start`` (its KV entries and hidden
+    states), or with ``logits`` the prompt's final part from ``start`` on."""
+    if logits is None:
+        stop = start + cache.chunk_tokens
+        chain = cache.digests(req.prompt_ids, stop // cache.chunk_tokens, salt=req.cache_salt)
+    else:
+        stop = len(req.prompt_ids)
+        chain = cache.final_chain(req.prompt_ids, salt=req.cache_salt)
+    if not cache.wants(chain, need_hidden=hidden is not None, tokens=None if logits is None else stop - start):
+        return
+    out = cache.reusable(chain) if logits is None else None
+    kv = target.export_kv(req.state, start, stop, out=out)  # type: ignore[attr-defined]
+    cache.store(
+        chain,
+        req.prompt_ids[start:stop],
+        kv,
+        None if hidden is None else hidden.detach().clone(),
+        None if logits is None else logits.detach().clone(),
+    )
