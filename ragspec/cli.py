@@ -161,6 +161,7 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
     sys.stdout.write("\n")
     from .types import GenerationOutput
 
+    assert stats is not None, "a stream's last chunk carries the request's statistics"
     out = GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stats)
     base = None
     if compare:

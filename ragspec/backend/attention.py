@@ -69,7 +69,17 @@ class AttentionBatch(Protocol):
         forward over that request alone would have them."""
 
 
-def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def _gqa_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     """transformers' SDPA attention, except that masked multi-token queries (verification)
     use SDPA's grouped-query mode instead of copying the key/value heads (``repeat_kv``).
 

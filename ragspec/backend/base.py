@@ -77,8 +77,8 @@ class Embeddings:
         logit_softcap: final logit soft-capping (Gemma-2/3: ``tanh(x / c) * c``), or None.
     """
 
-    input: torch.nn.Module
-    output: torch.nn.Module
+    input: torch.nn.Embedding
+    output: torch.nn.Linear
     logit_softcap: Optional[float] = None
 
 

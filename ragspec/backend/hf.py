@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 import torch
 
@@ -29,6 +29,9 @@ from ..tree import tree_attention_mask, tree_position_ids
 from ..types import DraftTree
 from .attention import ATTENTION_BATCH_KW, GQA_SDPA, register_gqa_attention
 from .base import Capability, DecoderLayout, Embeddings, ForwardOutput, VerifyItem
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,9 @@ def _growable_cache_class() -> type:
 
         def _owns_views(self) -> bool:
             # keys replaced from outside (not a view of the buffer): re-seat them
-            return self.keys.numel() == 0 or self.keys.data_ptr() == self._kbuf.data_ptr()
+            keys, kbuf = self.keys, self._kbuf
+            assert keys is not None and kbuf is not None  # set by lazy_initialization and _grow
+            return keys.numel() == 0 or keys.data_ptr() == kbuf.data_ptr()
 
         def _grow(self, past: int, need: int, like: torch.Tensor) -> None:
             old = 0 if self._kbuf is None else self._kbuf.shape[-2]
@@ -89,6 +94,7 @@ def _growable_cache_class() -> type:
             kbuf = torch.empty(shape, dtype=like.dtype, device=like.device)
             vbuf = torch.empty(shape, dtype=like.dtype, device=like.device)
             if past:
+                assert self.keys is not None and self.values is not None  # past entries exist
                 kbuf[..., :past, :] = self.keys
                 vbuf[..., :past, :] = self.values
             self._kbuf, self._vbuf = kbuf, vbuf
@@ -98,11 +104,14 @@ def _growable_cache_class() -> type:
             n = int(idx.numel())
             if self._kbuf is None or not self._owns_views():
                 length = self.get_seq_length()
+                assert self.keys is not None  # a layer with entries
                 self._grow(length, length, self.keys)  # re-seat keys set from outside
-            self._kbuf[..., start : start + n, :] = self._kbuf[..., idx, :]
-            self._vbuf[..., start : start + n, :] = self._vbuf[..., idx, :]
-            self.keys = self._kbuf[..., : start + n, :]
-            self.values = self._vbuf[..., : start + n, :]
+            kbuf, vbuf = self._kbuf, self._vbuf
+            assert kbuf is not None and vbuf is not None  # set by _grow
+            kbuf[..., start : start + n, :] = kbuf[..., idx, :]
+            vbuf[..., start : start + n, :] = vbuf[..., idx, :]
+            self.keys = kbuf[..., : start + n, :]
+            self.values = vbuf[..., : start + n, :]
 
     class _GrowableCache(DynamicCache):
         def __init__(self) -> None:
@@ -178,7 +187,7 @@ class KVState:
         length: tokens whose keys/values are in the cache (T).
     """
 
-    cache: object
+    cache: "DynamicCache"
     length: int = 0
 
 
@@ -244,13 +253,15 @@ class HFTarget:
     """
 
     def __init__(self, model: torch.nn.Module, *, min_logit_rows: int = 4) -> None:
-        self.model = model
-        self.config = model.config
+        self.model = cast("PreTrainedModel", model)
+        # transformers' config, decoder and output layer: their attributes depend on the
+        # model type (nn.Module's __getattr__ types them Tensor | Module), hence Any
+        self.config: Any = self.model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.min_logit_rows = min_logit_rows
-        self._decoder = model.get_decoder()
-        self._lm_head = model.get_output_embeddings()
+        self._decoder: Any = self.model.get_decoder()
+        self._lm_head: Any = self.model.get_output_embeddings()
         text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self._softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.vocab_size = int(self._lm_head.weight.shape[0])
@@ -378,12 +389,13 @@ class HFTarget:
         attention_mask: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids: int64 [1, Q] -> last hidden states [Q, H]; appends Q entries to the cache."""
+        cache_arg: dict[str, Any] = {self._cache_kw: state.cache}
         out = self._decoder_forward(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=True,
-            **{self._cache_kw: state.cache},
+            **cache_arg,
             **self._attention_extras(),
         )
         state.length += int(input_ids.shape[1])
@@ -621,10 +633,11 @@ class HFTarget:
             # local layers: also hide keys more than `window` positions behind the query
             kv_pos = torch.cat([torch.arange(past, device=self.device), pos[0]])  # [past+N+1]
             near = kv_pos[None, :] > pos[0][:, None] - self._sliding_window  # [N+1, past+N+1]
-            attn = {
+            per_type = {
                 "full_attention": attn,
                 "sliding_attention": self._mask_for_model(mask & near[None, None]),
             }
+            return pos, per_type
         return pos, attn
 
     def _mask_for_model(self, mask: torch.Tensor) -> torch.Tensor:

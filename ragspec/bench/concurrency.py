@@ -404,8 +404,12 @@ def level_ceilings(
     for n in levels:
         total = max(len(spans), n)
         share = {}
+
+        def share_s(q: int, n: int = n) -> float:
+            return step_s(n, q) / n  # a request's share of an N-request step of q rows each
+
         for k in range(len(spans)):
-            share[k] = fastest_schedule(spans[k], lambda q, n=n: step_s(n, q) / n)
+            share[k] = fastest_schedule(spans[k], share_s)
         decode_s = sum(share[k % len(spans)][0] for k in range(total))
         steps = sum(share[k % len(spans)][1] for k in range(total))
         tokens = sum(len(spans[k % len(spans)]) for k in range(total))

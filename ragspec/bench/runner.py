@@ -30,7 +30,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -354,14 +354,17 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
     for r in records:
         groups.setdefault(category_group(r.category), []).append(r)
     groups["all"] = list(records)
-    table = {}
+    table: dict[str, dict[str, Any]] = {}
     for g, rs in groups.items():
         if not rs:
             continue
         base_tps = sum(r.baseline_tokens for r in rs) / max(1e-9, sum(r.baseline_s for r in rs))
         rs_tps = sum(r.ragspec_tokens for r in rs) / max(1e-9, sum(r.ragspec_s for r in rs))
+        # (seconds and tokens are set together: `or 0` only narrows their Optional types)
         pld = [r for r in rs if r.hf_pld_s is not None]
-        pld_tps = sum(r.hf_pld_tokens for r in pld) / max(1e-9, sum(r.hf_pld_s for r in pld)) if pld else None
+        pld_tps = (
+            sum(r.hf_pld_tokens or 0 for r in pld) / max(1e-9, sum(r.hf_pld_s or 0.0 for r in pld)) if pld else None
+        )
         steps = sum(r.forward_passes - 1 for r in rs)
         table[g] = {
             "prompts": len(rs),
@@ -386,7 +389,7 @@ def summarize(records: Sequence[BenchRecord]) -> dict:
         }
         static = [r for r in rs if r.static_s is not None]
         if static:
-            st_tps = sum(r.static_tokens for r in static) / max(1e-9, sum(r.static_s for r in static))
+            st_tps = sum(r.static_tokens or 0 for r in static) / max(1e-9, sum(r.static_s or 0.0 for r in static))
             table[g]["static_tok_s"] = st_tps
             table[g]["static_speedup"] = st_tps / base_tps if base_tps else None
             table[g]["static_identical"] = sum(bool(r.static_identical) for r in static)
@@ -406,7 +409,7 @@ def format_table(table: dict, sampling: bool = False) -> str:
     """The summary as a text table: one row per category group; a ``static tok/s``
     column when the static-cache baseline ran, one ``ragspec@B`` column per extra draft
     budget; identity as ``identical/prompts`` and the earliest first divergence."""
-    any_row = next(iter(table.values()), {})
+    any_row: dict[str, Any] = next(iter(table.values()), {})
     static = "static_tok_s" in any_row
     budgets = [k for k in any_row if k.startswith("ragspec@")]
     variants = [k for k in any_row if k.startswith("ragspec:")]

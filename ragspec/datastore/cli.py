@@ -317,7 +317,7 @@ def _text_contexts(tokenizer: Any, inputs: Sequence[str], num: int, length: int,
 
     rng = np.random.default_rng(seed)
     texts = [t for _, docs in iter_documents(inputs) for t in docs if t.strip()]
-    out = []
+    out: list[list[int]] = []
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         out.extend(ids[max(0, e - length) : e] for e in range(2, len(ids)))
     if len(out) > num:

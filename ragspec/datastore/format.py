@@ -401,7 +401,7 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
 def write_array(path: Path, array: np.ndarray) -> FileEntry:
     """Write a contiguous array's raw bytes, fsync, and return its size and sha256."""
     arr = np.ascontiguousarray(array)
-    buf = memoryview(arr).cast("B")
+    buf = arr.data.cast("B")
     h = hashlib.sha256()
     with open(path, "wb") as f:
         for start in range(0, len(buf), _HASH_BLOCK):

@@ -68,7 +68,7 @@ class Continuation(NamedTuple):
     """
 
     tokens: tuple[int, ...]
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the public field name
     match_len: int
 
 

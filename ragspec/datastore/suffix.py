@@ -31,8 +31,9 @@ Worked example (tokens, separator written as |)::
 from __future__ import annotations
 
 import logging
+import mmap
 import sys
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 
@@ -159,7 +160,7 @@ def encode_reversed_key(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype=np.int64)[::-1].astype(">i4").tobytes()
 
 
-def reversed_bytes(tok: bytes | memoryview, end: int, nbytes: int) -> bytes:
+def reversed_bytes(tok: bytes | mmap.mmap, end: int, nbytes: int) -> bytes:
     """Up to ``nbytes`` bytes of the reversed prefix ending at token ``end`` of ``tok``
     (little-endian int32 bytes), as big-endian tokens, last token first."""
     stop = end << 2
@@ -175,7 +176,7 @@ def common_tokens(a: bytes, b: bytes) -> int:
     return same >> 2
 
 
-def lower_bound(tok: bytes | memoryview, sa: Sequence[int], key: bytes, lo: int, hi: int) -> int:
+def lower_bound(tok: bytes | mmap.mmap, sa: Sequence[int], key: bytes, lo: int, hi: int) -> int:
     """First index i in [lo, hi) whose reversed prefix (first len(key) bytes) is >= key, or hi.
 
     Args:
@@ -195,7 +196,7 @@ def lower_bound(tok: bytes | memoryview, sa: Sequence[int], key: bytes, lo: int,
     return lo
 
 
-def upper_bound(tok: bytes | memoryview, sa: Sequence[int], key: bytes, lo: int, hi: int) -> int:
+def upper_bound(tok: bytes | mmap.mmap, sa: Sequence[int], key: bytes, lo: int, hi: int) -> int:
     """First index i in [lo, hi) whose reversed prefix (first len(key) bytes) is > key, or hi."""
     kb = len(key)
     while lo < hi:
@@ -209,7 +210,7 @@ def upper_bound(tok: bytes | memoryview, sa: Sequence[int], key: bytes, lo: int,
     return lo
 
 
-def upper_bound_from(tok: bytes | memoryview, sa: Sequence[int], key: bytes, anchor: int, hi: int) -> int:
+def upper_bound_from(tok: bytes | mmap.mmap, sa: Sequence[int], key: bytes, anchor: int, hi: int) -> int:
     """:func:`upper_bound` by galloping up from ``anchor`` (an index whose reversed prefix
     starts with ``key``): O(log r) for a range of r occurrences instead of O(log n)."""
     kb = len(key)
@@ -226,7 +227,7 @@ def upper_bound_from(tok: bytes | memoryview, sa: Sequence[int], key: bytes, anc
     return upper_bound(tok, sa, key, prev + 1, hi)
 
 
-def lower_bound_from(tok: bytes | memoryview, sa: Sequence[int], key: bytes, anchor: int, lo: int = 0) -> int:
+def lower_bound_from(tok: bytes | mmap.mmap, sa: Sequence[int], key: bytes, anchor: int, lo: int = 0) -> int:
     """:func:`lower_bound` by galloping down from ``anchor`` (an index whose reversed prefix
     starts with ``key``)."""
     kb = len(key)
@@ -243,7 +244,7 @@ def lower_bound_from(tok: bytes | memoryview, sa: Sequence[int], key: bytes, anc
     return lower_bound(tok, sa, key, lo, prev)
 
 
-def longest_match(tok: bytes | memoryview, sa: Sequence[int], n: int, key: bytes, min_len: int) -> tuple[int, int, int]:
+def longest_match(tok: bytes | mmap.mmap, sa: Sequence[int], n: int, key: bytes, min_len: int) -> tuple[int, int, int]:
     """The longest prefix of ``key`` (a reversed context) that some entry starts with.
 
     Example: see the module docstring (key [5, 9] -> length 1, range (0, 2)).
@@ -274,8 +275,8 @@ def sa_view(sa: np.ndarray) -> Sequence[int]:
     """
     native = (sa.dtype.byteorder == "=") or (sa.dtype.byteorder == "<" and sys.byteorder == "little")
     if native and sa.flags["C_CONTIGUOUS"] and sa.dtype.itemsize in (4, 8):
-        return memoryview(sa).cast("B").cast("i" if sa.dtype.itemsize == 4 else "q")
-    return sa
+        return sa.data.cast("B").cast("i" if sa.dtype.itemsize == 4 else "q")
+    return cast(Sequence[int], sa)  # indexes like one (numpy ints)
 
 
 assert TOKEN_DTYPE == np.dtype("<i4"), "the searches rely on little-endian int32 tokens"

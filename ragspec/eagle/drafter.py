@@ -325,14 +325,16 @@ class EagleSession:
         k = max(1, min(cfg.top_k, max_nodes))
         depth = max(1, min(cfg.depth, max_nodes, self._levels(cfg.depth)))
         log_min = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else -math.inf
-        dev = self._last_pred.device
+        last = self._last_pred
+        assert last is not None  # set by _catch_up
+        dev = last.device
         # node pool (sub-vocabulary token indices until the end)
         tok: list[int] = []
         par: list[int] = []
         dep: list[int] = []
         cum: list[float] = []
         cond: list[float] = []
-        logp = torch.log_softmax(d.draft_logits(self._last_pred[None]), dim=-1)  # [1, Vd]
+        logp = torch.log_softmax(d.draft_logits(last[None]), dim=-1)  # [1, Vd]
         vals, idx = torch.topk(logp[0], k)  # [k]
         for v, i in zip(vals.tolist(), idx.tolist()):
             tok.append(i)
@@ -341,7 +343,7 @@ class EagleSession:
             cum.append(v)
             cond.append(v)
         frontier = list(range(len(tok)))
-        parent_feat = self._last_pred[None].expand(len(frontier), -1)  # [k, H] feature each frontier pair uses
+        parent_feat = last[None].expand(len(frontier), -1)  # [k, H] feature each frontier pair uses
         entry_of: dict[int, int] = {}  # node -> index of its draft cache entry
         anc_rows: dict[int, torch.Tensor] = {}  # node -> bool [max_entries] ancestors' (and own) entries
         max_entries = k * max(0, depth - 1)

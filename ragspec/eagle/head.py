@@ -121,11 +121,15 @@ class EagleHead(nn.Module):
     ``draft_vocab`` is saved too. About 4.2M parameters for the default model (H = 576).
     """
 
+    draft_vocab: torch.Tensor  # the registered buffer [Vd]
+    new_cache: Callable[[], Any]  # set by from_target: an empty KV cache for ``layer``
+    _fast_linears: bool  # set by EagleDrafter once its linears are routed to the backend's kernels
+
     def __init__(
         self,
         config,
-        embed_tokens: nn.Module,
-        lm_head: nn.Module,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
         *,
         layer_cls: type,
         rotary_cls: type,
@@ -184,11 +188,11 @@ class EagleHead(nn.Module):
 
     # ------------------------------------------------------------------ shared parts
     @property
-    def embed_tokens(self) -> nn.Module:
+    def embed_tokens(self) -> nn.Embedding:
         return self._shared[0]
 
     @property
-    def lm_head(self) -> nn.Module:
+    def lm_head(self) -> nn.Linear:
         return self._shared[1]
 
     @property

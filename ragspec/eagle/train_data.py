@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -212,7 +212,7 @@ def generate_responses(
             p = list(prompts[i])
             ids[r, width - len(p) :] = torch.tensor(p)
             mask[r, width - len(p) :] = 1
-        sample_kw = dict(do_sample=False)
+        sample_kw: dict[str, Any] = dict(do_sample=False)
         if temperature > 0:
             torch.manual_seed(seed + b)
             sample_kw = dict(do_sample=True, temperature=temperature, top_p=0.95, top_k=0)

@@ -46,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ragspec.errors import ConfigError, RagspecError
 from ragspec.progress import step
@@ -246,7 +246,7 @@ class _RayMetricsMirror:
                 if gauge is None:
                     gauge = Gauge(sample.name, description=family.documentation, tag_keys=keys)
                     self._gauges[(sample.name, keys)] = gauge
-                gauge.set(float(sample.value), tags=dict(sample.labels) or None)
+                gauge.set(float(sample.value), tags=dict(sample.labels) or None)  # type: ignore[arg-type]  # None: no tags
                 n += 1
         return n
 
@@ -271,7 +271,9 @@ class RagspecReplica:
         metrics_interval_s: how often its metrics are copied into Ray's (0: never).
     """
 
-    async def __init__(self, settings: ServerSettings, threads: int, metrics_interval_s: float = 5.0) -> None:
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async __init__
+        self, settings: ServerSettings, threads: int, metrics_interval_s: float = 5.0
+    ) -> None:
         import torch
 
         from ragspec.serving import load_serving
@@ -322,8 +324,9 @@ class RagspecReplica:
         return app
 
     def __del__(self) -> None:
-        if getattr(self, "mirror", None) is not None:
-            self.mirror.stop()
+        mirror = getattr(self, "mirror", None)
+        if mirror is not None:
+            mirror.stop()
 
     def check_health(self) -> None:
         """Called by Ray Serve when the replica starts and every ``health_check_period_s``.
@@ -514,8 +517,8 @@ def connect(
     system_config = {"agent_register_timeout_ms": 180_000, "worker_register_timeout_seconds": 180}
     system_config.update(_system_config or {})
     ray.init(
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
+        num_cpus=num_cpus,  # type: ignore[arg-type]  # Ray takes fractional CPUs
+        num_gpus=num_gpus,  # type: ignore[arg-type]
         object_store_memory=object_store_memory,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -527,7 +530,7 @@ def connect(
     return True
 
 
-def start_error(exc: BaseException) -> Optional[str]:
+def start_error(exc: Union[BaseException, str]) -> Optional[str]:
     """The one-line :class:`ReplicaStartError` inside Ray Serve's deploy failure, if any."""
     found = _START_ERROR.findall(str(exc))
     return found[-1].strip() if found else None

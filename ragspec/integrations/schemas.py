@@ -65,10 +65,11 @@ MAX_CACHE_SALT = 256
 """Most characters of a ``cache_salt``."""
 
 
-def _bounded(item: Any, max_length: int) -> Any:
-    """``list[item]`` of at most ``max_length`` items that stops at its first invalid item
-    (no error per item: a list of a million wrong values costs one error, not a million)."""
-    return Annotated[list[item], Field(max_length=max_length, fail_fast=True)]
+def _at_most(max_length: int) -> Any:
+    """The constraint of a list field (``Annotated[list[item], _at_most(n)]``): at most
+    ``max_length`` items, validation stopping at the first invalid item (no error per item: a
+    list of a million wrong values costs one error, not a million)."""
+    return Field(max_length=max_length, fail_fast=True)
 
 
 class _Body(BaseModel):
@@ -108,7 +109,7 @@ class _Sampling(_Body):
     top_k: Optional[int] = Field(default=None, ge=0)
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     """Seed of this request's own random generator (sampling only)."""
-    stop: Optional[Union[StrictStr, _bounded(StrictStr, MAX_STOP)]] = None
+    stop: Optional[Union[StrictStr, Annotated[list[StrictStr], _at_most(MAX_STOP)]]] = None
     """Stop string(s): the text from the first match on is dropped."""
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -121,7 +122,7 @@ class _Sampling(_Body):
     cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
     (and, with API keys, the same key)."""
-    documents: Optional[_bounded(StrictStr, MAX_DOCUMENTS)] = None
+    documents: Optional[Annotated[list[StrictStr], _at_most(MAX_DOCUMENTS)]] = None
     """Extra texts the drafter may copy from."""
     user: Optional[str] = None
     """Accepted, ignored."""
@@ -145,7 +146,11 @@ class _OpenAIExtras(_Body):
 class CompletionRequest(_Sampling, _OpenAIExtras):
     """``POST /v1/completions``."""
 
-    prompt: Union[StrictStr, _bounded(StrictStr, MAX_PROMPT_IDS), _bounded(StrictInt, MAX_PROMPT_IDS)]
+    prompt: Union[
+        StrictStr,
+        Annotated[list[StrictStr], _at_most(MAX_PROMPT_IDS)],
+        Annotated[list[StrictInt], _at_most(MAX_PROMPT_IDS)],
+    ]
     """Text, a list of one text, or token ids."""
     echo: Optional[bool] = None
     best_of: Optional[int] = None
@@ -154,11 +159,11 @@ class CompletionRequest(_Sampling, _OpenAIExtras):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, _bounded(dict[str, Any], MAX_CONTENT_PARTS)]] = None
+    content: Optional[Union[StrictStr, Annotated[list[dict[str, Any]], _at_most(MAX_CONTENT_PARTS)]]] = None
     """Text, or a list of ``{"type": "text", "text": ...}`` parts."""
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
-    tool_calls: Optional[_bounded(dict[str, Any], MAX_TOOLS)] = None
+    tool_calls: Optional[Annotated[list[dict[str, Any]], _at_most(MAX_TOOLS)]] = None
     refusal: Optional[str] = None
 
     def text(self) -> str:
@@ -185,7 +190,7 @@ class ChatCompletionRequest(_Sampling, _OpenAIExtras):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     top_logprobs: Optional[int] = None
-    tools: Optional[_bounded(dict[str, Any], MAX_TOOLS)] = None
+    tools: Optional[Annotated[list[dict[str, Any]], _at_most(MAX_TOOLS)]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
@@ -193,7 +198,7 @@ class ChatCompletionRequest(_Sampling, _OpenAIExtras):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
-    modalities: Optional[_bounded(StrictStr, 16)] = None
+    modalities: Optional[Annotated[list[StrictStr], _at_most(16)]] = None
     reasoning_effort: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -213,7 +218,7 @@ class SummarizeRequest(_Body):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
-    stop: Optional[Union[StrictStr, _bounded(StrictStr, MAX_STOP)]] = None
+    stop: Optional[Union[StrictStr, Annotated[list[StrictStr], _at_most(MAX_STOP)]]] = None
     stream: Optional[bool] = False
     datastore: Optional[StrictStr] = None
     """Name of a datastore the server was started with (never a path)."""

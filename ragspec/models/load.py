@@ -187,7 +187,7 @@ def load_model(
             if in_memory is None:
                 model = _load_hf_model(folder, torch_dtype)
             else:
-                model = in_memory.to(dtype=torch_dtype)
+                model = in_memory.to(dtype=torch_dtype)  # type: ignore[call-arg]  # transformers' wrapped .to
     elif spec.kind == "hf":
         if not spec.path.is_dir():
             raise ModelNotFoundError(f"model folder {spec.path} does not exist")
@@ -196,7 +196,7 @@ def load_model(
     else:
         raise ConfigError(f"unknown model kind {spec.kind!r} (expected 'gguf' or 'hf')")
     model.eval()
-    model.to(dev)
+    model.to(dev)  # type: ignore[arg-type]  # transformers' wrapped .to takes a device
     logger.info("loaded %s (%s, %s on %s) in %.2f s", spec.name, spec.kind, torch_dtype, dev, time.perf_counter() - t0)
     return model, tokenizer
 
@@ -274,7 +274,7 @@ def model_info(
         "sha256": spec.sha256,
         "architecture": architectures[0],
         "num_parameters": int(model.num_parameters()),
-        "vocab_size": int(getattr(text_config, "vocab_size", None) or model.get_input_embeddings().num_embeddings),
+        "vocab_size": int(getattr(text_config, "vocab_size", None) or model.get_input_embeddings().num_embeddings),  # type: ignore[arg-type]  # nn.Embedding
         "tokenizer_vocab_size": len(tokenizer) if tokenizer is not None else None,
         "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
         "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,

@@ -53,7 +53,8 @@ def _tokenizers_agree(a: "PreTrainedTokenizerBase", b: "PreTrainedTokenizerBase"
     texts = list(_PROBE_TEXTS) + ["".join(str(t) for t in a.all_special_tokens) + " after specials"]
     if a.chat_template:
         messages = [{"role": "user", "content": _PROBE_TEXTS[0]}]
-        texts.append(a.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        # tokenize=False: the rendered text (a str; typed as any of the tokenized forms)
+        texts.append(str(a.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)))
     for text in texts:
         ids_a = a(text, add_special_tokens=True)["input_ids"]
         ids_b = b(text, add_special_tokens=True)["input_ids"]

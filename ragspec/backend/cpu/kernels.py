@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -167,7 +168,7 @@ def missing_sources() -> list[str]:
     return [path.name for path in _HASHED if not path.is_file()]
 
 
-def _import_built(path: Path):
+def _import_built(path: Path) -> ModuleType:
     """Import the built extension from ``path`` (no build system, no lock: works from a
     read-only cache); once per process (``sys.modules``)."""
     loaded = sys.modules.get(_NAME)
@@ -183,7 +184,7 @@ def _import_built(path: Path):
     return module
 
 
-def _build(final: Path) -> object:
+def _build(final: Path) -> ModuleType:
     """Compile into a private temporary folder next to ``final`` and move the library into
     place (an atomic rename): concurrent builders never wait on each other's lock, and a
     build killed half-way leaves only its own temporary folder (removed by later builds

@@ -80,7 +80,9 @@ class NativeKVState:
         return int(self.buffer.shape[3])
 
 
-def _linear_modules(layer: torch.nn.Module) -> dict[str, Any]:
+def _linear_modules(layer: Any) -> dict[str, Any]:
+    """A transformers decoder layer's seven linears by role (its submodules are dynamic
+    attributes, hence ``Any``)."""
     attn, mlp = layer.self_attn, layer.mlp
     return {
         "q": attn.q_proj,
@@ -168,13 +170,14 @@ def _group(modules: Sequence[torch.nn.Linear], gguf: Mapping[int, "GGUFWeight"])
     of several, the same values row for row), else one entry each (float32 weights are not
     copied)."""
     twins = [gguf.get(m.weight.data_ptr()) for m in modules]
+    blocks = [t for t in twins if t is not None]
     biased = {m.bias is not None for m in modules}
-    if all(t is not None for t in twins) and len({t.fmt for t in twins}) == 1 and len(biased) == 1:
-        qs = torch.cat([t.qs for t in twins], dim=0).contiguous()
-        scales = torch.cat([t.scales for t in twins], dim=0).contiguous()
+    if len(blocks) == len(twins) and len({t.fmt for t in blocks}) == 1 and len(biased) == 1:
+        qs = torch.cat([t.qs for t in blocks], dim=0).contiguous()
+        scales = torch.cat([t.scales for t in blocks], dim=0).contiguous()
         bias = torch.cat([m.bias.detach() for m in modules]).contiguous() if biased == {True} else None
         out = sum(int(m.weight.shape[0]) for m in modules)
-        return [(None, qs, scales, int(twins[0].fmt), bias, out, int(modules[0].weight.shape[1]))]
+        return [(None, qs, scales, int(blocks[0].fmt), bias, out, int(modules[0].weight.shape[1]))]
     return [_spec(m, t) for m, t in zip(modules, twins)]
 
 
@@ -199,7 +202,7 @@ class NativeDecoder:
     def __init__(
         self,
         step_cls: type,
-        decoder: torch.nn.Module,
+        decoder: Any,
         gguf: Optional[Mapping[int, "GGUFWeight"]] = None,
         kv_dtype: torch.dtype = torch.float32,
         *,
@@ -274,7 +277,7 @@ class NativeDecoder:
         view = types.SimpleNamespace(
             config=config, layers=list(layers), rotary_emb=rotary_emb, norm=None, embed_tokens=None
         )
-        return cls(step_cls, view, gguf, final_norm=False)  # type: ignore[arg-type]
+        return cls(step_cls, view, gguf, final_norm=False)
 
     def new_state(self, capacity: int = 0) -> NativeKVState:
         """An empty KV state (a buffer of ``capacity`` positions; 0: allocated on first use)."""

@@ -222,8 +222,10 @@ class GGUFWeight:
         scales = np.stack([scale, offset], axis=-1).reshape(rows, cols // _BLOCK, 2)
         # 4 chunks of 32 bytes per super-block: byte j holds weight j of block 2c (low nibble)
         # and weight j of block 2c + 1 (high)
-        nib = sup[..., 16:].reshape(rows, -1, 4, 1, _BLOCK) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-        nib = (nib & 0x0F).reshape(rows, cols // _BLOCK, _BLOCK)  # [O, B, 32] weights in order
+        halves = sup[..., 16:].reshape(rows, -1, 4, 1, _BLOCK) >> np.array([0, 4], dtype=np.uint8).reshape(
+            1, 1, 1, 2, 1
+        )
+        nib = (halves & 0x0F).reshape(rows, cols // _BLOCK, _BLOCK)  # [O, B, 32] weights in order
         qs = nib[..., :16] | (nib[..., 16:] << 4)  # Q4_1's order: byte j = weight j, j + 16
         return cls(torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, cols // 2)), torch.from_numpy(scales), Q4_1)
 
@@ -307,7 +309,7 @@ def _half(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
 
 
-def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
+def read_gguf_weights(path: Union[str, os.PathLike]) -> list[GGUFWeight]:
     """The 2-D Q4_1, Q8_0, Q5_0, Q4_K and Q6_K tensors of a GGUF file as :class:`GGUFWeight`
     (rows = the file's ``ne1``, i.e. a linear layer's out-features); other tensors are skipped.
 
@@ -316,7 +318,7 @@ def read_gguf_weights(path: Union[str, Path]) -> list[GGUFWeight]:
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
-    formats = {
+    formats: dict[GGMLQuantizationType, Union[int, str]] = {
         GGMLQuantizationType.Q4_1: Q4_1,
         GGMLQuantizationType.Q8_0: Q8_0,
         GGMLQuantizationType.Q5_0: "Q5_0",
@@ -367,7 +369,7 @@ def match_gguf_weights(candidates: list[GGUFWeight], weights: Mapping[str, torch
             salts[cols] = torch.randint(1, 1 << 16, (cols,), generator=gen, dtype=torch.int64)
         return salts[cols]
 
-    def key(rows: torch.Tensor, shape: tuple[int, int]) -> tuple:
+    def key(rows: torch.Tensor, shape: tuple[int, ...]) -> tuple:
         return (shape, hashlib.sha256(np.sort(rows.numpy()).tobytes()).hexdigest())
 
     wanted = {n: w for n, w in weights.items() if w.dim() == 2 and w.dtype == torch.float32}
@@ -442,7 +444,7 @@ def _save_cached(cache: Path, matched: Mapping[str, GGUFWeight]) -> None:
 
 
 def load_gguf_weights(
-    path: Union[str, Path], weights: Mapping[str, torch.Tensor], cache: Optional[Path] = None
+    path: Union[str, os.PathLike], weights: Mapping[str, torch.Tensor], cache: Optional[Path] = None
 ) -> dict[str, GGUFWeight]:
     """:func:`match_gguf_weights` over the tensors of the GGUF at ``path``, remembered in
     ``cache`` (a safetensors file): gguf-py parses the default model's file in ~4 s (its

@@ -74,6 +74,9 @@ def _buffer_cache(buffer: torch.Tensor, length: int):
     from transformers.cache_utils import DynamicLayer
 
     class _BufferLayer(DynamicLayer):
+        keys: torch.Tensor  # views of the buffer from __init__ on (never None)
+        values: torch.Tensor
+
         def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
             super().__init__()
             self._kbuf, self._vbuf = kbuf, vbuf  # [H_kv, C, d] each
@@ -383,7 +386,9 @@ class CPUTarget(HFTarget):
         )
         return n
 
-    def use_gguf_weights(self, path: "str | Path", kernel: Optional["QuantLinear"], numerics: str = "exact") -> int:
+    def use_gguf_weights(
+        self, path: "str | os.PathLike", kernel: Optional["QuantLinear"], numerics: str = "exact"
+    ) -> int:
         """Keep the decoder's linear weights and the output layer's in the GGUF file's own
         block formats (:mod:`ragspec.backend.cpu.quant`: Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) for
         ragspec's few-row forwards, through the compiled ``quant_linear`` kernel: the same output bit for bit as the

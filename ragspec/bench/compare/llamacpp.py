@@ -219,10 +219,15 @@ class LlamaCppRunner:
             "llama.cpp loaded %s (n_ctx %d, %d threads) in %.2f s", self.model_path, n_ctx, self.threads, self.load_s
         )
 
+    def _loaded(self) -> Any:
+        """The loaded ``llama_cpp.Llama`` (after :meth:`prepare`)."""
+        assert self._llama is not None, "prepare() loads the model first"
+        return self._llama
+
     def _argmax(self) -> int:
         import numpy as np
 
-        ptr = self._module.llama_get_logits_ith(self._llama.ctx, -1)
+        ptr = self._module.llama_get_logits_ith(self._loaded().ctx, -1)
         return int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()) -> PlainRun:
@@ -239,7 +244,7 @@ class LlamaCppRunner:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.prepare(len(ids) + max_new_tokens)
-        llama = self._llama
+        llama = self._loaded()
         stop = {int(e) for e in eos}
         llama.reset()
         t0 = time.perf_counter()
@@ -296,7 +301,7 @@ class LlamaCppRunner:
         params.n_seq_max = slots
         params.kv_unified = True
         params.n_threads = params.n_threads_batch = self.threads
-        ctx = lc.llama_init_from_model(self._llama.model, params)
+        ctx = lc.llama_init_from_model(self._loaded().model, params)
         if not ctx:
             raise ModelLoadError(f"llama.cpp cannot make a {slots}-sequence context for {self.model_path}")
         cap = self.n_batch + slots
