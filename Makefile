@@ -35,6 +35,7 @@ lint: setup
 	$(BIN)/ruff check $(LINT)
 	$(BIN)/ruff format --check $(LINT)
 	$(BIN)/mypy
+	$(BIN)/python scripts/check_doc_links.py
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
