@@ -140,7 +140,28 @@ install_wheels() {
   # the wheels the device image lacks (gguf: transformers reads GGUF files with it)
   ls "$C"/wheels/*.whl >/dev/null 2>&1 || { echo "no carried wheels in $C/wheels (run scripts/gpu_prepare.sh)"; return 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$C"/wheels/*.whl \
-    && "$PY" -c "import gguf, ragspec; print('gguf', gguf.__file__, '| ragspec', ragspec.__file__)"
+    || return 1
+  # the fallbacks (accelerate: transformers reads a GGUF file only with it; psutil: accelerate's)
+  # only where the image lacks them: the image's own versions stay in front otherwise
+  local w mod
+  for w in "$C"/fallback/*.whl; do
+    [ -f "$w" ] || continue
+    mod=$(basename "$w" | cut -d- -f1)
+    if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$mod') is None)"; then continue; fi
+    echo "$mod: not on this image, installing the carried $(basename "$w")"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$w" || return 1
+  done
+  "$PY" -c "import gguf, ragspec; print('gguf', gguf.__file__, '| ragspec', ragspec.__file__)" || return 1
+  "$PY" - <<'PYEOF'
+import importlib.metadata as md
+names = ("torch", "triton", "transformers", "accelerate", "psutil", "gguf", "huggingface_hub", "tokenizers", "safetensors", "numpy")
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "MISSING"
+print("packages: " + ", ".join(f"{n} {version(n)}" for n in names))
+PYEOF
 }
 
 stash_part() {

