@@ -75,6 +75,7 @@ def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "device_present": device,
         "device_name": torch.cuda.get_device_name(0) if device else None,
         "torch_cuda": torch.version.cuda,
+        "triton": cuda_kernels.triton_available(),
         "backend_available": reason is None,
         "reason": reason,
     }

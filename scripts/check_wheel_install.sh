@@ -11,11 +11,12 @@
 #    temporary folder: the kernels are compiled from the installed package's sources, a few
 #    minutes on 2 cores): `ragspec model fetch` (or RAGSPEC_CHECK_MODEL=a GGUF file already
 #    fetched, to save the download), `ragspec generate ... --max-new-tokens 16` and
-#    `ragspec doctor --json`.
-# It fails unless generation succeeds, doctor says the compiled CPU kernels are active, and no
-# kernel warning (one that says torch's kernels are used instead) was printed. The compile
-# notice of the first use ("compiling the CPU decoding kernel") is expected, not a warning of
-# a fallback. KEEP_CHECK_DIR=1 keeps the temporary folder for a look afterwards.
+#    `ragspec doctor --json --model` (the same model).
+# It fails unless generation succeeds, doctor says the compiled CPU kernels are active and the
+# model's native decoder step runs, and no kernel warning (one that says torch's kernels are
+# used instead) was printed. The compile notice of the first use ("compiling the CPU decoding
+# kernel") is expected, not a warning of a fallback. KEEP_CHECK_DIR=1 keeps the temporary
+# folder for a look afterwards.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -61,7 +62,7 @@ say "generating (the first use compiles the kernels: minutes on a small CPU)"
 "$VBIN/ragspec" generate --model "$MODEL" "What is speculative decoding?" --max-new-tokens 16 \
     >"$WORK/generate.out" 2>"$WORK/generate.err" || { cat "$WORK/generate.err" >&2; fail "ragspec generate"; }
 cat "$WORK/generate.out"
-"$VBIN/ragspec" doctor --json >"$WORK/doctor.json" 2>"$WORK/doctor.err" \
+"$VBIN/ragspec" doctor --json --model "$MODEL" >"$WORK/doctor.json" 2>"$WORK/doctor.err" \
     || { cat "$WORK/doctor.err" >&2; fail "ragspec doctor"; }
 
 # a kernel warning: any warning that names a kernel, except the first use's compile notice
@@ -69,11 +70,11 @@ if grep -i "warning" "$WORK/generate.err" "$WORK/doctor.err" | grep -i "kernel" 
     | grep -v "compiling the CPU decoding kernel (first use only"; then
     fail "a kernel warning was printed (above)"
 fi
-"$VBIN/python" - "$WORK/doctor.json" <<'EOF' || fail "the compiled CPU kernels are not active (doctor's report above)"
+"$VBIN/python" - "$WORK/doctor.json" <<'EOF' || fail "the fast path does not run (doctor's report above)"
 import json, sys
 report = json.load(open(sys.argv[1]))
-kernels = report["cpu_kernels"]
-print(json.dumps({"cpu_kernels": kernels, "cache": report["cache"], "versions": report["versions"]}, indent=1))
-sys.exit(0 if kernels["active"] else 1)
+shown = ("cpu_kernels", "native_step", "model", "cache", "versions")
+print(json.dumps({key: report[key] for key in shown}, indent=1))
+sys.exit(0 if report["cpu_kernels"]["active"] and report["native_step"]["runs"] else 1)
 EOF
 say "ok: the wheel installs, the kernels build and load from an empty cache, generation runs the fast path"

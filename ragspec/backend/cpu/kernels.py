@@ -56,7 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -185,7 +185,7 @@ def _import_built(path: Path):
     return module
 
 
-def _build(final: Path) -> object:
+def _build(final: Path) -> Any:
     """Compile into a private temporary folder next to ``final`` and move the library into
     place (an atomic rename): concurrent builders never wait on each other's lock, and a
     build killed half-way leaves only its own temporary folder (removed by later builds
@@ -320,7 +320,7 @@ def _load_module(cache_dir: Optional[Path] = None):
     return _load_module_why(cache_dir)[0]
 
 
-def _load_module_why(cache_dir: Optional[Path] = None, build: bool = True) -> tuple[object, Optional[str], str]:
+def _load_module_why(cache_dir: Optional[Path] = None, build: bool = True) -> tuple[Any, Optional[str], str]:
     """(module or None, why not: None when loaded, the status (:data:`KERNEL_STATES`)).
     ``build`` False: a library not in the cache is not compiled (status ``"not_built"``)."""
     if not _cpu_supported():
@@ -442,8 +442,8 @@ def kernel_status(
         return KernelStatus(state, reason, kernel_dir=folder, missing_sources=missing)
     return KernelStatus(
         "active",
-        isa=str(module.cpu_isa()),  # type: ignore[attr-defined]
-        fast_numerics=bool(module.fast_numerics_supported()),  # type: ignore[attr-defined]
+        isa=str(module.cpu_isa()),
+        fast_numerics=bool(module.fast_numerics_supported()),
         decoder_step=getattr(module, "DecoderStep", None) is not None,
         kernel_dir=folder,
     )
