@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default=os.environ.get("RAGSPEC_MODEL"))
     i.add_argument("--device", default=None)
     i.add_argument("--dtype", default=None)
-    i.add_argument("--json", action="store_true", help="as JSON, with the kernels in use (ragspec doctor's facts)")
+    i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_model_info)
 
     def add_gen_args(p):
