@@ -185,7 +185,7 @@ def _import_built(path: Path):
     return module
 
 
-def _build(final: Path) -> Any:
+def _build(final: Path) -> object:
     """Compile into a private temporary folder next to ``final`` and move the library into
     place (an atomic rename): concurrent builders never wait on each other's lock, and a
     build killed half-way leaves only its own temporary folder (removed by later builds
