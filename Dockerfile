@@ -38,9 +38,14 @@ RUN pip install ".${RAGSPEC_EXTRAS}" \
     && chown -R ragspec /data
 
 USER ragspec
-# build the kernel into the image (~45 s) instead of at the first start (on a build host
-# without AVX2 this does nothing and the container builds it at first start, if it can)
-RUN python -c "from ragspec.backend.cpu.kernels import load_skinny_linear; load_skinny_linear()"
+# compile ragspec's CPU kernels into the image's cache (/data/cache/kernels, about a minute on
+# a fast host, a few on 2 cores) instead of at the first start, and check the fast path:
+# `ragspec doctor` prints what runs and, with --require-kernels, fails the build unless the
+# compiled kernels load (it names the cause: no AVX2 on the build host, sources missing, no
+# compiler, a compile error). CHECK_KERNELS=0 builds anyway (the container then compiles
+# them at its first start, if it can, else runs torch's slower kernels with a warning).
+ARG CHECK_KERNELS=1
+RUN ragspec doctor --json $([ "$CHECK_KERNELS" = 1 ] && echo --require-kernels)
 VOLUME ["/data"]
 EXPOSE 8000
 

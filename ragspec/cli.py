@@ -206,6 +206,15 @@ def cmd_model_info(args) -> int:
     model, tok = models.load_model(spec, device=args.device, dtype=args.dtype)
     info = models.model_info(spec, model, tok)
     if args.json:
+        # the facts of `ragspec doctor` for this model: its backend with the speed-ups a
+        # command would install (CPU only; elsewhere the bare backend, nothing compiled)
+        from .doctor import kernel_report
+        from .loading import select_target
+
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        target = select_target(model, gguf=spec.gguf_file, speed_ups=on_cpu)
+        info["kernels"] = kernel_report(target=target, gguf=spec.gguf_file)
+    if args.json:
         print(json.dumps(info, indent=1, default=str))
     else:
         for k, v in info.items():
@@ -341,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_summarize)
 
     add_bench_command(sub)
+
+    from .doctor import add_doctor_command  # ragspec doctor: which speed-ups run here, and why not
+
+    add_doctor_command(sub)
 
     # command groups of the other packages, when installed
     for mod, fn in (

@@ -143,6 +143,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "cli",
             "cli.*",
             "cli_*",
+            "doctor",
             "integrations",
             "integrations.*",
             "bench",

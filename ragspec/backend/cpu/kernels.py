@@ -54,9 +54,10 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -79,6 +80,9 @@ __all__ = [
     "cpu_kernels_enabled",
     "cpu_isa",
     "set_cpu_isa",
+    "KERNEL_STATES",
+    "KernelStatus",
+    "kernel_status",
 ]
 
 # rows up to which the compiled kernel beats oneDNN's pre-packed linear (measured on the
@@ -316,9 +320,15 @@ def load_decoder_step(cache_dir: Optional[Path] = None) -> Optional[type]:
 def _load_module(cache_dir: Optional[Path] = None):
     """The compiled extension module (imported from the cache, built first when missing),
     or None where it is unavailable (see :func:`load_skinny_linear`)."""
+    return _load_module_why(cache_dir)[0]
+
+
+def _load_module_why(cache_dir: Optional[Path] = None, build: bool = True) -> tuple[Any, Optional[str], str]:
+    """(module or None, why not: None when loaded, the status (:data:`KERNEL_STATES`)).
+    ``build`` False: a library not in the cache is not compiled (status ``"not_built"``)."""
     if not _cpu_supported():
         logger.debug("compiled CPU kernels skipped: needs Linux x86-64 with AVX2")
-        return None
+        return None, "needs Linux on x86-64 with AVX2 (torch reports %s)" % _torch_capability(), "unsupported_cpu"
     missing = missing_sources()
     if missing:
         logger.warning(
@@ -328,29 +338,115 @@ def _load_module(cache_dir: Optional[Path] = None):
             _CSRC,
             ", ".join(missing),
         )
-        return None
+        return None, f"kernel sources missing from {_CSRC}: {', '.join(missing)}", "sources_missing"
     final = kernel_dir(cache_dir)
     built = final / f"{_NAME}.so"
     if built.is_file():
         try:
-            return _import_built(built)
+            return _import_built(built), None, "active"
         except Exception as exc:  # a truncated or corrupt file: rebuild it below
             logger.warning("cached CPU kernel %s does not load (%s); rebuilding it", built, str(exc)[:200])
             try:
                 built.unlink()
             except OSError:
                 pass
+    if not build:
+        return None, f"not built yet in {final} (built on first use)", "not_built"
     if not (shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
         logger.warning(
             "ragspec's CPU decoding kernel is not built and cannot be (no C++ compiler or ninja found): "
             "torch's kernels are used (slower; RAGSPEC_CPU_KERNELS=0 silences this)"
         )
-        return None
+        lacking = [name for name in (os.environ.get("CXX", "c++"), "ninja") if not shutil.which(name)]
+        return None, f"no C++ compiler or ninja on PATH (missing: {', '.join(lacking)})", "no_compiler"
     try:
-        with step("compiling the CPU decoding kernels", "first use only, ~45 s"):
+        with step("compiling the CPU decoding kernels", "first use only, a few minutes on 2 cores"):
             module = _build(final)
         logger.debug("compiled CPU kernels built into %s: %s path", final, module.cpu_isa())
-        return module
+        return module, None, "active"
     except Exception as exc:  # compiler errors, missing headers, an unwritable cache
-        logger.warning("compiled CPU kernel unavailable (%s); torch's kernels are used", str(exc).splitlines()[0][:200])
-        return None
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        logger.warning("compiled CPU kernel unavailable (%s); torch's kernels are used", first)
+        return None, f"compiling failed: {first}", "compile_error"
+
+
+def _torch_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # pragma: no cover - very old torch
+        return "unknown"
+
+
+KERNEL_STATES = (
+    "active",
+    "disabled",
+    "unsupported_cpu",
+    "sources_missing",
+    "not_built",
+    "no_compiler",
+    "compile_error",
+)
+"""What :func:`kernel_status` can say of the compiled kernels: loaded (``active``), switched off
+(``RAGSPEC_CPU_KERNELS=0``), a CPU or platform they do not run on, sources missing from the
+installation, not in the cache (asked not to build), no C++ compiler or ninja, a failed build."""
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether ragspec's compiled CPU kernels are in use here, and why not.
+
+    Attributes:
+        state: one of :data:`KERNEL_STATES` (``"active"``: loaded).
+        reason: why they are not active, in words; None when active.
+        isa: the instruction set they use (``"avx512"``, ``"avx2"``) when active, else None.
+        fast_numerics: whether ``--numerics fast``'s formats run (AVX-512 VNNI, see
+            :func:`fast_numerics_supported`).
+        decoder_step: whether the library holds the fused decoder step
+            (:func:`load_decoder_step`).
+        kernel_dir: the cache folder of the compiled library (None: sources missing).
+        missing_sources: kernel sources missing from the installation (by name).
+    """
+
+    state: str
+    reason: Optional[str] = None
+    isa: Optional[str] = None
+    fast_numerics: bool = False
+    decoder_step: bool = False
+    kernel_dir: Optional[Path] = None
+    missing_sources: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether the compiled kernels are loaded."""
+        return self.state == "active"
+
+
+def kernel_status(
+    cache_dir: Optional[Path] = None, *, build: bool = True, enabled: Optional[bool] = None
+) -> KernelStatus:
+    """Load the compiled kernels as the CPU backend would (building them first where they
+    are not in the cache, unless ``build`` is False) and say whether they are active and,
+    if not, why (the same warnings as :func:`load_skinny_linear` are logged).
+
+    Args:
+        cache_dir: ragspec's cache folder (default as :func:`kernel_dir`).
+        build: compile the library when it is not in the cache (minutes on a small CPU).
+        enabled: whether the kernels are wanted (None: :func:`cpu_kernels_enabled`, i.e.
+            unless ``RAGSPEC_CPU_KERNELS=0``).
+    """
+    missing = tuple(missing_sources())
+    folder = None if missing else kernel_dir(cache_dir)
+    if not (cpu_kernels_enabled() if enabled is None else enabled):
+        return KernelStatus(
+            "disabled", "switched off: RAGSPEC_CPU_KERNELS=0", kernel_dir=folder, missing_sources=missing
+        )
+    module, reason, state = _load_module_why(cache_dir, build=build)
+    if module is None:
+        return KernelStatus(state, reason, kernel_dir=folder, missing_sources=missing)
+    return KernelStatus(
+        "active",
+        isa=str(module.cpu_isa()),
+        fast_numerics=bool(module.fast_numerics_supported()),
+        decoder_step=getattr(module, "DecoderStep", None) is not None,
+        kernel_dir=folder,
+    )

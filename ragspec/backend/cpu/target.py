@@ -137,6 +137,7 @@ class CPUTarget(HFTarget):
         self._gguf: dict[int, GGUFLinear] = {}  # weight data_ptr -> GGUF-block twin, see use_gguf_weights
         self._gguf_weights: dict[int, "GGUFWeight"] = {}  # the same twins' blocks (for the native step)
         self._native: Optional[NativeDecoder] = None  # the fused decoder step, see use_native_step
+        self._native_off: Optional[str] = "the CPU speed-ups are not installed (speed_up)"  # see native_step_off
         self.numerics = "exact"  # "fast": GGUF-block linears with int8 activations, see use_gguf_weights
         # prompts of more tokens than this on an empty state prefill through transformers'
         # forward (multi-row GEMMs: 700 tokens of the default model in ~0.8 s on the 2-core
@@ -293,6 +294,14 @@ class CPUTarget(HFTarget):
             self.use_attention_kernel(load_few_query_attention(cache_dir))
             if native_step_enabled():
                 self.use_native_step(load_decoder_step(cache_dir))
+            else:
+                self._native_off = "switched off: RAGSPEC_NATIVE_STEP=0"
+        elif self.dtype != torch.float32:
+            self._native_off = f"needs float32 weights, the model's are {str(self.dtype).removeprefix('torch.')}"
+        elif not wanted:
+            self._native_off = "the compiled CPU kernels are switched off (RAGSPEC_CPU_KERNELS=0)"
+        else:
+            self._native_off = "the compiled CPU kernels are not available (ragspec doctor says why)"
 
     def use_native_step(self, step_cls: Optional[type]) -> bool:
         """Run decoding, verification and short prefills through the fused C++ decoder step
@@ -311,24 +320,34 @@ class CPUTarget(HFTarget):
         """
         if step_cls is None:
             self._native = None
+            self._native_off = "the compiled library holds no decoder step"
             return False
         if self._skinny is None or self.dtype != torch.float32:
             logger.debug("native decoder step off: needs the compiled kernel and float32 weights")
+            self._native_off = "needs the compiled few-row kernel in use and float32 weights"
             return False
         reason = native_step_unsupported(self._decoder)
         if reason is not None:
             logger.debug("native decoder step off: %s", reason)
+            self._native_off = f"the model is not one it runs: {reason}"
             return False
         # fast numerics keep the KV cache in float16 (as llama.cpp's default), exact float32
         kv_dtype = torch.float16 if self.numerics == "fast" else torch.float32
         self._native = NativeDecoder(step_cls, self._decoder, self._gguf_weights, kv_dtype=kv_dtype)
         logger.debug("native decoder step on (%d layers)", self._native.num_layers)
+        self._native_off = None
         return True
 
     @property
     def native_step(self) -> Optional[NativeDecoder]:
         """The fused decoder step in use (:meth:`use_native_step`), or None."""
         return self._native
+
+    @property
+    def native_step_off(self) -> Optional[str]:
+        """Why the fused decoder step is not in use (:meth:`speed_up`,
+        :meth:`use_native_step`), in words; None when it is."""
+        return None if self._native is not None else self._native_off
 
     # ------------------------------------------------------------------ forwards
     def _packed_lm_head(self) -> Optional[torch.Tensor]:
