@@ -201,4 +201,7 @@ def test_serve_with_a_bad_eagle_folder_is_a_one_line_error(tmp_path, monkeypatch
     rc = main(["serve", "--model", str(folder), "--no-calibrate", "--eagle", str(tmp_path / "nope")])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.startswith("ragspec: error:") and "not an EAGLE head folder" in err and "Traceback" not in err
+    # the progress lines of the load come first; the error is one line, the last, no traceback
+    errors = [line for line in err.splitlines() if line.startswith("ragspec: error:")]
+    assert len(errors) == 1 and err.rstrip().splitlines()[-1] == errors[0]
+    assert "not an EAGLE head folder" in errors[0] and "Traceback" not in err
