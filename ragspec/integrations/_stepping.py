@@ -9,14 +9,17 @@ next forward then mixes inference tensors (their KV cache) with autograd and fai
 every ``next()`` / ``close()`` inside our own ``inference_mode`` makes each resumption see
 the mode on, whatever the other generators did.
 
-:class:`BatchStepper` steps all the requests open on one engine together, from whichever
+:class:`BatchStepper` steps all the requests open on one engine together, whichever
 thread asks for a chunk (LangChain's ``batch`` / ``abatch`` and concurrent calls): one
-``engine.step`` (one verification forward) per round for all of them.
+``engine.step`` (one verification forward) per round for all of them, always computed in
+the stepper's one compute thread (:mod:`ragspec.backend.threads`: torch's OpenMP pool is
+per thread, and steps computed in several threads are each ~30-50% slower).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -47,7 +50,9 @@ class BatchStepper:
     (when no step is running: it becomes that round's leader) or waits for the running one.
     Chunks of the others are queued on their slots. Requests opened while a step runs join
     the next one. Each request's output is its solo output (the engine's batched step
-    guarantees it). Thread-safe; every step runs in ``torch.inference_mode``.
+    guarantees it). Thread-safe; every step runs in ``torch.inference_mode``, in the
+    stepper's compute thread (named ``ragspec-compute``, started at the first step, ended
+    by :meth:`shutdown` or at exit).
 
     Args:
         engine: the :class:`ragspec.Engine` whose requests are stepped.
@@ -61,6 +66,20 @@ class BatchStepper:
         self.steps = 0
         self.max_batch = 0
         """Most requests stepped together so far (for tests and logs)."""
+        self._compute: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def _compute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._cv:
+            if self._compute is None:
+                self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragspec-compute")
+            return self._compute
+
+    def shutdown(self) -> None:
+        """End the compute thread (a later step starts a new one)."""
+        with self._cv:
+            compute, self._compute = self._compute, None
+        if compute is not None:
+            compute.shutdown(wait=True)
 
     def open(self, make_request: Callable[[], Request]) -> Slot:
         """Make a request (``make_request()``: ``engine.request(...)``, no forward) and open
@@ -95,14 +114,17 @@ class BatchStepper:
             self._step(batch)
 
     def _step(self, batch: list[Slot]) -> None:
-        """One engine step over ``batch`` (this thread is the round's leader)."""
+        """One engine step over ``batch`` (this thread is the round's leader; the step is
+        computed in the compute thread)."""
         error: Optional[BaseException] = None
         chunks: list[StreamChunk] = []
         try:
-            with torch.inference_mode():
-                chunks = self.engine.step([s.request for s in batch])
-        except Exception as e:  # delivered to every request of the step
+            requests = [s.request for s in batch]
+            chunks = self._compute_thread().submit(self._compute_step, requests).result()
+        except BaseException as e:  # delivered to every request of the step
             error = e
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: also raised here
+                raise
         finally:
             with self._cv:
                 self._stepping = False
@@ -119,6 +141,10 @@ class BatchStepper:
                 # finished requests and closed ones (cancelled: never stepped again) leave
                 self._open = [s for s in self._open if not (s.finished or s.closed)]
                 self._cv.notify_all()
+
+    def _compute_step(self, requests: list[Request]) -> list[StreamChunk]:
+        with torch.inference_mode():
+            return self.engine.step(requests)
 
     def close(self, slot: Slot) -> None:
         """Stop reading ``slot``: an unfinished request is cancelled (ended at the next

@@ -53,6 +53,7 @@ from langchain_core.outputs import (
 from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from ragspec.backend.threads import release_openmp_pool
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.types import GenerationStats, StreamChunk
@@ -329,6 +330,7 @@ class RagspecLLM(_RagspecParams, LLM):
         from ragspec.loading import load_engine
 
         engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        release_openmp_pool()  # steps run in the stepper's compute thread, not this one
         return cls(engine=engine, **fields)
 
     @property
@@ -478,6 +480,7 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
         from ragspec.loading import load_engine
 
         engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        release_openmp_pool()  # steps run in the stepper's compute thread, not this one
         return cls(engine=engine, **fields)
 
     @property

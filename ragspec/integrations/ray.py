@@ -81,6 +81,19 @@ _INSTALL_HINT = "Ray Serve is not installed: pip install 'ragspec[ray]'"
 _START_ERROR = re.compile(r"ReplicaStartError: (.+)")
 
 
+def _load_serving_released(config: Any) -> Any:
+    """:func:`ragspec.serving.load_serving` in a worker thread that computes nothing later:
+    its OpenMP pool is released (the replica's scheduler thread steps; see
+    :mod:`ragspec.backend.threads`)."""
+    from ragspec.backend.threads import release_openmp_pool
+    from ragspec.serving import load_serving
+
+    try:
+        return load_serving(config)
+    finally:
+        release_openmp_pool()
+
+
 class ReplicaStartError(RagspecError):
     """A replica's model or datastore did not load; the message is the one-line cause."""
 
@@ -276,8 +289,6 @@ class RagspecReplica:
     ) -> None:
         import torch
 
-        from ragspec.serving import load_serving
-
         torch.set_num_threads(threads)
         self.settings = settings
         self.metrics_interval_s = metrics_interval_s
@@ -289,7 +300,7 @@ class RagspecReplica:
         self.response_cache: Optional[ResponseCache] = None
         try:
             # each replica caches its own answers (a shared cache would be a store of our own)
-            served = await asyncio.to_thread(load_serving, settings.serving_config())
+            served = await asyncio.to_thread(_load_serving_released, settings.serving_config())
             self.engine, self.variants, self.response_cache = (
                 served.engine,
                 served.datastore_engines,

@@ -258,3 +258,28 @@ def test_draft_budget_passes_through_and_metrics_reach_the_metadata(tiny_engine)
         RagspecLLM(engine=tiny_engine, max_draft_tokens=-1)
     with pytest.raises(ConfigError, match="max_draft_tokens"):
         llm.invoke(prompt, max_draft_tokens=-1)
+
+
+def test_steps_run_in_one_compute_thread_whoever_reads(tiny_engine, monkeypatch):
+    """Issue 41: steps computed in several threads (sync calls, ``batch``'s pool, ``ainvoke``'s
+    workers) each kept an OpenMP pool and ran ~30-50% slower; all run in the stepper's thread."""
+    import threading
+
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=N)
+    want = {p: solo(tiny_engine, p).text for p in PROMPTS}
+    names: list[str] = []
+    real = tiny_engine.step
+
+    def step(requests):
+        names.append(threading.current_thread().name)
+        return real(requests)
+
+    monkeypatch.setattr(tiny_engine, "step", step)
+    try:
+        assert llm.invoke(PROMPTS[0]) == want[PROMPTS[0]]
+        assert llm.batch(PROMPTS, config={"max_concurrency": 3}) == [want[p] for p in PROMPTS]
+        assert asyncio.run(llm.ainvoke(PROMPTS[1])) == want[PROMPTS[1]]
+        assert len(set(names)) == 1 and names[0].startswith("ragspec-compute")
+        assert threading.current_thread().name not in names
+    finally:
+        llm.stepper.shutdown()

@@ -565,3 +565,17 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     assert any(isinstance(d, DatastoreDrafter) for d in variant.drafter.retrieval.drafters)
     want = tiny_engine.generate("the cat sat", max_new_tokens=16, chat=False).token_ids
     assert variant.generate("the cat sat", max_new_tokens=16, chat=False).token_ids == want
+
+
+def test_server_releases_the_openmp_pool_of_the_thread_that_handed_over_the_engine(tiny_engine, monkeypatch):
+    """Issue 41: only the worker computes; a pool kept by the thread that loaded the model
+    (or runs the event loop) slowed every step of the worker by 30-50%."""
+    from ragspec.integrations.server import app as app_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(app_module, "release_openmp_pool", lambda: calls.append(threading.current_thread().name))
+    app = create_app(engine=tiny_engine)
+    with LiveServer(app) as srv:
+        assert httpx.get(srv.url + "/ready", timeout=TIMEOUT).status_code == 200
+        worker = app.state.scheduler._thread.name
+    assert len(calls) == 1 and calls[0] != worker

@@ -92,6 +92,37 @@ def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
     assert x.grad is not None
 
 
+def test_prefill_rows_run_through_the_prepacked_weight_inside_the_target_only(monkeypatch):
+    """Issue 41: a prefill chunk's linears (more than ``PACKED_MAX_ROWS`` rows) use the weight
+    packed once for oneDNN, not MKL's sgemm, which re-packs the weight on every call and so
+    makes a 256-token chunk cost ~8% more per token than a whole 700-token prompt."""
+    from ragspec.backend.cpu import fastpaths
+
+    calls: list[int] = []
+    real = fastpaths.packed_linear
+
+    def counting(x, packed, bias=None):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(fastpaths, "packed_linear", counting)
+    model = make_tiny_llama(layers=2)
+    ref_model = make_tiny_llama(layers=2)
+    target = CPUTarget(model)
+    target.prepack_linears()
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 96, (fastpaths.PACKED_MAX_ROWS + 36,), generator=gen).tolist()
+    with torch.inference_mode():
+        out = target.prefill(target.new_state(), prompt, return_hidden=True)
+        assert calls and set(calls) == {len(prompt)}
+        assert len(calls) == 2 * 7  # every decoder linear, once
+        ref = ref_model(torch.tensor([prompt]), output_hidden_states=True)
+        torch.testing.assert_close(out.logits, ref.logits[0, -1:], rtol=1e-4, atol=1e-4)
+        calls.clear()
+        model(torch.tensor([prompt]))  # the model called directly: transformers' kernels
+        assert calls == []
+
+
 def test_prepacked_linears_greedy_identical_to_generate():
     model = make_tiny_llama(layers=2)
     from ragspec.config import PLDConfig

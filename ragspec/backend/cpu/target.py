@@ -142,8 +142,8 @@ class CPUTarget(HFTarget):
         # prompts of more tokens than this on an empty state prefill through transformers'
         # forward (multi-row GEMMs: 700 tokens of the default model in ~0.8 s on the 2-core
         # CPU, natively in chunks of 16 ~1.5 s), shorter ones and extensions of a filled
-        # state natively in chunks; 0: every first prefill through transformers, so that
-        # every value is the transformers path's bit for bit
+        # state natively in chunks; 0: every first prefill through transformers' forward
+        # (its linears on the pre-packed weights, see prepack_linears)
         self.native_prefill_rows = 0
         self._skinny: Optional["SkinnyLinear"] = None  # compiled few-row kernel, see prepack_linears
         self._attention_kernel: Optional["FewQueryAttention"] = None  # see use_attention_kernel
@@ -380,7 +380,11 @@ class CPUTarget(HFTarget):
         tokens of context: 8 new tokens 124 -> 87 ms). With ``skinny`` (the compiled kernel
         from :func:`ragspec.backend.cpu.kernels.load_skinny_linear`), inputs of 1-16 rows, plain
         decoding included, go through it instead (decoder linears for one row 36-47 -> 25
-        ms, for 8 rows 49 -> 36 ms) and so does the output layer. Either way only inside
+        ms, for 8 rows 49 -> 36 ms) and so does the output layer. Float32 inputs of more
+        than ``PACKED_MAX_ROWS`` rows (prefill chunks) take the packed weight too: MKL
+        re-packs it on every call, so its cost per row grows as chunks shrink (prefill of
+        the default model 12-15% faster, and a 256-token chunk within ~4% of a whole
+        prompt's cost per token). Either way only inside
         this object's own forwards: ``model.generate`` and other callers of the model keep
         transformers' kernels. Values change by float32 rounding only (summation order), so
         greedy output equals ``model.generate``'s except where two logits tie to ~1e-5.

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 from fastapi import APIRouter, FastAPI
 
 from ragspec import serving
+from ragspec.backend.threads import release_openmp_pool
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.engine import Engine
 from ragspec.loading import with_response_cache
@@ -165,6 +166,9 @@ def create_app(
         app.state.response_cache = cache
         scheduler = _scheduler(settings, metrics)
         scheduler.start()
+        # the worker computes from here on: a pool this thread holds (a model handed over,
+        # loaded or warmed up here) would slow its every step (ragspec.backend.threads)
+        release_openmp_pool()
         pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")
         app.state.engine = eng
         app.state.engines = variants

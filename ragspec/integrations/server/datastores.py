@@ -23,6 +23,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from ragspec import serving
+from ragspec.backend.threads import release_openmp_pool
 from ragspec.datastore import DatastoreInfo
 from ragspec.engine import Engine
 from ragspec.errors import DatastoreError, DatastoreInputError, EmptyCorpusError
@@ -101,12 +102,15 @@ async def add_documents(name: str, request: Request, state: State) -> dict:
     texts, source = body.documents, body.source or DEFAULT_SOURCE
 
     def add() -> tuple[DatastoreInfo, int]:
-        with state.datastore_lock:
-            engine = state.engines[name]  # the latest: an earlier addition may have replaced it
-            before = engine.datastore.num_tokens if engine.datastore is not None else 0
-            new, info = serving.add_documents(engine, texts, source=source)
-            state.engines[name] = new  # the same key: the dict's order (the default) is kept
-            return info, before
+        try:
+            with state.datastore_lock:
+                engine = state.engines[name]  # the latest: an earlier addition may have replaced it
+                before = engine.datastore.num_tokens if engine.datastore is not None else 0
+                new, info = serving.add_documents(engine, texts, source=source)
+                state.engines[name] = new  # the same key: the dict's order (the default) is kept
+                return info, before
+        finally:
+            release_openmp_pool()  # only the worker keeps a pool (ragspec.backend.threads)
 
     try:
         info, before = await asyncio.to_thread(add)
