@@ -213,6 +213,9 @@ class PhaseResult:
     mean_tokens: float
     identical: Optional[int] = None
     """Clients phase: answers equal to this server's solo answer (None: not compared)."""
+    same_as_ragspec: Optional[int] = None
+    """llama-server: answers equal to ragspec serve's solo answer to the same prompt (None:
+    not compared; other numerics, so they need not agree)."""
     ready_s: float = 0.0
     """Process start to ready (model load, calibration)."""
     command: list[str] = field(default_factory=list)
@@ -489,25 +492,32 @@ class ServerProcess:
         t0 = time.perf_counter()
         with open(self.log, "ab") as out:
             self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        deadline = t0 + self.timeout_s
-        with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while True:
-                if self._proc.poll() is not None:
-                    raise BenchServerError(
-                        f"{self.name} exited with status {self._proc.returncode} before it was ready: {self._tail()}"
-                    )
-                try:
-                    if client.get(self.url + self.ready_path).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass  # not listening yet
-                if time.perf_counter() > deadline:
-                    self.stop()
-                    raise BenchServerError(f"{self.name} was not ready after {self.timeout_s:g} s: {self._tail()}")
-                time.sleep(0.2)
+        try:
+            self._wait_ready(httpx, t0 + self.timeout_s)
+        except BaseException:  # not ready, or interrupted (Ctrl-C): no process left behind
+            self.stop()
+            raise
         self.ready_s = time.perf_counter() - t0
         logger.info("%s ready in %.1f s", self.name, self.ready_s)
         return self.ready_s
+
+    def _wait_ready(self, httpx: Any, deadline: float) -> None:
+        proc = self._proc
+        assert proc is not None, "started first"
+        with httpx.Client(trust_env=False, timeout=5.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise BenchServerError(
+                        f"{self.name} exited with status {proc.returncode} before it was ready: {self._tail()}"
+                    )
+                try:
+                    if client.get(self.url + self.ready_path).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                if time.perf_counter() > deadline:
+                    raise BenchServerError(f"{self.name} was not ready after {self.timeout_s:g} s: {self._tail()}")
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """Terminate the process; kill it when it has not exited after :data:`STOP_WAIT_S`."""
@@ -792,6 +802,8 @@ def run_serve_bench(
                 )
                 if phase == "solo":
                     solo[name] = [r.text for r in result.records]
+                if name != "ragspec" and "ragspec" in solo:
+                    result.same_as_ragspec = count_identical([r.text for r in result.records], solo["ragspec"])
                 report.phases.append(result)
                 if on_phase is not None:
                     on_phase(result)
@@ -829,9 +841,16 @@ def format_report(report: ServeBenchReport) -> str:
         for phase in ("solo", "clients"):
             ours, theirs = by.get(("ragspec", phase)), by.get(("llama-server", phase))
             if ours is not None and theirs is not None and theirs.tok_s > 0 and theirs.latency_p50_s > 0:
+                same = (
+                    ""
+                    if theirs.same_as_ragspec is None
+                    else (
+                        f"; llama-server's answers equal to ragspec's solo ones {theirs.same_as_ragspec}/{theirs.requests}"
+                    )
+                )
                 lines.append(
                     f"# {_phase_label(ours)}: ragspec / llama-server tok/s x{ours.tok_s / theirs.tok_s:.2f}, "
-                    f"P50 latency x{ours.latency_p50_s / theirs.latency_p50_s:.2f} (lower is better for ragspec)"
+                    f"P50 latency x{ours.latency_p50_s / theirs.latency_p50_s:.2f} (lower is better for ragspec)" + same
                 )
     if report.llama_server:
         lines.append(f"# llama-server not run: {report.llama_server}")

@@ -251,11 +251,13 @@ def test_the_report_gives_the_ratios_and_the_engine_comparison():
         return PhaseResult(server, name, clients, 8, 10.0, int(tok_s * 10), tok_s, p50, p50, 0.5, 100.0)
 
     engine = EngineVsServer(0, 7, "rag", 700, 2.0, 3.0, 128, 128, True, False)
+    llama_solo = phase("llama-server", "solo", 1, 20.0, 4.0)
+    llama_solo.same_as_ragspec = 3
     report = ServeBenchReport(
         settings={"prompts": 8, "categories": ["rag"], "max_tokens": 128, "threads": 2, "engine_comparison": {}},
         phases=[
             phase("ragspec", "solo", 1, 30.0, 3.0),
-            phase("llama-server", "solo", 1, 20.0, 4.0),
+            llama_solo,
             phase("ragspec", "clients", 8, 40.0, 20.0),
             phase("llama-server", "clients", 8, 32.0, 25.0),
         ],
@@ -263,6 +265,7 @@ def test_the_report_gives_the_ratios_and_the_engine_comparison():
     )
     text = format_report(report)
     assert "# solo: ragspec / llama-server tok/s x1.50, P50 latency x0.75" in text
+    assert "llama-server's answers equal to ragspec's solo ones 3/8" in text
     assert "# 8 clients: ragspec / llama-server tok/s x1.25, P50 latency x0.80" in text
     assert engine.ratio == pytest.approx(1.5)
     assert "# server / engine, all prompts: x1.50" in text and "same text 1/1" in text
@@ -296,3 +299,18 @@ def test_cmd_bench_serve_rejects_other_modes_and_sampling():
         args = build_parser().parse_args(["bench", "--serve", *extra])
         with pytest.raises(ConfigError, match=message):
             args.func(args)
+
+
+def test_an_interrupted_start_leaves_no_server_behind(tmp_path, monkeypatch):
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    server = ServerProcess("slow", cmd, 9, "/ready", tmp_path / "slow.log", timeout_s=60)
+    started = []
+
+    def interrupted(self, httpx, deadline):  # Ctrl-C while waiting for /ready
+        started.append(self._proc)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ServerProcess, "_wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert server._proc is None and started[0].poll() is not None  # terminated and reaped
