@@ -119,6 +119,9 @@ class ChatReply:
     usage: bool
     """Whether ``completion_tokens`` came from the server's ``usage``."""
     finish_reason: Optional[str]
+    cached_tokens: Optional[int] = None
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens served from the
+    server's prefix cache (None: not reported)."""
 
 
 def parse_sse(lines: Iterable[tuple[float, str]]) -> ChatReply:
@@ -141,6 +144,7 @@ def parse_sse(lines: Iterable[tuple[float, str]]) -> ChatReply:
     end = 0.0
     chunks = 0
     tokens: Optional[int] = None
+    cached: Optional[int] = None
     finish: Optional[str] = None
     for at, line in lines:
         end = at
@@ -160,6 +164,9 @@ def parse_sse(lines: Iterable[tuple[float, str]]) -> ChatReply:
         usage = event.get("usage")
         if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
             tokens = int(usage["completion_tokens"])
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                cached = int(details["cached_tokens"])
         for choice in event.get("choices") or ():
             content = (choice.get("delta") or {}).get("content")
             if content:
@@ -176,6 +183,7 @@ def parse_sse(lines: Iterable[tuple[float, str]]) -> ChatReply:
         completion_tokens=chunks if tokens is None else tokens,
         usage=tokens is not None,
         finish_reason=finish,
+        cached_tokens=cached,
     )
 
 
@@ -192,6 +200,8 @@ class RequestRecord:
     completion_tokens: int
     text: str
     finish_reason: Optional[str] = None
+    cached_tokens: Optional[int] = None
+    """Prompt tokens the server's prefix cache served (None: not reported)."""
 
 
 @dataclass
@@ -287,6 +297,9 @@ class EngineVsServer:
     """The server's text equals the engine's."""
     server_first: bool
     """Which went first for this prompt (they alternate)."""
+    engine_cached_tokens: int = 0
+    server_cached_tokens: Optional[int] = None
+    """Prompt tokens each side's prefix cache served: 0 when the prompt was new to it."""
 
     @property
     def ratio(self) -> float:
@@ -603,6 +616,7 @@ async def _drive(url: str, texts: Sequence[str], clients: int, max_tokens: int, 
                         completion_tokens=reply.completion_tokens,
                         text=reply.text,
                         finish_reason=reply.finish_reason,
+                        cached_tokens=reply.cached_tokens,
                     )
                 )
 
@@ -726,6 +740,8 @@ def _engine_phase(
                 server_tokens=rec.completion_tokens,
                 identical=rec.text == result.text,
                 server_first=server_first,
+                engine_cached_tokens=result.stats.num_cached_prompt_tokens,
+                server_cached_tokens=rec.cached_tokens,
             )
             out.append(item)
             if progress is not None:
@@ -876,5 +892,11 @@ def format_report(report: ServeBenchReport) -> str:
             lines.append(
                 f"# server / engine, all prompts: x{server_s / engine_s:.2f} ({server_s:.2f} s / {engine_s:.2f} s); "
                 f"same text {sum(e.identical for e in report.engine)}/{len(report.engine)}"
+            )
+        hits = [e for e in report.engine if e.engine_cached_tokens or e.server_cached_tokens]
+        if hits:
+            lines.append(
+                f"# note: {len(hits)} prompts began with a prefix cached by an earlier prompt (engine / server "
+                f"tokens: {', '.join(f'{e.engine_cached_tokens}/{e.server_cached_tokens}' for e in hits)})"
             )
     return "\n".join(lines)

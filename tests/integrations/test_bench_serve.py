@@ -94,4 +94,5 @@ def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_fold
     for e in compared:
         assert e["identical"] and e["engine_tokens"] == e["server_tokens"] == 6
         assert e["engine_s"] > 0 and e["server_s"] > 0 and e["ratio"] > 0
+        assert e["engine_cached_tokens"] == e["server_cached_tokens"] == 0  # each prompt new to both
     assert "llama-server not run" in captured.out and "2 clients" in captured.out

@@ -47,7 +47,19 @@ def test_parse_sse_of_a_ragspec_stream_text_ttft_latency_and_usage():
         (0.40, _data({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]})),
         (0.45, _data({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]})),
         (0.50, _data({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]})),
-        (0.51, _data({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}})),
+        (
+            0.51,
+            _data(
+                {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": 9,
+                        "completion_tokens": 5,
+                        "prompt_tokens_details": {"cached_tokens": 0},
+                    },
+                }
+            ),
+        ),
         (0.52, "data: [DONE]"),
         (0.60, ""),  # after [DONE]: not part of the answer's latency
     ]
@@ -57,6 +69,7 @@ def test_parse_sse_of_a_ragspec_stream_text_ttft_latency_and_usage():
     assert reply.latency_s == 0.52  # [DONE]
     assert reply.completion_tokens == 5 and reply.usage
     assert reply.finish_reason == "length"
+    assert reply.cached_tokens == 0  # the prompt was new to the prefix cache
 
 
 def test_parse_sse_without_usage_counts_content_chunks():
@@ -69,7 +82,7 @@ def test_parse_sse_without_usage_counts_content_chunks():
     ]
     reply = parse_sse(lines)
     assert (reply.text, reply.ttft_s, reply.latency_s) == ("ab", 0.3, 0.5)
-    assert reply.completion_tokens == 2 and not reply.usage
+    assert reply.completion_tokens == 2 and not reply.usage and reply.cached_tokens is None
     assert reply.finish_reason == "stop"
 
 
