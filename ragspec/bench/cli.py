@@ -614,10 +614,13 @@ def cmd_serve_bench(args) -> int:
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["rag", "summarization"]
     rows = load_prompts(args.data, cats, 4 if args.limit is None else args.limit, required=True)
     phases = tuple(p.strip() for p in args.serve_phases.split(",") if p.strip())
-    binary = find_llama_server(args.llama_server) if any(p != "engine" for p in phases) else None
+    server_phases = any(p != "engine" for p in phases)
+    binary = find_llama_server(args.llama_server) if server_phases else None
     gguf = resolve_model(args.model).gguf_file
     skipped = None
-    if binary is None:
+    if not server_phases:
+        skipped = "no solo or clients phase (--serve-phases)"
+    elif binary is None:
         skipped = "llama-server not found (--llama-server PATH, or llama-server on PATH)"
     elif gguf is None:
         skipped = f"the model {args.model} has no GGUF file"
