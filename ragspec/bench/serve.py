@@ -334,26 +334,8 @@ def llama_server_command(
     """
     if threads < 1 or slots < 1:
         raise ConfigError(f"llama-server needs threads and slots >= 1, got {threads} and {slots}")
-    return [
-        binary,
-        "-m",
-        str(gguf),
-        "-c",
-        str(context),
-        "-np",
-        str(slots),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-ngl",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--no-webui",
-    ]
+    flags = f"-c {context} -np {slots} -t {threads} -tb {threads} -ngl 0 --host 127.0.0.1 --port {port} --no-webui"
+    return [binary, "-m", str(gguf), *flags.split()]
 
 
 @dataclass(frozen=True)
