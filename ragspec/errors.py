@@ -21,6 +21,7 @@ __all__ = [
     "EagleHeadMismatchError",
     "MissingDependencyError",
     "ResponseLogError",
+    "BenchServerError",
 ]
 
 
@@ -85,3 +86,8 @@ class ResponseLogError(RagspecError):
     """A response log (``--response-log``) cannot be used: its path is a directory, not a
     regular file, in a missing or unwritable folder; or it holds another model's responses
     (or, read strictly, a line that is not a valid record)."""
+
+
+class BenchServerError(RagspecError):
+    """A server the bench started or talks to failed (``ragspec bench --serve``): it exited
+    or did not become ready in time, or answered a request with an error."""

@@ -11,6 +11,8 @@ imports it.
 - :mod:`~ragspec.bench.compare`: other decoders timed beside it (``--compare llamacpp``).
 - :mod:`~ragspec.bench.concurrency`: many requests through the batched engine step
   (``--concurrency``), and their ceilings.
+- :mod:`~ragspec.bench.serve`: ``ragspec serve`` over HTTP against llama-server and
+  against its own engine in process (``--serve``).
 - :mod:`~ragspec.bench.replay`: drafters replayed offline over recorded generations
   against the context oracle (``--replay``), and the speed ceiling (``--ceiling``).
 - :mod:`~ragspec.bench.profile`: where a plain decoding step's milliseconds go

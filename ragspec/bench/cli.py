@@ -1,10 +1,10 @@
 """``ragspec bench``: its options and its commands (the bench itself, ``--replay``,
-``--profile-step``, ``--concurrency``).
+``--profile-step``, ``--concurrency``, ``--serve``).
 
 Registered by :func:`ragspec.cli.build_parser` through :func:`add_bench_command`. The
 measuring lives in the modules beside this one (:mod:`~ragspec.bench.runner`,
 :mod:`~ragspec.bench.replay`, :mod:`~ragspec.bench.profile`,
-:mod:`~ragspec.bench.concurrency`, :mod:`~ragspec.bench.compare`); this module parses the
+:mod:`~ragspec.bench.concurrency`, :mod:`~ragspec.bench.compare`, :mod:`~ragspec.bench.serve`); this module parses the
 options, builds the engine (:func:`ragspec.cli_common.engine_from_args`) and prints.
 """
 
@@ -21,8 +21,9 @@ from ..cli_common import add_model_args, engine_from_args
 from ..config import check_drafting
 from ..errors import ConfigError
 from .data import DEFAULT_DATA, category_group, load_prompts
+from .serve import SERVE_PHASES
 
-__all__ = ["add_bench_command", "cmd_bench", "cmd_replay", "cmd_profile_step", "cmd_concurrency"]
+__all__ = ["add_bench_command", "cmd_bench", "cmd_replay", "cmd_profile_step", "cmd_concurrency", "cmd_serve_bench"]
 
 
 def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -115,15 +116,44 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=0,
+        default=None,
         help="prefix caching across the bench's requests (default 0 = off: every method and level prefills its "
-        "prompts itself, so their times compare); with --concurrency the cache is emptied before each level",
+        "prompts itself, so their times compare); with --concurrency the cache is emptied before each level; "
+        "with --serve the server's and the in-process engine's (default: the server's, 4096)",
     )
     b.add_argument(
         "--stall-tokens",
         type=int,
         default=0,
         help="with --concurrency: also time running streams while a prompt of this many tokens arrives",
+    )
+    # --serve: ragspec.bench.serve (ragspec serve against llama-server, and against its engine)
+    b.add_argument(
+        "--serve",
+        action="store_true",
+        help="time the HTTP service: ragspec serve against llama-server (same GGUF and threads), solo and "
+        "--serve-clients at once, each phase on a fresh server; then the server against its engine in process, "
+        "prompt by prompt (ragspec/bench/serve.py); default categories rag,summarization, --limit 4",
+    )
+    b.add_argument(
+        "--serve-clients", type=int, default=8, help="with --serve: clients in the concurrent phase (default 8)"
+    )
+    b.add_argument(
+        "--serve-phases",
+        default=",".join(SERVE_PHASES),
+        help=f"with --serve: which of {','.join(SERVE_PHASES)} to run (default all)",
+    )
+    b.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="with --serve: the llama-server binary (default: llama-server on PATH; none: ragspec only)",
+    )
+    b.add_argument(
+        "--serve-timeout",
+        type=float,
+        default=600.0,
+        help="with --serve: seconds a server may take to be ready, and each request (default 600)",
     )
     b.set_defaults(func=cmd_bench)
     return b
@@ -252,6 +282,16 @@ def _check_bench_outputs(args) -> None:
             raise ConfigError(f"--{opt} {out}: its folder {out.parent} does not exist")
     if getattr(args, "concurrency", None) and getattr(args, "replay", None):
         raise ConfigError("--concurrency and --replay are separate benchmarks: give one of them")
+    if getattr(args, "serve", False):
+        other = [
+            f"--{o.replace('_', '-')}"
+            for o in ("concurrency", "replay", "compare", "profile_step")
+            if getattr(args, o, None)
+        ]
+        if other:
+            raise ConfigError(f"--serve is a benchmark of its own: not with {', '.join(other)}")
+        if getattr(args, "temperature", 0.0) != 0:
+            raise ConfigError("--serve times greedy answers (their identity is checked): use --temperature 0")
     if getattr(args, "ceiling", False):
         if not getattr(args, "replay", None) and not getattr(args, "concurrency", None):
             raise ConfigError("--ceiling needs --replay FILE (the recorded generations it schedules) or --concurrency")
@@ -264,6 +304,10 @@ def _check_bench_outputs(args) -> None:
 
 def cmd_bench(args) -> int:
     _check_bench_outputs(args)
+    if getattr(args, "serve", False):
+        return cmd_serve_bench(args)
+    if getattr(args, "prefix_cache_tokens", None) is None:
+        args.prefix_cache_tokens = 0  # off: every method prefills its prompts itself
     if getattr(args, "concurrency", None):
         return cmd_concurrency(args)
     from . import compare, runner
@@ -559,4 +603,74 @@ def cmd_concurrency(args) -> int:
         print(f"# wrote {args.json}", file=sys.stderr)
     if args.temperature == 0 and any(r.identical != r.requests for r in results):
         print("# WARNING: some batched outputs differ from their solo outputs", file=sys.stderr)
+    return 0
+
+
+def cmd_serve_bench(args) -> int:
+    """The ``ragspec bench --serve`` command (``args`` from ``ragspec bench``)."""
+    from ..models import resolve_model
+    from .serve import ServeBenchConfig, find_llama_server, format_report, run_serve_bench
+
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["rag", "summarization"]
+    rows = load_prompts(args.data, cats, 4 if args.limit is None else args.limit, required=True)
+    phases = tuple(p.strip() for p in args.serve_phases.split(",") if p.strip())
+    server_phases = any(p != "engine" for p in phases)
+    binary = find_llama_server(args.llama_server) if server_phases else None
+    gguf = resolve_model(args.model).gguf_file
+    skipped = None
+    if not server_phases:
+        skipped = "no solo or clients phase (--serve-phases)"
+    elif binary is None:
+        skipped = "llama-server not found (--llama-server PATH, or llama-server on PATH)"
+    elif gguf is None:
+        skipped = f"the model {args.model} has no GGUF file"
+    config = ServeBenchConfig(
+        clients=args.serve_clients,
+        max_tokens=args.max_new_tokens,
+        threads=args.threads or __import__("torch").get_num_threads(),
+        phases=phases,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        eagle=args.eagle,
+        numerics=args.numerics,
+        drafting=args.drafting,
+        max_draft_tokens=args.max_draft_tokens,
+        fixed_draft=args.fixed_draft,
+        calibrate=not args.no_calibrate,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        datastore=args.datastore,
+        llama_server=binary,
+        gguf=str(gguf) if gguf is not None else None,
+        timeout_s=args.serve_timeout,
+    )
+    print(
+        f"# --serve: {len(rows)} prompts ({', '.join(cats)}), max_tokens {config.max_tokens}, {config.clients} clients, "
+        f"threads {config.threads}, phases {','.join(phases)}"
+        + (f"; llama-server: {binary}" if skipped is None else f"; {skipped}"),
+        file=sys.stderr,
+    )
+
+    def on_phase(p) -> None:
+        print(
+            f"  [{p.server} {p.phase}] {p.tok_s:.1f} tok/s, P50 {p.latency_p50_s:.2f} s, ready in {p.ready_s:.1f} s"
+            + ("" if p.identical is None else f", identical {p.identical}/{p.requests}"),
+            file=sys.stderr,
+        )
+
+    def on_prompt(e) -> None:
+        print(
+            f"  [engine vs server] {e.category} #{e.question_id}: {e.engine_s:.2f} s / {e.server_s:.2f} s",
+            file=sys.stderr,
+        )
+
+    report = run_serve_bench(config, rows, llama_skipped=skipped, on_phase=on_phase, on_prompt=on_prompt)
+    print(format_report(report))
+    if args.json:
+        report.settings.update(data=args.data, torch=__import__("torch").__version__)
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1, default=str))
+        print(f"# wrote {args.json}", file=sys.stderr)
+    clients = [p for p in report.phases if p.server == "ragspec" and p.identical is not None]
+    if any(p.identical != p.requests for p in clients):
+        print("# WARNING: some concurrent ragspec answers differ from their solo answers", file=sys.stderr)
     return 0
