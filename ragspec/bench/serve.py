@@ -449,7 +449,7 @@ def _httpx() -> Any:
     try:
         import httpx
     except ImportError:
-        raise MissingDependencyError("ragspec bench --serve needs httpx: pip install httpx") from None
+        raise MissingDependencyError("ragspec bench --serve needs httpx: pip install 'ragspec[serve-bench]'") from None
     return httpx
 
 
