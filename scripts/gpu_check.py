@@ -90,8 +90,10 @@ def cmd_random_model(args) -> int:
     tok = AutoTokenizer.from_pretrained(work / "tokenizer", local_files_only=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    print(f"random-weights model ({cfg.num_hidden_layers} layers, {model.num_parameters() / 1e6:.0f}M parameters) "
-          f"saved to {out} in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"random-weights model ({cfg.num_hidden_layers} layers, {model.num_parameters() / 1e6:.0f}M parameters) "
+        f"saved to {out} in {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -161,8 +163,14 @@ def cmd_micro(args) -> int:
                 attention[name] = prof
             x = torch.tensor([ids[:ctx]], device=target.device)
             attention["model.generate (prefill + 3 steps)"] = profile_attention(
-                lambda: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False,
-                                       pad_token_id=0, eos_token_id=None)  # fmt: skip
+                lambda: model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=4,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )  # fmt: skip
             )
         results["dtypes"][dt] = {
             "latency": table.to_dict(),
@@ -203,8 +211,17 @@ def _cuda_backend():
     return cuda
 
 
-def _cuda_engine(base, numerics: str, *, budget: int, drafts: bool = True, slots: int = 16, context: int = 2048,
-                 calibrate: bool = True, graphs=None):
+def _cuda_engine(
+    base,
+    numerics: str,
+    *,
+    budget: int,
+    drafts: bool = True,
+    slots: int = 16,
+    context: int = 2048,
+    calibrate: bool = True,
+    graphs=None,
+):
     """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
     drafter (``drafts=False``: plain decoding), its latency model measured on the CUDA step
     (q 1-64 with synchronisation on CUDA) unless ``calibrate`` is off, its draft budget
@@ -241,12 +258,18 @@ def cmd_cuda_micro(args) -> int:
     spec = models.resolve_model(args.model)
     model, _tok = models.load_model(spec, device=args.device, dtype=args.dtype)
     results = {"env": _env(), "model": spec.name, "model_path": str(spec.path), "dtype": args.dtype, "runs": {}}
-    kw = dict(qs=(1, 2, 4, 8), contexts=(32,), repeats=1) if args.smoke else dict(qs=(1, 2, 4, 8, 16, 32, 64), contexts=(512, 2048))
+    kw = (
+        dict(qs=(1, 2, 4, 8), contexts=(32,), repeats=1)
+        if args.smoke
+        else dict(qs=(1, 2, 4, 8, 16, 32, 64), contexts=(512, 2048))
+    )
     for mode in [m for m in args.modes.split(",") if m]:
-        for graphs in ((False, True) if args.device == "cuda" else (False,)):
+        for graphs in (False, True) if args.device == "cuda" else (False,):
             name = f"{mode} {'graphs' if graphs else 'eager'}"
             t0 = time.perf_counter()
-            target = load_cuda_target(model, numerics=mode, max_slots=4, context=max(kw["contexts"]) + 80, graphs=graphs)
+            target = load_cuda_target(
+                model, numerics=mode, max_slots=4, context=max(kw["contexts"]) + 80, graphs=graphs
+            )
             table = measure_latency(target, model_name=spec.name, **kw)
             runner = target.graphs
             results["runs"][name] = {
@@ -292,7 +315,9 @@ def cmd_concurrent(args) -> int:
     def solo(engine):
         outs, secs, draft_s, steps = [], 0.0, 0.0, 0
         for ids in prompts:
-            out, s = bench.timed_call(engine.target.device, lambda: engine.generate(ids, max_new_tokens=args.max_new_tokens, chat=False))
+            out, s = bench.timed_call(
+                engine.target.device, lambda: engine.generate(ids, max_new_tokens=args.max_new_tokens, chat=False)
+            )
             outs.append(list(out.token_ids))
             secs += s
             draft_s += out.stats.draft_s
@@ -300,7 +325,9 @@ def cmd_concurrent(args) -> int:
         return outs, secs, draft_s, steps
 
     def together(engine):
-        starts = [lambda ids=ids: engine.request(ids, chat=False, max_new_tokens=args.max_new_tokens) for ids in prompts]
+        starts = [
+            lambda ids=ids: engine.request(ids, chat=False, max_new_tokens=args.max_new_tokens) for ids in prompts
+        ]
         outs = [[] for _ in prompts]
         bench.sync_device(engine.target.device)
         t0 = time.perf_counter()
@@ -313,7 +340,9 @@ def cmd_concurrent(args) -> int:
     for mode in [m for m in args.modes.split(",") if m]:
         spec_eng = _cuda_engine(base, mode, budget=args.budget, slots=args.in_flight + 2, context=context,
                                 calibrate=not args.no_calibrate)  # fmt: skip
-        plain_eng = _cuda_engine(base, mode, budget=args.budget, drafts=False, slots=args.in_flight + 2, context=context)
+        plain_eng = _cuda_engine(
+            base, mode, budget=args.budget, drafts=False, slots=args.in_flight + 2, context=context
+        )
         together(spec_eng)  # warm-up: compiles the kernels, captures the graphs
         s1, s1_s, draft_s, steps = solo(spec_eng)
         p1, p1_s, _, _ = solo(plain_eng)
@@ -321,8 +350,10 @@ def cmd_concurrent(args) -> int:
         p8, p8_s = together(plain_eng)
         tokens = sum(len(o) for o in s1)
         r = {
-            "solo_tok_s": tokens / s1_s, "solo_plain_tok_s": sum(len(o) for o in p1) / p1_s,
-            "together_tok_s": sum(len(o) for o in s8) / s8_s, "together_plain_tok_s": sum(len(o) for o in p8) / p8_s,
+            "solo_tok_s": tokens / s1_s,
+            "solo_plain_tok_s": sum(len(o) for o in p1) / p1_s,
+            "together_tok_s": sum(len(o) for o in s8) / s8_s,
+            "together_plain_tok_s": sum(len(o) for o in p8) / p8_s,
             "spec_eq_plain_solo": sum(a == b for a, b in zip(s1, p1)),
             "spec_eq_plain_together": sum(a == b for a, b in zip(s8, p8)),
             "together_eq_solo": sum(a == b for a, b in zip(s8, s1)),
@@ -394,12 +425,17 @@ def cmd_bench(args) -> int:
         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
         "cuda_variants": sorted(variants),
         "cuda_budget": {n: e.policy.max_draft_tokens for n, e in variants.items() if "@" not in n},
-        "cuda_latency_ms": {n: {q: v * 1e3 for q, v in e.latency.table.items()} for n, e in variants.items() if "@" not in n},
+        "cuda_latency_ms": {
+            n: {q: v * 1e3 for q, v in e.latency.table.items()} for n, e in variants.items() if "@" not in n
+        },
         "load_s": time.perf_counter() - t0,
         "env": _env(),
     }
-    print(f"# bench {settings['dtype']} on {settings['device']}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
-          f"budgets {budgets}, static baseline {args.static}, loaded in {settings['load_s']:.1f} s", flush=True)
+    print(
+        f"# bench {settings['dtype']} on {settings['device']}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
+        f"budgets {budgets}, static baseline {args.static}, loaded in {settings['load_s']:.1f} s",
+        flush=True,
+    )
     records = []
     out = Path(args.out)
 
@@ -480,7 +516,9 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     lines = []
     names = sorted({n for rs in gb.values() for r in rs for n in r.get("variants", {}) if "@" not in n})
     if names:
-        head = f"{'category':<14}" + "".join(f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names)
+        head = f"{'category':<14}" + "".join(
+            f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names
+        )
         lines += [f"CUDA backend (draft budgets {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
                   "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16)", head, "-" * len(head)]  # fmt: skip
         for g, rs in gb.items():
@@ -494,7 +532,9 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
                 same32 = f"{sum(bool(m['identical']) for m in fs)}/{len(fs)}" if fs else "-"
                 plain = [m for m in ms if "plain_identical" in m]
                 sp = f"{sum(bool(m['plain_identical']) for m in plain)}/{len(plain)}" if plain else "-"
-                cells += f"{_fmt(tps, 17)}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
+                cells += (
+                    f"{_fmt(tps, 17)}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
+                )
             lines.append(f"{g:<14}{cells}")
     conc = _load(dirs, "concurrent-bf16.json")
     for mode, r in (conc or {}).get("modes", {}).items():
@@ -512,11 +552,14 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     for name, r in (cm or {}).get("runs", {}).items():
         lat = r["latency"]["full"]
         cells = "; ".join(
-            f"ctx {c}: " + " ".join(f"q{q} {v * 1e3:.2f}" for q, v in row.items() if q in ("1", "4", "8", "16", "32", "64"))
+            f"ctx {c}: "
+            + " ".join(f"q{q} {v * 1e3:.2f}" for q, v in row.items() if q in ("1", "4", "8", "16", "32", "64"))
             for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
         )
         graphs = f" [graphs {r['graph_steps']} steps, {r['eager_steps']} eager]" if r.get("captured") else ""
-        lines.append(f"CUDA step ms, {name}{' (random weights)' if 'random' in cm.get('model_path', '') else ''}: {cells}{graphs}")
+        lines.append(
+            f"CUDA step ms, {name}{' (random weights)' if 'random' in cm.get('model_path', '') else ''}: {cells}{graphs}"
+        )
     if cm is None:
         lines.append("CUDA backend micro-benchmark: no results")
     return lines
@@ -548,9 +591,15 @@ def cmd_table(args) -> int:
         else:
             lines.append(f"  bench {label}: no results")
     # tokens/s (bf16) and identity (bf16 share, fp32)
-    head = (f"{'category':<14}{'n':>3}{'generate':>10}{'static':>9}{'hf-pld':>9}{'rs@8':>9}{'rs@32':>9}{'x@8':>7}{'x@32':>7}"
-            f"  {'bf16 identical @8 | @32':<26}{'fp32 identical @8 | @32':<24}")
-    lines += ["tokens/s in bf16 (x: speedup over generate); identity against model.generate of the same dtype", head, "-" * len(head)]
+    head = (
+        f"{'category':<14}{'n':>3}{'generate':>10}{'static':>9}{'hf-pld':>9}{'rs@8':>9}{'rs@32':>9}{'x@8':>7}{'x@32':>7}"
+        f"  {'bf16 identical @8 | @32':<26}{'fp32 identical @8 | @32':<24}"
+    )
+    lines += [
+        "tokens/s in bf16 (x: speedup over generate); identity against model.generate of the same dtype",
+        head,
+        "-" * len(head),
+    ]
 
     def group_rows(res):
         out = {}
@@ -590,7 +639,9 @@ def cmd_table(args) -> int:
                          for m in [r.get("more_budgets", {}).get(str(b))] if m]  # fmt: skip
             if not pairs:
                 return "-"
-            return format_identity(sum(bool(i) for i, _ in pairs), len(pairs), [d for i, d in pairs if not i and d >= 0])
+            return format_identity(
+                sum(bool(i) for i, _ in pairs), len(pairs), [d for i, d in pairs if not i and d >= 0]
+            )
 
         t8 = budget_tps(rs, budgets[0])
         t32 = budget_tps(rs, budgets[-1])
@@ -609,14 +660,26 @@ def cmd_table(args) -> int:
                 f"ctx {c}: " + " ".join(f"q{q} {row[q] * 1e3:.2f}" for q in qs if q in row)
                 for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
             )
-            lines.append(f"forward ms {dt}{' (random weights)' if 'random' in micro.get('model_path', '') else ''}: {cells}")
+            lines.append(
+                f"forward ms {dt}{' (random weights)' if 'random' in micro.get('model_path', '') else ''}: {cells}"
+            )
             att = r["attention"]
-            kinds = {case: ",".join(k.removeprefix("aten::_scaled_dot_product_") for k in p["ops"]) or "no SDPA op" for case, p in att.items()}
+            kinds = {
+                case: ",".join(k.removeprefix("aten::_scaled_dot_product_") for k in p["ops"]) or "no SDPA op"
+                for case, p in att.items()
+            }
             kern = {case: p["device_kernels"] for case, p in att.items()}
-            lines.append(f"attention {dt} ({r['attn_implementation']}): " + "; ".join(f"{c}: {k} [{kern[c]} kernels]" for c, k in kinds.items()))
+            lines.append(
+                f"attention {dt} ({r['attn_implementation']}): "
+                + "; ".join(f"{c}: {k} [{kern[c]} kernels]" for c, k in kinds.items())
+            )
     else:
         lines.append("forward micro-benchmark: no results")
-    for name, label in (("tests-gpu.xml", "tests/gpu"), ("tests-gpu-real.xml", "tests/gpu (real model)"), ("tests-e2e.xml", "tests/e2e identity (fp32)")):
+    for name, label in (
+        ("tests-gpu.xml", "tests/gpu"),
+        ("tests-gpu-real.xml", "tests/gpu (real model)"),
+        ("tests-e2e.xml", "tests/e2e identity (fp32)"),
+    ):
         res = _junit(dirs, name)
         if res is None:
             lines.append(f"{label}: not run")
@@ -628,7 +691,13 @@ def cmd_table(args) -> int:
     for d in dirs:
         for p in sorted(Path(d).glob("stages*.tsv")):
             stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
-            lines.append(f"stages ({p}): " + ", ".join(f"{s[0]} {'ok' if s[1] == '0' else s[1] if s[1] == 'skipped' else 'rc=' + s[1]} {float(s[2]):.0f}s" for s in stages))
+            lines.append(
+                f"stages ({p}): "
+                + ", ".join(
+                    f"{s[0]} {'ok' if s[1] == '0' else s[1] if s[1] == 'skipped' else 'rc=' + s[1]} {float(s[2]):.0f}s"
+                    for s in stages
+                )
+            )
     lines.append("=" * 100)
     print("\n".join(lines))
     return 0

@@ -579,7 +579,10 @@ async def _drive(url: str, texts: Sequence[str], clients: int, max_tokens: int, 
     httpx = _httpx()
     pending = list(range(len(texts)))
     records: list[RequestRecord] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    # a fresh connection per request, for both servers: llama-server closes an idle
+    # keep-alive connection after a few seconds, and a request sent on one the server just
+    # closed fails with "Server disconnected without sending a response"
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=0)
     timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s))
     async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter()

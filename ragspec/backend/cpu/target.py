@@ -398,8 +398,11 @@ class CPUTarget(HFTarget):
         if self.packed_linears or not can_pack(self.device, self.dtype):
             return self.packed_linears
         self._skinny = skinny if self.dtype == torch.float32 else None
+        gguf = self._gguf if self._skinny else None
+        # --numerics fast: prefill rows through the int8 twins too (each row alone)
+        many = {ptr: f for ptr, f in (gguf or {}).items() if self._gguf_weights[ptr].fast}
         n = pack_linear_forwards(
-            self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope, gguf=self._gguf if self._skinny else None
+            self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope, gguf=gguf, prefill_gguf=many or None
         )
         self.packed_linears = n
         logger.debug(
