@@ -107,11 +107,12 @@ def main() -> int:
                     raise SystemExit(f"ragspec serve exited with {proc.returncode}")
                 time.sleep(0.5)
             one_request(client, url, warm["turns"][0], args.max_tokens)
+            time.sleep(0.3)  # the worker records a request's seconds after its last byte
             print("wall_s  ttft_s  tokens  transport+http  queue  prefill  draft  verify  rest  steps")
             for row in rows:
                 before = scrape(client, url)
                 wall, ttft, tokens = one_request(client, url, row["turns"][0], args.max_tokens)
-                time.sleep(0.05)  # the latency histogram is observed after the last byte
+                time.sleep(0.3)  # the worker records a request's seconds after its last byte
                 after = scrape(client, url)
                 d = {k: after[k] - before[k] for k in COUNTERS}
                 rest = d["latency"] - d["queue"] - d["prefill"] - d["draft"] - d["verify"]
