@@ -154,10 +154,11 @@ class PolicyConfig:
     ``max_step_rows`` (drafts shrink as the batch grows; see :meth:`Engine.step`). Seeded
     sampled requests keep their solo choice (same seed, same output)."""
     draft_time_gate: bool = True
-    """With ``adaptive`` and ``batch_aware``: in a batched step, a request drafts only while its drafting has
-    been adding more committed tokens than its drafting seconds and draft rows cost the
-    whole step (:class:`~ragspec.policy.DraftTimeGate`); otherwise its steps are plain ones,
-    with a retry every few steps. Seeded sampled requests are never gated."""
+    """With ``adaptive``: a request alone, or in a batched step with ``batch_aware``, drafts
+    only while its drafting has been adding more committed tokens than its drafting seconds
+    and draft rows cost the step (:class:`~ragspec.policy.DraftTimeGate`; one gate for its
+    steps alone, one for its batched steps); otherwise its steps are plain ones, with a
+    retry every few steps. Seeded sampled requests are never gated."""
     max_step_rows: Optional[int] = None
     """Most verification rows (roots + draft nodes of all requests) one step budgets for
     (None: the latency model's largest measured q, where the cost model knows the cost; at

@@ -3,7 +3,7 @@
 stripped of invalid nodes, cut to the part worth verifying by the policy
 (:func:`draft_for_step`), alone or weighed against the rest of a batched step (its
 ``other_rows`` / ``other_committed``, at most :func:`per_request_drafts` nodes); and, after
-the step, what batched drafting paid for (:func:`observe_gates`).
+the step, what each gated request's drafting paid for (:func:`observe_gates`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from .backend.base import Target
 from .config import PolicyConfig
-from .policy import LatencyModel, choose_draft
+from .policy import DraftTimeGate, LatencyModel, choose_draft
 from .request import Request
 from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationStats, VerifyResult
@@ -111,17 +111,25 @@ def per_request_drafts(policy: PolicyConfig, latency: LatencyModel, n: int) -> i
 
 
 def observe_gates(
-    pending: Sequence[Pending], results: Sequence[VerifyResult], gated: Sequence[bool], seconds: float
+    pending: Sequence[Pending],
+    results: Sequence[VerifyResult],
+    gates: Sequence[Optional[DraftTimeGate]],
+    seconds: float,
 ) -> None:
-    """Feed each gated request's :class:`~ragspec.policy.DraftTimeGate` with this batched
-    step (``seconds``: its decoding part, drafting to commit)."""
+    """Feed ``gates[i]`` (a :class:`~ragspec.policy.DraftTimeGate` of ``pending[i]``'s
+    request, None: not gated in this step) with what its drafting paid for in this step,
+    alone or batched (``seconds``: the step's decoding part, drafting to commit). A
+    request's draft rows are charged their share of the measured forward by its latency
+    model's shape, ``1 - latency(rows - nodes) / latency(rows)``, so a model whose scale
+    is off (a frozen table, a slower machine) prices them in this machine's seconds."""
     if seconds <= 0:
         return
     rate = sum(len(r.tokens) for r in results) / seconds  # committed tokens per second
     rows = sum(1 + p.tree.num_nodes for p in pending)
-    for p, res, g in zip(pending, results, gated):
-        if not g:
+    forward_s = max(0.0, seconds - sum(p.draft_s for p in pending))
+    for p, res, gate in zip(pending, results, gates):
+        if gate is None:
             continue
         nodes = p.tree.num_nodes
-        rows_s = p.request.latency(rows) - p.request.latency(rows - nodes) if nodes else 0.0
-        p.request.draft_gate.observe(res.num_accepted, rate, p.draft_s, rows_s)
+        share = 1.0 - p.request.latency(rows - nodes) / p.request.latency(rows) if nodes else 0.0
+        gate.observe(res.num_accepted, rate, p.draft_s, forward_s * max(0.0, share))

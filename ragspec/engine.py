@@ -41,7 +41,7 @@ from .detok import TextAssembler
 from .draft_choice import Pending, draft_for_step, observe_gates, per_request_drafts
 from .drafters.base import Drafter, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
 from .errors import ConfigError, PromptTooLongError
-from .policy import AcceptanceModel, LatencyModel
+from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
 from .prompts import Prompt, encode_documents, encode_messages, encode_prompt
@@ -360,6 +360,13 @@ class Engine:
         share of the step's gain: drafts shrink with the batch. Greedy outputs do not depend
         on drafts; seeded sampled requests keep their solo choice.
 
+        Drafting time (``PolicyConfig.draft_time_gate`` with ``adaptive``): the cost model
+        prices a draft's rows, not the seconds its drafter spends proposing it, so a request
+        alone (its ``solo_draft_gate``) or in a batched step (its ``draft_gate``) drafts only
+        while its drafting has been adding more tokens than its drafting seconds and draft
+        rows cost (:class:`~ragspec.policy.DraftTimeGate`); otherwise its steps are plain
+        ones, with a retry every few steps. Seeded sampled requests are never gated.
+
         Returns:
             one :class:`~ragspec.types.StreamChunk` per request, in order: the text and
             tokens committed by this step (possibly empty), and for a request that finished
@@ -403,19 +410,25 @@ class Engine:
                 chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
             cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
-            gate = batch and self.policy.draft_time_gate
-            gated: list[bool] = []  # drafted under the gate: observed after the step
+            # a request drafts while its drafting pays for its own seconds (DraftTimeGate),
+            # alone and in a batched step; seeded sampled requests' drafts must not depend
+            # on timing: never gated
+            solo = len(decoding) == 1
+            gate = self.policy.draft_time_gate and self.policy.adaptive and (batch or solo)
+            gates: list[Optional[DraftTimeGate]] = []  # fed after the step (None: not gated)
             t_decode = time.perf_counter()
             other_rows, other_committed = 0, 0.0
             for j, (i, req) in enumerate(decoding):
                 later = len(decoding) - 1 - j  # not drafted yet: one row, one token each
+                g = None
+                if gate and req.session is not None and not req.batch_independent:
+                    g = req.solo_draft_gate if solo else req.draft_gate
+                skip = g is not None and not g.should_draft()
                 if batch and not req.batch_independent:
-                    skip = gate and req.session is not None and not req.draft_gate.should_draft()
                     p = self._draft(i, req, other_rows + later, other_committed + later, cap, skip=skip)
-                    gated.append(gate and p.proposed)
                 else:
-                    p = self._draft(i, req)
-                    gated.append(False)
+                    p = self._draft(i, req, skip=skip)
+                gates.append(g if p.proposed else None)
                 pending.append(p)
                 other_rows += 1 + p.tree.num_nodes
                 other_committed += 1.0 + p.predicted
@@ -427,8 +440,8 @@ class Engine:
                 t1 = time.perf_counter()
                 outs = self.target.verify(items)
                 results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
-                if any(gated):
-                    observe_gates(pending, results, gated, time.perf_counter() - t_decode)
+                if any(g is not None for g in gates):
+                    observe_gates(pending, results, gates, time.perf_counter() - t_decode)
         self.last_step = StepReport(
             requests=len(requests),
             verified=len(pending),

@@ -66,6 +66,8 @@ class Request:
     hits only among requests of the same salt ("" : the shared partition)."""
     draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate)
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
+    solo_draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate.solo)
+    """The same for its steps alone (:meth:`DraftTimeGate.solo`)."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
