@@ -547,7 +547,7 @@ def cmd_concurrency(args) -> int:
         for r, ours in zip(llamacpp, results):
             print(
                 f"# {r.concurrency} clients: ragspec / llama.cpp aggregate x{ours.aggregate_tok_s / max(1e-9, r.aggregate_tok_s):.2f}, "
-                f"P50 latency x{ours.latency_p50_s / max(1e-9, r.latency_p50_s):.2f} (lower is better for ragspec); "
+                f"P50 latency x{ours.latency_p50_s / max(1e-9, r.latency_p50_s):.2f} (below 1: ragspec answers sooner); "
                 f"llama.cpp equal to its own solo {r.identical}/{r.requests}, to ragspec's greedy "
                 f"{agree[llamacpp.index(r)]}/{r.requests}"
             )

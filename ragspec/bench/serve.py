@@ -851,7 +851,8 @@ def format_report(report: ServeBenchReport) -> str:
                 )
                 lines.append(
                     f"# {_phase_label(ours)}: ragspec / llama-server tok/s x{ours.tok_s / theirs.tok_s:.2f}, "
-                    f"P50 latency x{ours.latency_p50_s / theirs.latency_p50_s:.2f} (lower is better for ragspec)" + same
+                    f"P50 latency x{ours.latency_p50_s / theirs.latency_p50_s:.2f} (below 1: ragspec answers sooner)"
+                    + same
                 )
     if report.llama_server:
         lines.append(f"# llama-server not run: {report.llama_server}")

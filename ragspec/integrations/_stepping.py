@@ -51,7 +51,7 @@ class BatchStepper:
     Chunks of the others are queued on their slots. Requests opened while a step runs join
     the next one. Each request's output is its solo output (the engine's batched step
     guarantees it). Thread-safe; every step runs in ``torch.inference_mode``, in the
-    stepper's compute thread (named ``ragspec-compute``, started at the first step, ended
+    stepper's compute thread (named ``ragspec-compute_0``, started at the first step, ended
     by :meth:`shutdown` or at exit).
 
     Args:
