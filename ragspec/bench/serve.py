@@ -45,6 +45,7 @@ inputs; the processes and sockets live in :class:`ServerProcess` and :func:`run_
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -385,26 +386,18 @@ class ServeBenchConfig:
     def server_settings(self, *, response_cache: bool = True) -> "ServerSettings":
         """The settings ``ragspec serve`` runs with under :func:`ragspec_serve_command`'s
         options (the ``RAGSPEC_*`` variables of this process included, as the child
-        inherits them)."""
-        from ..integrations.settings import ServerSettings, parse_datastore
+        inherits them): that command line without its address, parsed by the ``serve``
+        command's own parser."""
+        from ..integrations.cli import add_serve_command, settings_from_args
 
-        return ServerSettings.from_env(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            eagle=self.eagle,
-            numerics=self.numerics,
-            drafting=self.drafting,
-            max_draft_tokens=self.max_draft_tokens,
-            adaptive=False if self.fixed_draft else None,
-            calibrate=False if not self.calibrate else None,
-            prefix_cache_tokens=self.prefix_cache_tokens,
-            datastores=(parse_datastore(self.datastore),) if self.datastore else None,
-            response_cache_tokens=0 if not response_cache else None,
-            max_active=max(self.clients, 8),
-            max_queue=max(32, self.clients),
-            max_client_requests=0,
-        )
+        parser = argparse.ArgumentParser()
+        add_serve_command(parser.add_subparsers())
+        cmd = ragspec_serve_command(self, 0, response_cache=response_cache)
+        serve = cmd[cmd.index("serve") :]
+        for flag in ("--host", "--port"):  # the address: the environment's or the default, as before
+            i = serve.index(flag)
+            del serve[i : i + 2]
+        return settings_from_args(parser.parse_args(serve))
 
 
 def ragspec_serve_command(config: ServeBenchConfig, port: int, *, response_cache: bool = True) -> list[str]:
