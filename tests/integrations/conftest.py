@@ -4,7 +4,7 @@ tokenizer (plus a chat template), and a live uvicorn server on a free loopback p
 from __future__ import annotations
 
 import pytest
-from _integ_helpers import LiveServer, make_tiny_engine
+from _integ_helpers import CHAT_TEMPLATE, LiveServer, make_char_tokenizer, make_tiny_engine, make_tiny_llama
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -22,6 +22,18 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def tiny_engine():
     return make_tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """The tiny random Llama and the character tokenizer (with a chat template) saved as an
+    HF folder, for tests that load a model by path (the CLI, served processes)."""
+    tok = make_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")

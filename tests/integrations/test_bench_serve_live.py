@@ -7,19 +7,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-from _integ_helpers import CHAT_TEMPLATE, make_char_tokenizer, make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    tok = make_char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_folder, tmp_path, monkeypatch, capsys):

@@ -10,19 +10,8 @@ import logging
 
 import pytest
 import torch
-from _integ_helpers import CHAT_TEMPLATE, make_char_tokenizer, make_tiny_llama
 
 from ragspec.progress import PROGRESS_LOGGER
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    tok = make_char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(autouse=True)

@@ -8,18 +8,7 @@ import json
 import logging
 
 import numpy as np
-import pytest
-from _integ_helpers import CHAT_TEMPLATE, make_char_tokenizer, make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    tok = make_char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, eos_token_id=None).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+from _integ_helpers import make_char_tokenizer
 
 
 def _generate(capsys, *args) -> tuple[int, str, str]:
