@@ -9,6 +9,9 @@ from __future__ import annotations
 __all__ = [
     "RagspecError",
     "ConfigError",
+    "UnsupportedParameterError",
+    "DatastoreNotFoundError",
+    "IsolationError",
     "ModelNotFoundError",
     "ModelLoadError",
     "DatastoreError",
@@ -31,6 +34,34 @@ class RagspecError(Exception):
 
 class ConfigError(RagspecError, ValueError):
     """A setting is out of range or inconsistent (raised at construction)."""
+
+
+class UnsupportedParameterError(ConfigError):
+    """A request asks for something the engine does not do yet (``n > 1``, log-probabilities,
+    penalties, ``logit_bias``, ``min_tokens``, a structured ``response_format``): refused,
+    never silently ignored. ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class DatastoreNotFoundError(ConfigError):
+    """A request names a datastore the engine was not built with (datastores are named,
+    never paths). ``name``: the name asked for; ``available``: the engine's names."""
+
+    def __init__(self, name: str, available: tuple[str, ...] = ()) -> None:
+        have = list(available) if available else "none"
+        super().__init__(f"unknown datastore {name!r}: this engine has {have} (datastores are named, never paths)")
+        self.name = name
+        self.available = available
+
+
+class IsolationError(RagspecError):
+    """A request with a ``cache_salt`` was started on a drafter that does not declare
+    whether it reads other requests' tokens (``Drafter.isolation``), or declares it
+    partitions by salt without a ``salted`` method: it could share drafts across tenants,
+    so the request is refused (fails closed)."""
 
 
 class ModelNotFoundError(RagspecError, FileNotFoundError):

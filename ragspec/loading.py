@@ -3,9 +3,10 @@ drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
 only through :func:`load_engine` (over a model they already hold: :func:`select_target`,
-:func:`engine_for_target`, :func:`engine_with_drafter`); an engine for another datastore over
-the same model comes from :func:`with_datastore` (no reload). Nothing is set on an engine
-after construction.
+:func:`assemble_engine`, :func:`engine_for_target`, :func:`engine_with_drafter`). One engine
+serves every datastore it is built with: a request names the one it drafts from
+(``RequestParams.datastore``); :func:`engine_over` gives a server's engine over a model
+already loaded (its datastores, its response cache). Nothing is set on an engine after construction.
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .calibrate import measure_latency_model
+from .composition import DrafterParts, compose_drafter
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
 from .drafters.base import CompositeDrafter, Drafter
-from .drafters.merged import MergedDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
 from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
-from .drafters.selecting import SelectingDrafter
-from .engine import DrafterParts, Engine
+from .engine import Engine
 from .errors import ConfigError
 from .policy import LatencyModel
 from .progress import step
@@ -46,7 +46,11 @@ __all__ = [
     "load_target",
     "select_target",
     "load_eagle",
+    "assemble_engine",
+    "open_datastores",
+    "datastore_name",
     "compose_drafter",
+    "engine_over",
     "with_datastore",
     "with_response_cache",
     "with_drafting",
@@ -227,44 +231,29 @@ def load_eagle(
     return EagleDrafter(head, target, tree or EagleTreeConfig()), str(path)
 
 
-def compose_drafter(
-    pld: Optional[PLDConfig],
-    datastores: Sequence["Datastore"] = (),
-    eagle: Optional["EagleDrafter"] = None,
-    response_cache: Optional[ResponseCache] = None,
-    drafting: str = "merged",
-) -> Optional[Drafter]:
-    """Retrieval (prompt lookup, then each datastore, then the response cache: the longest
-    suffix match wins) and, with a head, retrieval and the head together as ``drafting``
-    says (:data:`DRAFTING_MODES`). None when there is nothing to draft with.
+def open_datastores(datastores: Sequence[tuple[str, Union[str, Path]]], tokenizer: Any) -> dict[str, "Datastore"]:
+    """The named datastores ``(name, folder)`` opened for ``tokenizer`` (memory maps,
+    warmed), in order.
 
     Raises:
-        ConfigError: an unknown ``drafting``.
+        ConfigError: a name given twice, or empty.
+        DatastoreError: a folder is not a datastore, or was built with another tokenizer.
     """
-    if drafting not in DRAFTING_MODES:
-        raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
-    retrieval: list[Drafter] = [PromptLookupDrafter(pld)] if pld is not None else []
-    if datastores:
-        from .datastore import DatastoreDrafter
+    from .datastore import Datastore
 
-        retrieval.extend(DatastoreDrafter(ds) for ds in datastores)
-    if response_cache is not None:
-        retrieval.append(ResponseCacheDrafter(response_cache))
-    base: Optional[Drafter] = None
-    if len(retrieval) == 1:
-        base = retrieval[0]
-    elif retrieval:
-        base = CompositeDrafter(retrieval)
-    if eagle is None or drafting == "retrieval":
-        return base
-    if base is None:
-        return eagle
-    if drafting == "select":
-        # retrieval when its match is worth more than the head's draft (calibrated per
-        # request), the head otherwise
-        return SelectingDrafter(base, eagle)
-    # one tree: retrieval's, the head's, and retrieval's copies after the head's tokens
-    return MergedDrafter(base, eagle)
+    out: dict[str, Datastore] = {}
+    for name, folder in datastores:
+        if not name or name in out:
+            raise ConfigError(f"datastore names must be unique and non-empty, got {name!r} twice or empty")
+        with step(f"opening the datastore {name} ({folder})"):
+            out[name] = Datastore.open(folder, tokenizer=tokenizer, warm=True)
+        logger.info("datastore %r: %s", name, folder)
+    return out
+
+
+def datastore_name(folder: Union[str, Path]) -> str:
+    """The name a datastore given by its folder alone is served under: the folder's name."""
+    return Path(folder).resolve().name or "datastore"
 
 
 def load_engine(
@@ -273,6 +262,7 @@ def load_engine(
     dtype: Optional[str] = None,
     *,
     datastore: Optional[Union[str, Path]] = None,
+    datastores: Sequence[tuple[str, Union[str, Path]]] = (),
     eagle: Optional[Union[str, Path]] = "auto",
     pld: PLDConfig = PLDConfig(),
     policy: PolicyConfig = PolicyConfig(),
@@ -283,15 +273,18 @@ def load_engine(
     numerics: str = "exact",
     recalibrate: Optional[bool] = None,
 ) -> Engine:
-    """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
-    an EAGLE head when given.
+    """Load a model and build an engine with prompt-lookup drafting, plus datastores and an
+    EAGLE head when given (:func:`load_target`, then :func:`assemble_engine`).
 
     Args:
         model: registry name (``smollm2-135m-instruct``, ``gemma3-270m``), a GGUF file or
             a local HF folder; None = the default model.
         device: ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when present).
         dtype: ``fp32``, ``bf16``, ``fp16`` (default: bf16 on CUDA, fp32 on CPU).
-        datastore: a datastore folder (``ragspec datastore build``).
+        datastore: a datastore folder (``ragspec datastore build``), the default of requests
+            naming none, served under its folder's name (:func:`datastore_name`).
+        datastores: ``(name, folder)`` of more datastores requests may name
+            (``RequestParams.datastore``); without ``datastore`` the first is the default.
         eagle: a head folder; ``"auto"`` (default) the head shipped with ragspec for this
             model when there is one and its fingerprint matches (one ships for the default
             model), else none; None, ``""`` or ``"none"``: no head.
@@ -320,21 +313,62 @@ def load_engine(
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
-        DatastoreError: the datastore cannot be opened for this tokenizer.
+        DatastoreError: a datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
-            where it cannot be served.
+            where it cannot be served; datastore names given twice.
+    """
+    check_drafting(drafting)  # an unknown mode fails before any load
+    named = ([(datastore_name(datastore), datastore)] if datastore else []) + list(datastores)
+    target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
+    return assemble_engine(
+        target,
+        tokenizer,
+        spec,
+        datastores=open_datastores(named, tokenizer),
+        eagle=eagle,
+        pld=pld,
+        policy=policy,
+        calibrate=calibrate,
+        cache=cache,
+        cpu_kernels=cpu_kernels,
+        drafting=drafting,
+        numerics=numerics,
+        recalibrate=recalibrate,
+    )
+
+
+def assemble_engine(
+    target: "Target",
+    tokenizer: Any,
+    spec: "ModelSpec",
+    *,
+    datastores: Optional[Mapping[str, "Datastore"]] = None,
+    response_cache: Optional[ResponseCache] = None,
+    eagle: Optional[Union[str, Path]] = "auto",
+    pld: PLDConfig = PLDConfig(),
+    policy: PolicyConfig = PolicyConfig(),
+    calibrate: bool = True,
+    cache: Optional[Union[str, Path]] = None,
+    cpu_kernels: Optional[bool] = None,
+    drafting: str = AUTO_DRAFTING,
+    numerics: str = "exact",
+    recalibrate: Optional[bool] = None,
+) -> Engine:
+    """The engine over a loaded target (:func:`load_target`): its EAGLE head loaded, the
+    drafter composed of prompt lookup, the named ``datastores`` (the first the default of
+    requests naming none; every one a request's to name) and ``response_cache``, the
+    latency model calibrated, the EOS ids read. The other arguments mean what they mean
+    for :func:`load_engine`.
+
+    Raises:
+        EagleHeadMismatchError, ModelLoadError: the head does not load or fit.
+        ConfigError: an unknown ``drafting``.
     """
     from .models import eos_token_ids
 
-    check_drafting(drafting)  # an unknown mode fails before any load
-    target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
-    stores = []
-    if datastore:
-        from .datastore import Datastore
-
-        with step(f"opening the datastore {datastore}"):
-            stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
+    check_drafting(drafting)
+    named = dict(datastores or {})
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
     if eagle_drafter is None and drafting in ("merged", "select"):
         logger.warning(
@@ -355,21 +389,24 @@ def load_engine(
         from .backend.cuda import gpu_draft_policy
 
         policy = gpu_draft_policy(latency.table, policy)
+    parts = DrafterParts(
+        pld=pld,
+        datastore=next(iter(named.values()), None),
+        eagle=eagle_drafter,
+        eagle_path=eagle_path,
+        response_cache=response_cache,
+        drafting=drafting,
+    )
     return Engine(
         target,
         tokenizer,
-        drafter=compose_drafter(pld, stores, eagle_drafter, drafting=drafting),
+        drafter=parts.drafter_with(parts.datastore),
         policy=policy,
         latency=latency,
         eos_token_ids=eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
-        parts=DrafterParts(
-            pld=pld,
-            datastore=stores[0] if stores else None,
-            eagle=eagle_drafter,
-            eagle_path=eagle_path,
-            drafting=drafting,
-        ),
+        parts=parts,
+        datastores=named,
     )
 
 
@@ -464,36 +501,93 @@ def engine_with_drafter(
     )
 
 
-def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
-    """An engine over the same model and backend as ``engine`` whose drafter is composed
-    the same way, with ``datastore`` instead of ``engine``'s (None: without one). No
-    model is loaded."""
-    parts = engine.parts
-    drafter = compose_drafter(
-        parts.pld, [datastore] if datastore is not None else [], parts.eagle, parts.response_cache, parts.drafting
-    )
-    return engine.with_drafter(drafter, dataclasses.replace(parts, datastore=datastore))
+def engine_over(
+    engine: Engine,
+    datastores: Optional[Mapping[str, "Datastore"]] = None,
+    response_cache: Optional[ResponseCache] = None,
+) -> Engine:
+    """The engine a server serves over ``engine``'s model, backend, head, policy and latency
+    model (no model loaded, no I/O): drafting from exactly the named ``datastores`` (the
+    first the default of requests naming none; None: none) and ``response_cache`` (None:
+    none), composed as ``engine``'s drafter was (for an engine whose drafter was not
+    composed here: the datastores and the cache alone). Without datastores, an engine whose
+    drafter was not composed here keeps it, with the cache beside it.
 
-
-def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
-    """An engine over the same model and backend as ``engine`` that also drafts from
-    ``cache`` and caches each finished response in it (None: without a cache). No model is
-    loaded. See :mod:`ragspec.drafters.response_cache`."""
+    Raises:
+        ConfigError: another response cache for an engine whose drafter was not composed
+            here and has one already.
+    """
     parts = engine.parts
+    named = dict(datastores or {})
     drafter: Optional[Drafter]
-    if parts.pld is None and parts.eagle is None and parts.datastore is None:
+    custom = parts.pld is None and parts.eagle is None and parts.datastore is None
+    if named or not custom:
+        parts = dataclasses.replace(parts, datastore=next(iter(named.values()), None), response_cache=response_cache)
+        drafter = parts.drafter_with(parts.datastore)
+    elif parts.response_cache is not None and response_cache is not parts.response_cache:
+        raise ConfigError("this engine's drafter was not composed by ragspec.loading and already has a response cache")
+    elif parts.response_cache is not None:
+        drafter = engine.drafter  # the same cache beside the same drafter
+    else:
         # an engine whose drafter was not composed here: the cache beside that drafter
-        if parts.response_cache is not None:
-            raise ConfigError("this engine already drafts from a response cache")
-        own = ResponseCacheDrafter(cache) if cache is not None else None
+        own = ResponseCacheDrafter(response_cache) if response_cache is not None else None
         if engine.drafter is None or own is None:
             drafter = engine.drafter or own
         else:
             drafter = CompositeDrafter([engine.drafter, own])
-    else:
-        stores = [parts.datastore] if parts.datastore is not None else []
-        drafter = compose_drafter(parts.pld, stores, parts.eagle, cache, parts.drafting)
-    return engine.with_drafter(drafter, dataclasses.replace(parts, response_cache=cache))
+        parts = dataclasses.replace(parts, response_cache=response_cache)
+    return Engine(
+        engine.target,
+        engine.tokenizer,
+        drafter=drafter,
+        policy=engine.policy,
+        latency=engine.latency,
+        eos_token_ids=engine.eos_token_ids,
+        model_name=engine.model_name,
+        parts=parts,
+        prefix_cache=engine.prefix_cache,
+        datastores=named,
+    )
+
+
+def _named_datastores(engine: Engine) -> dict[str, "Datastore"]:
+    """``engine``'s named datastores; its default alone, named by its folder, when it has
+    none named."""
+    if engine.datastores:
+        return dict(engine.datastores)
+    ds = engine.parts.datastore
+    return {datastore_name(ds.path): ds} if ds is not None else {}
+
+
+def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
+    """Deprecated: one engine serves every datastore, and a request names the one it drafts
+    from (``RequestParams.datastore``); build the engine with its datastores
+    (:func:`load_engine`'s ``datastores``, :func:`engine_over`). This returns
+    ``engine_over(engine, {name: datastore})`` (no model loaded)."""
+    warnings.warn(
+        "ragspec.loading.with_datastore is deprecated: build one engine with every datastore "
+        "(load_engine(datastores=...), engine_over) and name it per request (RequestParams.datastore)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    named = {datastore_name(datastore.path): datastore} if datastore is not None else {}
+    return engine_over(engine, named, engine.parts.response_cache)
+
+
+def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
+    """Deprecated: give the response cache when the engine is built (:func:`assemble_engine`,
+    :func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
+
+    Raises:
+        ConfigError: an engine whose drafter was not composed here, and already has a cache.
+    """
+    warnings.warn(
+        "ragspec.loading.with_response_cache is deprecated: give the cache when the engine is built "
+        "(assemble_engine(response_cache=...), engine_over)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return engine_over(engine, _named_datastores(engine), cache)
 
 
 def with_drafting(engine: Engine, drafting: str) -> Engine:
@@ -507,9 +601,7 @@ def with_drafting(engine: Engine, drafting: str) -> Engine:
             here.
     """
     parts = engine.parts
-    if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
+    if not parts.composed:
         raise ConfigError("this engine's drafter was not composed by ragspec.loading: no parts to recompose")
-    drafting = resolve_drafting(drafting, getattr(engine.target, "device", torch.device("cpu")))
-    stores = [parts.datastore] if parts.datastore is not None else []
-    drafter = compose_drafter(parts.pld, stores, parts.eagle, parts.response_cache, drafting)
-    return engine.with_drafter(drafter, dataclasses.replace(parts, drafting=drafting))
+    parts = dataclasses.replace(parts, drafting=resolve_drafting(drafting, engine.target.device))
+    return engine.with_drafter(parts.drafter_with(parts.datastore), parts)

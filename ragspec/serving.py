@@ -1,26 +1,29 @@
-"""Serving's engine assembly: the engine a server serves, one engine per named datastore
-over the same model, and the cache of the server's own responses.
+"""Serving's engine assembly: the engine a server serves (one engine for every named
+datastore over the same model, and the cache of the server's own responses), and the
+datastore additions it serves from.
 
 The REST service (``ragspec serve``, :func:`ragspec.integrations.server.create_app`) and
 each Ray Serve replica (:mod:`ragspec.integrations.ray`) build what they serve here, from a
 :class:`ServingConfig` (:meth:`ragspec.integrations.settings.ServerSettings.serving_config`
 makes one from the service's settings). Engines come from :mod:`ragspec.loading`, the one
-builder of engines; nothing here loads a model twice: the datastore engines and the
-response cache reuse the loaded model and backend.
+builder of engines: a request names the datastore it drafts from
+(``RequestParams.datastore``); documents added to a datastore are served through
+:func:`reopen_datastore`, the one place a datastore is swapped in.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from .config import AUTO_DRAFTING, PolicyConfig
+from .config import AUTO_DRAFTING, PolicyConfig, check_drafting
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError
-from .loading import load_engine, with_datastore
+from .errors import ConfigError, DatastoreNotFoundError
+from .loading import assemble_engine, engine_over, load_target, open_datastores
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +31,15 @@ __all__ = [
     "ServingConfig",
     "ServingEngines",
     "load_serving_engine",
-    "datastore_engines",
-    "add_documents",
+    "serve_engine",
+    "add_to_datastore",
+    "reopen_datastore",
     "open_response_cache",
+    "response_cache_for",
     "close_response_log",
     "load_serving",
+    "datastore_engines",
+    "add_documents",
 ]
 
 
@@ -71,28 +78,47 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class ServingEngines:
-    """What a serving process serves: the engine, the named datastores' engines (same model
-    and backend), the response cache (None: none). The engines do not draft from the
-    cache yet: the server adds it (:func:`ragspec.loading.with_response_cache`) when it serves them."""
+    """What a serving process serves: the engine (every named datastore, the response
+    cache among its drafters) and the response cache (None: none), which the server
+    journals and saves."""
 
     engine: Engine
-    datastore_engines: dict[str, Engine]
     response_cache: Optional[ResponseCache]
+
+    @property
+    def datastore_engines(self) -> dict[str, Engine]:
+        """Deprecated: one engine serves every datastore (a request names it); this maps
+        each datastore's name to that one engine."""
+        warnings.warn(
+            "ServingEngines.datastore_engines is deprecated: one engine serves every datastore (engine.datastores)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {name: self.engine for name in self.engine.datastores}
 
 
 def load_serving_engine(config: ServingConfig) -> Engine:
     """The served engine: ``config``'s model with its EAGLE head, drafting, policy and
-    calibration, through :func:`ragspec.loading.load_engine` (no datastore: those are
-    :func:`datastore_engines`).
+    calibration, its named datastores (the first the default of requests naming none) and
+    its response cache (:func:`response_cache_for`), through :mod:`ragspec.loading`
+    (:func:`~ragspec.loading.load_target`, :func:`~ragspec.loading.assemble_engine`).
 
     Raises:
         ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, ConfigError: as
             :func:`ragspec.loading.load_engine`.
+        DatastoreError: a datastore folder is not one, or was built with another tokenizer.
+        ResponseLogError: the response log is unusable or holds another model's responses.
     """
-    return load_engine(
-        config.model,
-        config.device,
-        config.dtype,
+    check_drafting(config.drafting)  # an unknown mode fails before any load
+    target, tokenizer, spec = load_target(config.model, config.device, config.dtype, numerics=config.numerics)
+    datastores = open_datastores(config.datastores, tokenizer)
+    cache = response_cache_for(spec.name, config.response_cache_tokens, config.response_log, target.vocab_size)
+    return assemble_engine(
+        target,
+        tokenizer,
+        spec,
+        datastores=datastores,
+        response_cache=cache,
         eagle=config.eagle,
         policy=config.policy,
         calibrate=config.calibrate,
@@ -102,42 +128,57 @@ def load_serving_engine(config: ServingConfig) -> Engine:
     )
 
 
-def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
-    """One engine per named datastore ``(name, directory)``: the same model, backend and
-    latency model as ``engine``, the drafter composed as :mod:`ragspec.loading` composes
-    it, with that datastore (:func:`ragspec.loading.with_datastore`; no model loaded).
+def serve_engine(
+    engine: Engine, datastores: Mapping[str, Datastore], response_cache: Optional[ResponseCache]
+) -> Engine:
+    """A ready ``engine`` (built by the caller) as a server serves it: ``engine`` itself
+    when it already drafts from ``datastores`` (none given: its own) and
+    ``response_cache``, else the engine over its model drafting from them
+    (:func:`ragspec.loading.engine_over`; no model loaded).
 
     Raises:
-        DatastoreError: a directory is not a datastore, or was built with another tokenizer.
+        ConfigError: as :func:`ragspec.loading.engine_over`.
     """
-    out: dict[str, Engine] = {}
-    for name, directory in datastores:
-        ds = Datastore.open(directory, tokenizer=engine.tokenizer)
-        out[name] = with_datastore(engine, ds)
-        logger.info("datastore %r: %s", name, directory)
-    return out
+    named = dict(datastores) or dict(engine.datastores)
+    if named == dict(engine.datastores) and response_cache is engine.parts.response_cache:
+        return engine
+    return engine_over(engine, named, response_cache)
 
 
-def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>") -> tuple[Engine, DatastoreInfo]:
-    """Add ``texts`` (one document each) to the datastore ``engine`` drafts from, on disk
-    and atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
-    manifest replaced; a crash leaves the datastore as it was), and return an engine
-    drafting from the datastore reopened with them (same model, backend, lookup settings
-    and drafter composition, response cache included: :func:`ragspec.loading.with_datastore`;
-    no model loaded) and the datastore's new info. ``engine`` is left as it is: the requests
-    that hold it keep drafting from the datastore as it was. ``source``: the new shard's
-    source record.
+def add_to_datastore(engine: Engine, name: str, texts: Sequence[str], source: str = "<texts>") -> DatastoreInfo:
+    """Add ``texts`` (one document each) to ``engine``'s datastore ``name``, on disk and
+    atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
+    manifest replaced; a crash leaves the datastore as it was), then serve it reopened
+    (:func:`reopen_datastore`). Requests already started keep drafting from it as it was.
+    ``source``: the new shard's source record. Returns the datastore's new info.
 
     Raises:
-        ConfigError: ``engine`` drafts from no datastore.
+        DatastoreNotFoundError: ``engine`` has no datastore of that name.
         EmptyCorpusError, DatastoreInputError: no text, or a bad one (empty, binary, not
             valid Unicode); nothing is written.
         DatastoreError: the datastore is damaged or gone.
     """
-    old = engine.datastore
-    if old is None:
-        raise ConfigError("this engine drafts from no datastore")
+    if name not in engine.datastores:
+        raise DatastoreNotFoundError(name, tuple(engine.datastores))
+    old = engine.datastores[name]
     add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
+    info = reopen_datastore(engine, name)
+    logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), info.num_documents)
+    return info
+
+
+def reopen_datastore(engine: Engine, name: str) -> DatastoreInfo:
+    """Reopen ``engine``'s datastore ``name`` from its folder (same lookup settings) and
+    serve it from now on (:meth:`Engine.swap_datastore`, its drafter composed again; no
+    model loaded): the one place a served datastore is swapped in. Returns its info.
+
+    Raises:
+        DatastoreNotFoundError: ``engine`` has no datastore of that name.
+        DatastoreError: the datastore is damaged or gone.
+    """
+    if name not in engine.datastores:
+        raise DatastoreNotFoundError(name, tuple(engine.datastores))
+    old = engine.datastores[name]
     new = Datastore.open(
         old.path,
         tokenizer=engine.tokenizer,
@@ -145,26 +186,78 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
         max_match=old.max_match,
         max_samples=old.max_samples,
     )
-    logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
-    return with_datastore(engine, new), new.info()
+    engine.swap_datastore(name, new)
+    return new.info()
 
 
-def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
-    """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
-    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
-    responses are appended to that log as they finish (``ResponseCache.open_journal``: bad
-    lines skipped with a warning, the log compacted; closed by ``close_response_log``).
+def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
+    """Deprecated: one engine serves every datastore (a request names it:
+    ``RequestParams.datastore``); build it with :func:`ragspec.loading.load_engine`'s
+    ``datastores`` or :func:`serve_engine`. This returns one engine per named datastore
+    ``(name, directory)`` over ``engine``'s model (no model loaded).
+
+    Raises:
+        DatastoreError: a directory is not a datastore, or was built with another tokenizer.
+    """
+    warnings.warn(
+        "ragspec.serving.datastore_engines is deprecated: one engine serves every datastore "
+        "(load_engine(datastores=...), serve_engine); requests name theirs (RequestParams.datastore)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    opened = open_datastores(datastores, engine.tokenizer)
+    cache = engine.parts.response_cache
+    return {name: engine_over(engine, {name: ds}, cache) for name, ds in opened.items()}
+
+
+def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>") -> tuple[Engine, DatastoreInfo]:
+    """Deprecated: :func:`add_to_datastore` (by the datastore's name). Adds ``texts`` to the
+    default datastore of ``engine`` and serves it reopened there; returns ``engine`` and the
+    datastore's new info.
+
+    Raises:
+        ConfigError: ``engine`` drafts from no datastore.
+        EmptyCorpusError, DatastoreInputError, DatastoreError: as :func:`add_to_datastore`.
+    """
+    warnings.warn(
+        "ragspec.serving.add_documents is deprecated: add_to_datastore(engine, name, texts)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    name = engine.default_datastore
+    if name is None:
+        raise ConfigError("this engine drafts from no named datastore")
+    return engine, add_to_datastore(engine, name, texts, source)
+
+
+def response_cache_for(
+    model_name: str, max_tokens: int, log: Optional[str] = None, vocab_size: Optional[int] = None
+) -> Optional[ResponseCache]:
+    """The cache of a server's own responses for the model ``model_name``, holding up to
+    ``max_tokens`` tokens (None when ``max_tokens`` is 0 or less), with the responses of the
+    JSON-lines file ``log`` (token ids checked against ``vocab_size``); new responses are
+    appended to that log as they finish (``ResponseCache.open_journal``: bad lines skipped
+    with a warning, the log compacted; closed by :func:`close_response_log`).
 
     Raises:
         ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
     if max_tokens <= 0:
         return None
-    cache = ResponseCache(max_tokens, model=engine.model_name or "")
+    cache = ResponseCache(max_tokens, model=model_name or "")
     if log:
-        n = cache.open_journal(log, vocab_size=getattr(engine.target, "vocab_size", None))
+        n = cache.open_journal(log, vocab_size=vocab_size)
         logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
     return cache
+
+
+def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
+    """:func:`response_cache_for` ``engine``'s model (its name and vocabulary).
+
+    Raises:
+        ResponseLogError: the log path is unusable, or the log holds another model's responses.
+    """
+    return response_cache_for(engine.model_name, max_tokens, log, engine.target.vocab_size)
 
 
 def close_response_log(cache: ResponseCache, path: str) -> int:
@@ -174,14 +267,11 @@ def close_response_log(cache: ResponseCache, path: str) -> int:
 
 
 def load_serving(config: ServingConfig) -> ServingEngines:
-    """The engine, the datastores' engines and the response cache ``config`` names, loaded
-    in that order (:func:`load_serving_engine`, :func:`datastore_engines`,
-    :func:`open_response_cache`).
+    """The engine ``config`` names, with its datastores and response cache
+    (:func:`load_serving_engine`), and that cache.
 
     Raises:
-        what those raise (a model, head, datastore or response log that does not load).
+        what :func:`load_serving_engine` raises.
     """
     engine = load_serving_engine(config)
-    variants = datastore_engines(engine, config.datastores)
-    cache = open_response_cache(engine, config.response_cache_tokens, config.response_log)
-    return ServingEngines(engine=engine, datastore_engines=variants, response_cache=cache)
+    return ServingEngines(engine=engine, response_cache=engine.parts.response_cache)

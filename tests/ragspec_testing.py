@@ -8,7 +8,7 @@ import string
 
 import torch
 
-from ragspec.drafters.base import SessionCapability
+from ragspec.drafters.base import SessionCapability, TenantIsolation
 
 
 def make_char_tokenizer():
@@ -85,6 +85,7 @@ class ScriptedDrafter:
     """
 
     name = "scripted"
+    isolation = TenantIsolation.OWN_TOKENS  # its plan reads the request's own tokens only
 
     def __init__(self, plan):
         self.plan = plan
@@ -117,6 +118,7 @@ class FixedDrafter:
     """A drafter whose sessions propose the same ``tree`` at every step."""
 
     name = "fixed"
+    isolation = TenantIsolation.OWN_TOKENS
 
     def __init__(self, tree):
         self.tree = tree

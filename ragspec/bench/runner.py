@@ -234,7 +234,7 @@ def run_bench(
                 temperature=temperature,
                 seed=seed + i,
                 return_steps=keep_steps or bool(runners),
-                documents=docs,
+                draft_documents=docs,
             ),
         )
 

@@ -49,7 +49,7 @@ from ..errors import ConfigError, ResponseLogError
 from ..jsonl import check_log_path
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
-from .base import DraftSession, SessionCapability
+from .base import DraftSession, SessionCapability, TenantIsolation
 from .response_journal import ResponseJournal, write_log_atomically
 
 logger = logging.getLogger(__name__)
@@ -489,6 +489,9 @@ class ResponseCacheDrafter:
     """
 
     name = "responses"
+    isolation = TenantIsolation.SALTED
+    """Drafts from other requests' responses, partitioned by cache salt (:meth:`salted`;
+    :class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     def __init__(self, cache: ResponseCache, salt: str = "") -> None:
         self.cache = cache

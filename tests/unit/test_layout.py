@@ -130,11 +130,12 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jsonl",
             "prefix_cache",
             "progress",
+            "params",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
     ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
-    ("loop", ("prompts", "request", "prefill", "draft_choice", "engine", "loading", "serving")),
+    ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
     (
         "top",
         (
@@ -331,8 +332,7 @@ def private_imports(graph: dict[str, list[Edge]], package: str) -> list[str]:
     module (``m._x``) from outside the folder that holds them, as ``"a :line takes _x from
     m"``. Rule: a package folder's private names are the folder's own: its modules, and
     those of its sub-folders, may take each other's (``backend/hf.py`` takes
-    ``backend/native.py``'s ``_linear_modules``; ``integrations/langchain.py`` the module
-    ``integrations/_stepping.py``); no module outside it may. The package's top folder
+    ``backend/native.py``'s ``_linear_modules``); no module outside it may. The package's top folder
     holds every floor, so there each module's private names are its own (and its
     ``__init__``'s are private to it)."""
     out = []

@@ -2,12 +2,12 @@
 their sizes) and ``POST /v1/datastores/{name}/documents`` (documents added at run time).
 
 An addition is written to the datastore's folder as ``ragspec datastore add`` writes it
-(:func:`ragspec.serving.add_documents`: a new shard, then the manifest replaced atomically,
-so a crash leaves the datastore as it was and a restart sees every finished addition),
-with the same hygiene (an empty, binary or invalid text refuses the call with a 400 and
-nothing is written). The datastore is then reopened and its engine replaced in the state:
-later requests draft from the new documents, requests in flight keep the engine they
-started with. One addition runs at a time (:attr:`.state.ServerState.datastore_lock`), off
+(:func:`ragspec.serving.add_to_datastore`: a new shard, then the manifest replaced
+atomically, so a crash leaves the datastore as it was and a restart sees every finished
+addition), with the same hygiene (an empty, binary or invalid text refuses the call with a
+400 and nothing is written). The datastore is then reopened and swapped in the served
+engine (:func:`ragspec.serving.reopen_datastore`): later requests draft from the new
+documents, requests in flight keep drafting from it as it was. One addition runs at a time (:attr:`.state.ServerState.datastore_lock`), off
 the event loop; its body is at most ``--max-add-bytes`` (413 beyond; 0 turns additions off,
 403). Both endpoints are behind the API key, as every ``/v1`` path.
 
@@ -24,8 +24,7 @@ from fastapi import APIRouter, Depends, Request
 
 from ragspec import serving
 from ragspec.backend.threads import release_openmp_pool
-from ragspec.datastore import DatastoreInfo
-from ragspec.engine import Engine
+from ragspec.datastore import Datastore, DatastoreInfo
 from ragspec.errors import DatastoreError, DatastoreInputError, EmptyCorpusError
 
 from ..schemas import AddDocumentsRequest
@@ -57,12 +56,10 @@ def _sizes(info: DatastoreInfo) -> dict:
     }
 
 
-def _entry(name: str, engine: Engine, default: bool) -> dict:
+def _entry(name: str, datastore: Datastore, default: bool) -> dict:
     """One datastore of ``GET /v1/datastores``: its name, whether requests naming none use
-    it, and the sizes of the copy its engine serves."""
-    ds = engine.datastore
-    sizes = _sizes(ds.info()) if ds is not None else {}
-    return {"id": name, "object": "datastore", "default": default, **sizes}
+    it, and the sizes of the copy served."""
+    return {"id": name, "object": "datastore", "default": default, **_sizes(datastore.info())}
 
 
 @router.get("/datastores")
@@ -70,8 +67,10 @@ async def list_datastores(state: State) -> dict:
     """The datastores requests may name (`datastore`), each with its size as served:
     `num_documents`, `num_tokens`, `num_bytes` (on disk), `num_shards`; the first is the
     default of requests that name none."""
-    engines = list(state.engines.items())
-    data = await asyncio.to_thread(lambda: [_entry(n, e, i == 0) for i, (n, e) in enumerate(engines)])
+    engine = state.engine
+    served = list(engine.datastores.items())
+    default = engine.default_datastore
+    data = await asyncio.to_thread(lambda: [_entry(n, ds, n == default) for n, ds in served])
     return {"object": "list", "data": data}
 
 
@@ -88,8 +87,8 @@ async def add_documents(name: str, request: Request, state: State) -> dict:
             type="permission_error",
             code="datastore_additions_off",
         )
-    if name not in state.engines:
-        names = sorted(state.engines)
+    if name not in state.engine.datastores:
+        names = sorted(state.engine.datastores)
         raise APIError(
             404,
             f"unknown datastore {name!r}: this server has {names if names else 'none'}",
@@ -104,10 +103,8 @@ async def add_documents(name: str, request: Request, state: State) -> dict:
     def add() -> tuple[DatastoreInfo, int]:
         try:
             with state.datastore_lock:
-                engine = state.engines[name]  # the latest: an earlier addition may have replaced it
-                before = engine.datastore.num_tokens if engine.datastore is not None else 0
-                new, info = serving.add_documents(engine, texts, source=source)
-                state.engines[name] = new  # the same key: the dict's order (the default) is kept
+                before = state.engine.datastores[name].num_tokens  # the latest: an earlier addition may have swapped it
+                info = serving.add_to_datastore(state.engine, name, texts, source=source)
                 return info, before
         finally:
             release_openmp_pool()  # only the worker keeps a pool (ragspec.backend.threads)

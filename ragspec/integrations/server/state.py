@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,11 +16,11 @@ from fastapi import FastAPI, Request
 from ragspec.engine import Engine
 
 from ..metrics import ServerMetrics
-from ..scheduler import Scheduler
 from ..settings import RequestLimits, ServerSettings
+from ..stepper import Stepper
 from .errors import APIError
 
-__all__ = ["ServerState", "server_state", "not_ready", "check_model", "pick_engine"]
+__all__ = ["ServerState", "server_state", "not_ready", "check_model", "check_datastore", "pick_engine"]
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,9 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     engine: Engine
-    """The served engine (with the response cache, when there is one)."""
-    engines: dict[str, Engine]
-    """One engine per named datastore (the first is the default of requests naming none)."""
-    scheduler: Scheduler
+    """The served engine: every named datastore (``engine.datastores``; a request names
+    its own), the response cache when there is one."""
+    scheduler: Stepper
     """The worker that steps every generation."""
     prepare_pool: concurrent.futures.Executor
     """Threads that parse, validate and tokenize requests."""
@@ -42,7 +42,7 @@ class ServerState:
     started: int
     """Unix time the app started (``/v1/models``' ``created``)."""
     datastore_lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held while documents are added to a served datastore and its engine replaced
+    """Held while documents are added to a served datastore and it is swapped in
     (:mod:`.datastores`): one addition at a time."""
 
     @classmethod
@@ -53,7 +53,6 @@ class ServerState:
             settings=s.settings,
             metrics=s.metrics,
             engine=s.engine,
-            engines=s.engines,
             scheduler=s.scheduler,
             prepare_pool=s.prepare_pool,
             limits=s.limits,
@@ -102,22 +101,37 @@ def check_model(state: ServerState, model: Optional[str]) -> None:
     )
 
 
-def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
-    """The engine of the datastore a request names (None: the first datastore's, else the
-    plain engine).
+def check_datastore(state: ServerState, datastore: Optional[str]) -> None:
+    """Accept a request's ``datastore``: none (the default), or a name the server was started
+    with.
 
     Raises:
-        APIError: 400 ``datastore_not_found`` for a name the server was not started with
-            (datastores are named, never paths).
+        APIError: 400 ``datastore_not_found`` for any other name (datastores are named, never
+            paths).
     """
-    if datastore is None:
-        return next(iter(state.engines.values())) if state.engines else state.engine
-    if datastore in state.engines:
-        return state.engines[datastore]
-    names = sorted(state.engines)
+    names = state.engine.datastores
+    if datastore is None or datastore in names:
+        return
     raise APIError(
         400,
-        f"unknown datastore {datastore!r}: this server has {names if names else 'none'} (datastores are named, never paths)",
+        f"unknown datastore {datastore!r}: this server has {sorted(names) if names else 'none'} "
+        "(datastores are named, never paths)",
         param="datastore",
         code="datastore_not_found",
     )
+
+
+def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
+    """Deprecated: one engine serves every datastore (:func:`check_datastore`, then
+    ``RequestParams.datastore``). Checks ``datastore`` and returns the served engine.
+
+    Raises:
+        APIError: 400 ``datastore_not_found``, as :func:`check_datastore`.
+    """
+    warnings.warn(
+        "pick_engine is deprecated: one engine serves every datastore (check_datastore, RequestParams.datastore)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    check_datastore(state, datastore)
+    return state.engine
