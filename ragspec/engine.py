@@ -305,7 +305,7 @@ class Engine:
             ids = self.encode_messages(prompt, params.documents)  # type: ignore[arg-type]
         else:
             ids = self.encode_prompt(prompt, chat=chat, documents=params.documents)  # type: ignore[arg-type]
-        docs = self.encode_documents(params.documents + params.draft_documents) if params.drafts else []
+        docs = self.encode_documents([*params.documents, *params.draft_documents]) if params.drafts else []
         return PreparedPrompt(tuple(ids), tuple(tuple(d) for d in docs))
 
     def start(

@@ -72,7 +72,7 @@ class RequestParams:
     # ------------------------------------------------------------------ limits
     max_new_tokens: int = 128
     """Most tokens generated (never exceeded, whatever the draft length)."""
-    stop: tuple[str, ...] = ()
+    stop: Sequence[str] = ()
     """Stop strings, matched on decoded text; the text from the first match on is dropped."""
     # ------------------------------------------------------------------ sampling
     temperature: float = 0.0
@@ -92,11 +92,11 @@ class RequestParams:
     datastore: Optional[str] = None
     """Name of the datastore this request drafts from (one the engine was built with:
     ``Engine.datastores``); None: the engine's default."""
-    draft_documents: tuple[str, ...] = ()
+    draft_documents: Sequence[str] = ()
     """Texts only the drafter reads (the model does not): for passages the prompt already
     holds in some form, so the model never reads them twice."""
     # ------------------------------------------------------------------ grounding
-    documents: tuple[str, ...] = ()
+    documents: Sequence[str] = ()
     """Texts the model reads as grounding and the drafter copies from: through the chat
     template's ``documents`` where the template takes them, else laid out before the
     prompt (``Document 1:`` ..., :func:`ragspec.prompts.grounded_text`)."""
@@ -163,7 +163,7 @@ class RequestParams:
             "_decode",
             DecodeConfig(
                 max_new_tokens=self.max_new_tokens,
-                stop=self.stop,
+                stop=tuple(self.stop),
                 speculative=self.speculative,
                 return_steps=self.return_steps,
                 max_draft_tokens=self.max_draft_tokens,

@@ -117,8 +117,11 @@ class Drafter(Protocol):
     """
 
     name: str
-    isolation: TenantIsolation
-    """Whether it reads what other requests wrote, and how it partitions it by salt."""
+
+    @property
+    def isolation(self) -> TenantIsolation:
+        """Whether it reads what other requests wrote, and how it partitions it by salt (a
+        class attribute will do)."""
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()

@@ -249,7 +249,7 @@ class _RagspecBase(BaseModel):
         """This model grounded in ``documents`` (strings or ``Document`` s) on every call:
         the model reads them and the drafter copies from them (``self.bind(documents=...)``).
         For passages a prompt template already pastes, bind ``draft_documents`` instead."""
-        return self.bind(documents=document_texts(documents))
+        return self.bind(documents=document_texts(documents))  # type: ignore[attr-defined]  # a Runnable
 
     def request_params(self, stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> RequestParams:
         """The LangChain builder of a call's :class:`~ragspec.params.RequestParams`: this
@@ -366,26 +366,18 @@ class _RagspecBase(BaseModel):
         """A chunk as this LangChain class streams it."""
         raise NotImplementedError
 
-    def _stream(
-        self,
-        value: Any,
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[CallbackManagerForLLMRun] = None,
-        **kwargs: Any,
-    ) -> Iterator[Any]:
+    def _stream_wrapped(self, value: Any, stop: Optional[list[str]], run_manager: Any, kwargs: dict) -> Iterator[Any]:
+        """``_stream`` of both classes: each chunk wrapped, reported to the callbacks, then yielded."""
         for chunk in self._iter(value, stop, kwargs):
             wrapped = self._wrap(chunk)
             if run_manager is not None:
                 run_manager.on_llm_new_token(chunk.text, chunk=wrapped)
             yield wrapped
 
-    async def _astream(
-        self,
-        value: Any,
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
-        **kwargs: Any,
+    async def _astream_wrapped(
+        self, value: Any, stop: Optional[list[str]], run_manager: Any, kwargs: dict
     ) -> AsyncIterator[Any]:
+        """``_astream`` of both classes (see :meth:`_stream_wrapped`)."""
         async for chunk in self._aiter(value, stop, kwargs):
             wrapped = self._wrap(chunk)
             if run_manager is not None:
@@ -493,6 +485,24 @@ class RagspecLLM(_RagspecBase, LLM):
     ) -> LLMResult:
         return self._result(await self._arun_many(prompts, stop, kwargs))
 
+    def _stream(
+        self,
+        prompt: str,
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        return self._stream_wrapped(prompt, stop, run_manager, kwargs)
+
+    def _astream(
+        self,
+        prompt: str,
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        return self._astream_wrapped(prompt, stop, run_manager, kwargs)
+
 
 _ROLES = {
     "human": "user",
@@ -573,6 +583,24 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
     ) -> ChatResult:
         ((text, stats),) = await self._arun_many([messages], stop, kwargs)
         return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        return self._stream_wrapped(messages, stop, run_manager, kwargs)
+
+    def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        return self._astream_wrapped(messages, stop, run_manager, kwargs)
 
 
 # ---------------------------------------------------------------------- chains

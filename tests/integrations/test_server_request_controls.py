@@ -18,7 +18,6 @@ from _integ_helpers import LiveServer
 
 from ragspec.datastore import Datastore, build_datastore
 from ragspec.integrations.server import ServerSettings, build_summary_prompt, create_app
-from ragspec.serving import datastore_engines
 
 MODEL = "tiny-llama"
 TIMEOUT = httpx.Timeout(60.0)
@@ -128,10 +127,10 @@ def corpus(tmp_path, tiny_engine):
 
 
 def serve_corpus(tiny_engine, corpus, **settings):
-    """A server drafting from ``corpus`` alone (no prompt lookup, no response cache)."""
-    engines = datastore_engines(tiny_engine, [("kb", str(corpus))])
-    settings = ServerSettings(max_active=4, max_queue=8, **settings)
-    return LiveServer(create_app(engine=tiny_engine, settings=settings, datastore_engines=engines))
+    """A server drafting from ``corpus`` alone (the tiny engine's drafter is not composed by
+    ragspec.loading: its datastore is drafted from alone, no prompt lookup, no response cache)."""
+    settings = ServerSettings(max_active=4, max_queue=8, datastores=(("kb", str(corpus)),), **settings)
+    return LiveServer(create_app(engine=tiny_engine, settings=settings))
 
 
 def accepted(srv, prompt, headers=None) -> tuple[str, int]:

@@ -169,15 +169,20 @@ def prepare_completion(
     it; or ids checked against the vocabulary) and of the drafter's documents.
 
     Raises:
-        APIError: 400 for a prompt or documents over the limits, or an id out of the
-            vocabulary.
-        ConfigError: documents with a prompt of token ids (they cannot be laid in).
+        APIError: 400 for a prompt or documents over the limits, an id out of the
+            vocabulary, or documents with a prompt of token ids (they cannot be laid in).
         PromptTooLongError: the prompt and ``max_new_tokens`` do not fit the context.
         Cancelled: ``cancel`` was set.
     """
     if isinstance(prompt, str):
         _check_chars(len(prompt), limits.prompt_chars, "prompt", "prompt", engine)
     else:
+        if params.documents:
+            raise APIError(
+                400,
+                "documents are read by the model, and a prompt of token ids cannot take them: send the prompt as text",
+                param="documents",
+            )
         _check_fits(engine, prompt, params.max_new_tokens)  # before looking at every id
         vocab = engine.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
