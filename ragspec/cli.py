@@ -295,6 +295,24 @@ def cmd_summarize(args) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``ragspec generate``'s prompt and its documents."""
+    p.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
+    p.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file instead")
+    p.add_argument(
+        "--docs",
+        nargs="*",
+        help="document files the model reads as grounding (the chat template's documents, else 'Document 1:' ... "
+        "before the prompt) and the drafter copies from",
+    )
+    p.add_argument(
+        "--draft-docs",
+        nargs="*",
+        help="document files only the drafter copies from (the model does not read them: e.g. text the prompt "
+        "already holds)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ragspec",
@@ -343,20 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     g = sub.add_parser("generate", help="generate from a prompt")
-    g.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
-    g.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file instead")
-    g.add_argument(
-        "--docs",
-        nargs="*",
-        help="document files the model reads as grounding (the chat template's documents, else 'Document 1:' ... "
-        "before the prompt) and the drafter copies from",
-    )
-    g.add_argument(
-        "--draft-docs",
-        nargs="*",
-        help="document files only the drafter copies from (the model does not read them: e.g. text the prompt "
-        "already holds)",
-    )
+    _add_prompt_args(g)
     add_gen_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -190,14 +190,22 @@ class Engine:
 
     # ------------------------------------------------------------------ other engines
     def with_drafter(
-        self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None, *, policy: Optional[PolicyConfig] = None
+        self,
+        drafter: Optional[Drafter],
+        parts: Optional[DrafterParts] = None,
+        *,
+        policy: Optional[PolicyConfig] = None,
+        datastores: Optional[Mapping[str, "Datastore"]] = None,
     ) -> "Engine":
         """An engine sharing this one's target, tokenizer, latency model and prefix cache,
         drafting with ``drafter`` (``parts``: what it was composed of, default this one's;
         ``policy``: other draft-size settings, default this one's), for comparisons (the
-        bench's budgets and drafting modes). Its named datastores are this one's, drafted
-        from as ``parts`` compose (none when ``parts`` compose nothing). No I/O."""
+        bench's budgets and drafting modes) and :func:`ragspec.loading.engine_over`. Its
+        named datastores: ``datastores``, else this one's when ``parts`` compose (none when
+        they compose nothing), drafted from as ``parts`` compose. No I/O."""
         parts = parts if parts is not None else self.parts
+        if datastores is None:
+            datastores = self.datastores if parts.composed else None
         return Engine(
             self.target,
             self.tokenizer,
@@ -208,7 +216,7 @@ class Engine:
             model_name=self.model_name,
             parts=parts,
             prefix_cache=self.prefix_cache,  # kept where the new policy's chunks and budget are the same
-            datastores=self.datastores if parts.composed else None,
+            datastores=datastores,
         )
 
     def _new_prefix_cache(self) -> Optional[PrefixCache]:

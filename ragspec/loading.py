@@ -3,7 +3,7 @@ drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
 only through :func:`load_engine` (over a model they already hold: :func:`select_target`,
-:func:`assemble_engine`, :func:`engine_for_target`, :func:`engine_with_drafter`). One engine
+:func:`engine_for_target`, :func:`engine_with_drafter`). One engine
 serves every datastore it is built with: a request names the one it drafts from
 (``RequestParams.datastore``); :func:`engine_over` gives a server's engine over a model
 already loaded (its datastores, its response cache). Nothing is set on an engine after construction.
@@ -46,7 +46,7 @@ __all__ = [
     "load_target",
     "select_target",
     "load_eagle",
-    "assemble_engine",
+    "response_cache_for",
     "open_datastores",
     "datastore_name",
     "compose_drafter",
@@ -272,9 +272,11 @@ def load_engine(
     drafting: str = AUTO_DRAFTING,
     numerics: str = "exact",
     recalibrate: Optional[bool] = None,
+    response_cache_tokens: int = 0,
+    response_log: Optional[Union[str, Path]] = None,
 ) -> Engine:
-    """Load a model and build an engine with prompt-lookup drafting, plus datastores and an
-    EAGLE head when given (:func:`load_target`, then :func:`assemble_engine`).
+    """Load a model and build an engine with prompt-lookup drafting, plus datastores, an
+    EAGLE head and a cache of its own responses when given.
 
     Args:
         model: registry name (``smollm2-135m-instruct``, ``gemma3-270m``), a GGUF file or
@@ -309,92 +311,38 @@ def load_engine(
             the mode; :data:`ragspec.config.NUMERICS`).
         recalibrate: with ``calibrate``, measure even where a cached table fits (None: when
             ``RAGSPEC_RECALIBRATE`` is 1/true/yes/on).
+        response_cache_tokens: tokens of the engine's finished responses kept to draft
+            later requests from (0: no response cache; :mod:`ragspec.drafters.response_cache`).
+        response_log: with a response cache, the JSON-lines journal it is loaded from and
+            appends to (:func:`response_cache_for`).
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
         DatastoreError: a datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
+        ResponseLogError: the response log is unusable or holds another model's responses.
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
             where it cannot be served; datastore names given twice.
     """
+    from .models import eos_token_ids
+
     check_drafting(drafting)  # an unknown mode fails before any load
     named = ([(datastore_name(datastore), datastore)] if datastore else []) + list(datastores)
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
-    return assemble_engine(
-        target,
-        tokenizer,
-        spec,
-        datastores=open_datastores(named, tokenizer),
-        eagle=eagle,
-        pld=pld,
-        policy=policy,
-        calibrate=calibrate,
-        cache=cache,
-        cpu_kernels=cpu_kernels,
-        drafting=drafting,
-        numerics=numerics,
-        recalibrate=recalibrate,
-    )
-
-
-def assemble_engine(
-    target: "Target",
-    tokenizer: Any,
-    spec: "ModelSpec",
-    *,
-    datastores: Optional[Mapping[str, "Datastore"]] = None,
-    response_cache: Optional[ResponseCache] = None,
-    eagle: Optional[Union[str, Path]] = "auto",
-    pld: PLDConfig = PLDConfig(),
-    policy: PolicyConfig = PolicyConfig(),
-    calibrate: bool = True,
-    cache: Optional[Union[str, Path]] = None,
-    cpu_kernels: Optional[bool] = None,
-    drafting: str = AUTO_DRAFTING,
-    numerics: str = "exact",
-    recalibrate: Optional[bool] = None,
-) -> Engine:
-    """The engine over a loaded target (:func:`load_target`): its EAGLE head loaded, the
-    drafter composed of prompt lookup, the named ``datastores`` (the first the default of
-    requests naming none; every one a request's to name) and ``response_cache``, the
-    latency model calibrated, the EOS ids read. The other arguments mean what they mean
-    for :func:`load_engine`.
-
-    Raises:
-        EagleHeadMismatchError, ModelLoadError: the head does not load or fit.
-        ConfigError: an unknown ``drafting``.
-    """
-    from .models import eos_token_ids
-
-    check_drafting(drafting)
-    named = dict(datastores or {})
+    stores = open_datastores(named, tokenizer)
+    responses = response_cache_for(spec.name, response_cache_tokens, response_log, target.vocab_size)
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
-    if eagle_drafter is None and drafting in ("merged", "select"):
-        logger.warning(
-            "--drafting %s needs an EAGLE head, and none is loaded (--eagle none, or no head shipped for %s): "
-            "drafts come from retrieval alone",
-            drafting,
-            spec.name,
-        )
+    _warn_headless(eagle_drafter, drafting, spec)
     drafting = resolve_drafting(drafting, target.device)
     latency = _calibrated(target, spec, cache, cpu_kernels, numerics, recalibrate) if calibrate else None
-    if (
-        latency is not None
-        and target.device.type == "cuda"
-        and policy.max_draft_tokens == PolicyConfig().max_draft_tokens
-    ):
-        # verification rows are nearly free on a GPU: the draft budget (16-64 nodes) from the
-        # measured latency table, unless the caller chose one
-        from .backend.cuda import gpu_draft_policy
-
-        policy = gpu_draft_policy(latency.table, policy)
+    policy = _device_policy(target, latency, policy)
     parts = DrafterParts(
         pld=pld,
-        datastore=next(iter(named.values()), None),
+        datastore=next(iter(stores.values()), None),
         eagle=eagle_drafter,
         eagle_path=eagle_path,
-        response_cache=response_cache,
+        response_cache=responses,
         drafting=drafting,
     )
     return Engine(
@@ -406,8 +354,50 @@ def assemble_engine(
         eos_token_ids=eos_token_ids(target.model, tokenizer),
         model_name=spec.name,
         parts=parts,
-        datastores=named,
+        datastores=stores,
     )
+
+
+def _warn_headless(eagle: Optional["EagleDrafter"], drafting: str, spec: "ModelSpec") -> None:
+    """Say so where a drafting mode that needs a head (merged, select) has none."""
+    if eagle is None and drafting in ("merged", "select"):
+        logger.warning(
+            "--drafting %s needs an EAGLE head, and none is loaded (--eagle none, or no head shipped for %s): "
+            "drafts come from retrieval alone",
+            drafting,
+            spec.name,
+        )
+
+
+def _device_policy(target: "Target", latency: Optional[LatencyModel], policy: PolicyConfig) -> PolicyConfig:
+    """``policy``, with the draft budget from the measured latency table on a GPU (16-64
+    nodes: verification rows are nearly free there) unless the caller chose one."""
+    if latency is None or target.device.type != "cuda" or policy.max_draft_tokens != PolicyConfig().max_draft_tokens:
+        return policy
+    from .backend.cuda import gpu_draft_policy
+
+    return gpu_draft_policy(latency.table, policy)
+
+
+def response_cache_for(
+    model_name: str, max_tokens: int, log: Optional[Union[str, Path]] = None, vocab_size: Optional[int] = None
+) -> Optional[ResponseCache]:
+    """The cache of a model's own responses (``model_name``), holding up to ``max_tokens``
+    tokens (None when ``max_tokens`` is 0 or less), with the responses of the JSON-lines
+    file ``log`` (token ids checked against ``vocab_size``); new responses are appended to
+    that log as they finish (``ResponseCache.open_journal``: bad lines skipped with a
+    warning, the log compacted; closed by ``ResponseCache.close_journal``).
+
+    Raises:
+        ResponseLogError: the log path is unusable, or the log holds another model's responses.
+    """
+    if max_tokens <= 0:
+        return None
+    responses = ResponseCache(max_tokens, model=model_name or "")
+    if log:
+        n = responses.open_journal(str(log), vocab_size=vocab_size)
+        logger.info("response cache: %d responses (%d tokens) from %s", n, responses.num_tokens, log)
+    return responses
 
 
 def _calibrated(
@@ -536,18 +526,7 @@ def engine_over(
         else:
             drafter = CompositeDrafter([engine.drafter, own])
         parts = dataclasses.replace(parts, response_cache=response_cache)
-    return Engine(
-        engine.target,
-        engine.tokenizer,
-        drafter=drafter,
-        policy=engine.policy,
-        latency=engine.latency,
-        eos_token_ids=engine.eos_token_ids,
-        model_name=engine.model_name,
-        parts=parts,
-        prefix_cache=engine.prefix_cache,
-        datastores=named,
-    )
+    return engine.with_drafter(drafter, parts, datastores=named)
 
 
 def _named_datastores(engine: Engine) -> dict[str, "Datastore"]:
@@ -575,15 +554,15 @@ def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
 
 
 def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
-    """Deprecated: give the response cache when the engine is built (:func:`assemble_engine`,
-    :func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
+    """Deprecated: give the response cache when the engine is built (:func:`load_engine`'s
+    ``response_cache_tokens``, :func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
 
     Raises:
         ConfigError: an engine whose drafter was not composed here, and already has a cache.
     """
     warnings.warn(
         "ragspec.loading.with_response_cache is deprecated: give the cache when the engine is built "
-        "(assemble_engine(response_cache=...), engine_over)",
+        "(load_engine(response_cache_tokens=...), engine_over)",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -18,12 +18,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from .config import AUTO_DRAFTING, PolicyConfig, check_drafting
+from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
 from .errors import ConfigError, DatastoreNotFoundError
-from .loading import assemble_engine, engine_over, load_target, open_datastores
+from .loading import engine_over, load_engine, open_datastores, response_cache_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,31 +100,25 @@ class ServingEngines:
 def load_serving_engine(config: ServingConfig) -> Engine:
     """The served engine: ``config``'s model with its EAGLE head, drafting, policy and
     calibration, its named datastores (the first the default of requests naming none) and
-    its response cache (:func:`response_cache_for`), through :mod:`ragspec.loading`
-    (:func:`~ragspec.loading.load_target`, :func:`~ragspec.loading.assemble_engine`).
+    its response cache, through :func:`ragspec.loading.load_engine`.
 
     Raises:
-        ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, ConfigError: as
-            :func:`ragspec.loading.load_engine`.
-        DatastoreError: a datastore folder is not one, or was built with another tokenizer.
-        ResponseLogError: the response log is unusable or holds another model's responses.
+        ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, DatastoreError,
+            ResponseLogError, ConfigError: as :func:`ragspec.loading.load_engine`.
     """
-    check_drafting(config.drafting)  # an unknown mode fails before any load
-    target, tokenizer, spec = load_target(config.model, config.device, config.dtype, numerics=config.numerics)
-    datastores = open_datastores(config.datastores, tokenizer)
-    cache = response_cache_for(spec.name, config.response_cache_tokens, config.response_log, target.vocab_size)
-    return assemble_engine(
-        target,
-        tokenizer,
-        spec,
-        datastores=datastores,
-        response_cache=cache,
+    return load_engine(
+        config.model,
+        config.device,
+        config.dtype,
+        datastores=config.datastores,
         eagle=config.eagle,
         policy=config.policy,
         calibrate=config.calibrate,
         recalibrate=config.recalibrate,
         numerics=config.numerics,
         drafting=config.drafting,
+        response_cache_tokens=config.response_cache_tokens,
+        response_log=config.response_log,
     )
 
 
@@ -230,29 +224,8 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
     return engine, add_to_datastore(engine, name, texts, source)
 
 
-def response_cache_for(
-    model_name: str, max_tokens: int, log: Optional[str] = None, vocab_size: Optional[int] = None
-) -> Optional[ResponseCache]:
-    """The cache of a server's own responses for the model ``model_name``, holding up to
-    ``max_tokens`` tokens (None when ``max_tokens`` is 0 or less), with the responses of the
-    JSON-lines file ``log`` (token ids checked against ``vocab_size``); new responses are
-    appended to that log as they finish (``ResponseCache.open_journal``: bad lines skipped
-    with a warning, the log compacted; closed by :func:`close_response_log`).
-
-    Raises:
-        ResponseLogError: the log path is unusable, or the log holds another model's responses.
-    """
-    if max_tokens <= 0:
-        return None
-    cache = ResponseCache(max_tokens, model=model_name or "")
-    if log:
-        n = cache.open_journal(log, vocab_size=vocab_size)
-        logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
-    return cache
-
-
 def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
-    """:func:`response_cache_for` ``engine``'s model (its name and vocabulary).
+    """:func:`ragspec.loading.response_cache_for` ``engine``'s model (its name and vocabulary).
 
     Raises:
         ResponseLogError: the log path is unusable, or the log holds another model's responses.

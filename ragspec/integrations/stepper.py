@@ -160,6 +160,18 @@ class Job:
         """The next item of an :class:`AsyncOutbox` job."""
         return await self.outbox.get()
 
+    def _chunk_of(self, item: Item) -> Optional[StreamChunk]:
+        """The chunk ``item`` carries (None: an item without one, e.g. READY); the job's
+        error raised."""
+        kind, value = item
+        if kind == ERROR:
+            self.finished = True
+            raise value
+        if kind != CHUNK:
+            return None
+        self.finished = value.finish_reason is not None
+        return value
+
     def next_chunk(self) -> Optional[StreamChunk]:
         """For a reader thread (:class:`ThreadOutbox`): the next chunk, blocking; None
         after the final one.
@@ -168,25 +180,15 @@ class Job:
             Exception: the job's error (an invalid request, a failed step).
         """
         while not self.finished:
-            kind, value = self.outbox.get()
-            if kind == ERROR:
-                self.finished = True
-                raise value
-            if kind == CHUNK:
-                self.finished = value.finish_reason is not None
-                return value
+            if (chunk := self._chunk_of(self.outbox.get())) is not None:
+                return chunk
         return None
 
     async def anext_chunk(self) -> Optional[StreamChunk]:
         """:meth:`next_chunk` for a reader on the event loop (:class:`AsyncOutbox`)."""
         while not self.finished:
-            kind, value = await self.outbox.get()
-            if kind == ERROR:
-                self.finished = True
-                raise value
-            if kind == CHUNK:
-                self.finished = value.finish_reason is not None
-                return value
+            if (chunk := self._chunk_of(await self.outbox.get())) is not None:
+                return chunk
         return None
 
 
