@@ -339,7 +339,8 @@ class Engine:
                 ``num_cached_prompt_tokens`` ("": the shared partition).
             sampling: deprecated (with ``params`` a ``DecodeConfig``, and the keywords
                 ``decode``, ``sampling``, ``documents``, ``document_ids``, ``cache_salt``):
-                the parameters as the component settings; give a ``RequestParams``.
+                the parameters as the component settings (``documents`` there are the
+                drafter's alone, as before); give a ``RequestParams``.
             chat: apply the chat template to a text prompt.
 
         Raises:
@@ -774,8 +775,9 @@ def _deprecated_start(
     params: Union[RequestParams, DecodeConfig, None], sampling: Optional[SamplingParams], kwargs: dict[str, Any]
 ) -> tuple[RequestParams, Sequence[Sequence[int]]]:
     """The parameters of :meth:`Engine.start` 's old signature (``start(prompt, decode,
-    sampling, *, documents, document_ids, cache_salt)``) as a ``RequestParams`` and the
-    drafter-only token ids, with a DeprecationWarning.
+    sampling, *, documents, document_ids, cache_salt)``) as a ``RequestParams`` (its
+    ``documents``, the drafter's alone there, as ``draft_documents``) and the drafter-only
+    token ids, with a DeprecationWarning.
 
     Raises:
         TypeError: an unknown keyword.
@@ -794,5 +796,6 @@ def _deprecated_start(
     decode = kwargs.pop("decode", params)
     sampling = kwargs.pop("sampling", sampling)
     document_ids = kwargs.pop("document_ids", None) or ()
-    fields = {k: v for k, v in kwargs.items() if v is not None}
+    # the old signature's documents were the drafter's alone: they keep that meaning here
+    fields = {"draft_documents" if k == "documents" else k: v for k, v in kwargs.items() if v is not None}
     return RequestParams.from_configs(decode, sampling, **fields), document_ids
