@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from ragspec.backend.hf import HFTarget
-from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
+from ragspec.config import PLDConfig, PolicyConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
+from ragspec.params import RequestParams
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree
 from ragspec_testing import FakeTarget, FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama
@@ -368,7 +369,7 @@ def test_fake_target_engine_chunks_without_capabilities():
 
     eng = Engine(target, _Tok(), policy=PolicyConfig(prefill_chunk_tokens=10))
     prompt = list(range(3, 40))
-    req = eng.start(prompt, DecodeConfig(max_new_tokens=5, speculative=False))
+    req = eng.start(prompt, RequestParams(max_new_tokens=5, speculative=False))
     out: list[int] = []
     while req.prefilling:
         out.extend(eng.step([req])[0].token_ids)

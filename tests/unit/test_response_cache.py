@@ -11,11 +11,11 @@ import pytest
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.config import DecodeConfig, SamplingParams
 from ragspec.drafters import CompositeDrafter, PromptLookupDrafter, reproducible_drafter
 from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter, ResponseLogError
 from ragspec.errors import ConfigError
 from ragspec.loading import engine_over, with_response_cache
+from ragspec.params import RequestParams
 from ragspec.policy import LatencyModel
 from ragspec_testing import greedy_reference
 
@@ -167,7 +167,7 @@ def test_cancelled_requests_are_not_cached(no_eos_setup, char_tokenizer, single_
     model, prompt, _ = no_eos_setup
     cache = ResponseCache(10_000)
     engine = _engine(model, char_tokenizer, cache)
-    req = engine.start(prompt, DecodeConfig(max_new_tokens=40), SamplingParams())
+    req = engine.start(prompt, RequestParams(max_new_tokens=40))
     engine.step([req])
     engine.step([req])
     req.cancel()
