@@ -121,13 +121,9 @@ def request_params(
     )
 
 
-def _context_of(engine: Engine) -> Optional[int]:
-    return getattr(engine.target, "max_length", None)
-
-
 def _check_chars(n: int, limit: int, what: str, param: str, engine: Engine) -> None:
     if n > limit:
-        ctx = _context_of(engine)
+        ctx = engine.target.max_length
         why = f"cannot fit the context of {ctx} tokens: " if ctx else ""
         raise APIError(
             400,
@@ -150,7 +146,7 @@ def _check_documents(documents: Optional[Sequence[str]], limits: RequestLimits) 
 
 
 def _check_fits(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    limit = _context_of(engine)
+    limit = engine.target.max_length
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
         raise PromptTooLongError(
             f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context length of "
