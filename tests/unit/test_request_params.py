@@ -322,3 +322,27 @@ def test_a_prepared_prompt_starts_as_given(engine):
     assert isinstance(prepared, PreparedPrompt)
     req = engine.start(prepared, RequestParams(max_new_tokens=6))
     assert req.prompt_ids == list(prepared.prompt_ids) and req.params.max_new_tokens == 6
+
+
+def test_the_old_names_warn_for_one_release(engine, two_stores, tmp_path):
+    """The engine-variant machinery is gone; its public names stay one release, warning."""
+    from types import SimpleNamespace
+
+    from ragspec.integrations import scheduler
+    from ragspec.integrations.server.state import pick_engine
+    from ragspec.integrations.stepper import Stepper
+    from ragspec.loading import with_datastore
+    from ragspec.serving import ServingEngines, datastore_engines
+
+    with pytest.warns(DeprecationWarning, match="with_datastore"):
+        one = with_datastore(engine, two_stores["kb"])
+    assert list(one.datastores) == ["kb"] and one.datastore is two_stores["kb"] and one.target is engine.target
+    with pytest.warns(DeprecationWarning, match="datastore_engines"):
+        variants = datastore_engines(engine, [("kb", str(two_stores["kb"].path))])
+    assert list(variants) == ["kb"] and list(variants["kb"].datastores) == ["kb"]
+    with pytest.warns(DeprecationWarning, match="datastore_engines"):
+        assert ServingEngines(one, None).datastore_engines == {"kb": one}
+    with pytest.warns(DeprecationWarning, match="Stepper"):
+        assert scheduler.Scheduler is Stepper
+    with pytest.warns(DeprecationWarning, match="pick_engine"):
+        assert pick_engine(SimpleNamespace(engine=one), "kb") is one
