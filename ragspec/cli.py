@@ -144,7 +144,7 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
             "text": out.text,
             "token_ids": out.token_ids,
             "drafting": "off" if args.no_speculation else engine.drafting,
-            "numerics": getattr(engine.target, "numerics", "exact"),
+            "numerics": engine.target.numerics,
             "stats": out.stats.to_dict(with_steps=True),
         }
         if compare:
@@ -170,7 +170,7 @@ def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> 
     _print_stats(
         out,
         base,
-        fast=getattr(engine.target, "numerics", "exact") == "fast",
+        fast=engine.target.numerics == "fast",
         drafting="off" if args.no_speculation else engine.drafting,
     )
     return 0

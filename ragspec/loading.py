@@ -1,4 +1,4 @@
-"""The one builder of engines: model, backend and its speed-ups, datastore, EAGLE head,
+"""The one builder of engines: model, backend built with its speed-ups, datastore, EAGLE head,
 drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
@@ -106,16 +106,21 @@ def select_target(
     cuda_slots: int = CUDA_SLOTS,
 ) -> "Target":
     """The backend for a loaded transformers model, chosen once, here, from its device (read
-    from its parameters; its dtype decides which speed-ups apply), with its speed-ups
-    installed.
+    from its parameters; its dtype decides which speed-ups apply), built whole with its
+    speed-ups (one choice, made here: nothing is installed on the target afterwards).
 
-    * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
-      :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
-      attention kernels for float32, the GGUF file's blocks, the fused decoder step;
-      pre-packed oneDNN weights for bfloat16);
+    * CPU: :func:`~ragspec.backend.cpu.build.load_cpu_target` with the
+      :class:`~ragspec.backend.cpu.build.CPUSpeedUps` chosen from the arguments and the
+      environment (``RAGSPEC_CPU_KERNELS``, ``RAGSPEC_NATIVE_STEP``): the fused C++ step's
+      target (:class:`~ragspec.backend.cpu.native_target.NativeTarget`) for a float32 Llama
+      with the compiled kernels, else the kernel-routed transformers target
+      (:class:`~ragspec.backend.cpu.target.CPUTarget`: compiled few-row linear and
+      attention kernels for float32, the GGUF file's blocks; pre-packed oneDNN weights for
+      bfloat16);
+    * CUDA: ragspec's CUDA backend (:func:`ragspec.backend.cuda.load_cuda_target`) for the
+      models it serves;
     * any other device: the device-neutral :class:`~ragspec.backend.hf.HFTarget`, its
-      attention routed through ragspec's function
-      (:meth:`~ragspec.backend.hf.HFTarget.route_gqa_attention`).
+      attention routed through ragspec's function (``route_attention``).
 
     Args:
         model: a loaded ``PreTrainedModel`` for causal LM (eval mode, on its device).
@@ -124,8 +129,8 @@ def select_target(
         cache: ragspec's cache folder (the compiled kernels live in it).
         gguf: the GGUF file the model was loaded from, or None.
         numerics: ``"exact"`` or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
-        speed_ups: False: the backend for the device without its speed-ups installed (the
-            EAGLE trainer, which trains through the model's own forward).
+        speed_ups: False: the backend for the device without its speed-ups (the EAGLE
+            trainer, which trains through the model's own forward).
         use_cuda_backend: on CUDA, ragspec's CUDA backend
             (:func:`ragspec.backend.cuda.load_cuda_target`) for the models it serves (None: on
             unless ``RAGSPEC_CUDA_BACKEND=0``); off, or a model it cannot run: the
@@ -144,12 +149,20 @@ def select_target(
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     device = next(model.parameters()).device
     if device.type == "cpu":
-        from .backend.cpu.target import CPUTarget
+        from .backend.cpu.build import CPUSpeedUps, load_cpu_target
+        from .backend.cpu.kernels import cpu_kernels_enabled
+        from .backend.cpu.native import native_step_enabled
 
-        cpu_target = CPUTarget(model)
+        choice = None
         if speed_ups:
-            cpu_target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
-        return cpu_target
+            choice = CPUSpeedUps(
+                compiled_kernels=cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled(),
+                native_step=native_step_enabled(),
+                gguf=Path(gguf) if gguf else None,
+                numerics=numerics,
+                cache=Path(cache) if cache else None,
+            )
+        return load_cpu_target(model, choice)
     if device.type == "cuda" and speed_ups:
         # ragspec/backend/cuda/: a static KV pool, the flat batch of every request's rows,
         # CUDA graphs, row-invariant Triton kernels (numerics "exact") or cuBLAS ("fast")
@@ -164,10 +177,7 @@ def select_target(
         raise ConfigError(
             "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
         )
-    target = HFTarget(model)
-    if speed_ups:
-        target.route_gqa_attention()
-    return target
+    return HFTarget(model, route_attention=speed_ups)
 
 
 def load_target(
@@ -180,7 +190,7 @@ def load_target(
     numerics: str = "exact",
 ) -> tuple["Target", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
-    the backend for its device, with its speed-ups installed (:func:`select_target`).
+    the backend for its device, built with its speed-ups (:func:`select_target`).
 
     ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
@@ -509,7 +519,7 @@ def with_drafting(engine: Engine, drafting: str) -> Engine:
     parts = engine.parts
     if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
         raise ConfigError("this engine's drafter was not composed by ragspec.loading: no parts to recompose")
-    drafting = resolve_drafting(drafting, getattr(engine.target, "device", torch.device("cpu")))
+    drafting = resolve_drafting(drafting, engine.target.device)
     stores = [parts.datastore] if parts.datastore is not None else []
     drafter = compose_drafter(parts.pld, stores, parts.eagle, parts.response_cache, drafting)
     return engine.with_drafter(drafter, dataclasses.replace(parts, drafting=drafting))

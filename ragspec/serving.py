@@ -162,7 +162,7 @@ def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = No
         return None
     cache = ResponseCache(max_tokens, model=engine.model_name or "")
     if log:
-        n = cache.open_journal(log, vocab_size=getattr(engine.target, "vocab_size", None))
+        n = cache.open_journal(log, vocab_size=engine.target.vocab_size)
         logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
     return cache
 

@@ -151,7 +151,7 @@ class _RagspecParams(BaseModel):
         return self._engine
 
     def _display_name(self) -> str:
-        return self.model_name or getattr(self._engine, "model_name", "") or "ragspec"
+        return self.model_name or (self._engine.model_name if self._engine is not None else "") or "ragspec"
 
     def _engine_kwargs(self, stop: Optional[Sequence[str]], kwargs: dict) -> dict:
         unknown = sorted(set(kwargs) - set(_CALL_KWARGS))

@@ -281,7 +281,7 @@ class Scheduler:
                     active.remove(job)
                     self._release(job)
                 continue
-            self._notify(self.on_step, getattr(engine, "last_step", None))
+            self._notify(self.on_step, engine.last_step)
             for job, chunk in zip(jobs, chunks):
                 if chunk.text or chunk.token_ids or chunk.finish_reason:
                     self._deliver(job, CHUNK, chunk)
@@ -294,8 +294,7 @@ class Scheduler:
     def _tokens(job: Job) -> int:
         """Tokens ``job`` puts through the model in its next step."""
         engine, request = job.stepped()
-        counter = getattr(engine, "step_tokens", None)
-        return int(counter(request)) if counter is not None else 1
+        return int(engine.step_tokens(request))
 
     def _admit_waiting(self, waiting, active: list[Job]) -> None:
         """Move waiting jobs to the active set, in order, while the count and the step's

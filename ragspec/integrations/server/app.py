@@ -174,7 +174,7 @@ def create_app(
         app.state.engines = variants
         app.state.scheduler = scheduler
         app.state.prepare_pool = pool
-        app.state.limits = settings.limits(getattr(eng.target, "max_length", None))
+        app.state.limits = settings.limits(eng.target.max_length)
         app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
         app.state.started = int(time.time())
         logger.info("request limits: %s", app.state.limits)

@@ -83,7 +83,7 @@ def engine_kwargs(body: AnyBody, default_max_tokens: int, settings: ServerSettin
 
 
 def _context_of(engine: Engine) -> Optional[int]:
-    return getattr(engine.target, "max_length", None)
+    return engine.target.max_length
 
 
 def _check_chars(n: int, limit: int, what: str, param: str, engine: Engine) -> None:
