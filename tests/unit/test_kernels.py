@@ -226,8 +226,8 @@ def test_corrupt_cached_kernel_is_rebuilt(skinny, tmp_path, monkeypatch, caplog)
 
 def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     """Regression (fresh-user trial): ``--dtype bf16`` on a CPU without oneDNN's bfloat16
-    support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
-    is skipped there and the model decodes with torch's kernels."""
+    support crashed packing the linears ("bf16 path needs the cpu support ..."): packing is
+    skipped there and the model decodes with torch's kernels."""
     from ragspec.backend.cpu.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec.config import PLDConfig
     from ragspec.drafters import PromptLookupDrafter

@@ -167,7 +167,7 @@ def load_cpu_target(
         attention_kernel=load_few_query_attention(cache) if skinny is not None else None,
         gguf=gguf,
         route_attention=True,
-        native_step_off=off or "",
+        native_step_off=off if off is not None else "the native step is the target built on this one",
     )
     if off is not None or step_cls is None:
         logger.debug("native decoder step off: %s", off)
