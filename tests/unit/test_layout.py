@@ -578,3 +578,22 @@ def test_checker_reports_a_target_probe_planted_in_a_copy_of_the_package(tmp_pat
     hf = tmp_path / PACKAGE.name / "backend" / "hf.py"
     hf.write_text(hf.read_text(encoding="utf-8") + probe, encoding="utf-8")
     assert target_probes(tmp_path, PACKAGE.name) == [f"cli.py:{text.count(chr(10))} getattr(engine.target, 'numerics')"]
+
+
+def test_no_backend_switches_on_its_states_type():
+    """Backends are siblings: the native step's state is its own target's
+    (``backend/cpu/native_target.py``, which refuses any other), never a case another target
+    tests for."""
+    from ragspec.backend.cpu.native_target import NativeTarget
+    from ragspec.backend.hf import HFTarget
+
+    assert not issubclass(NativeTarget, HFTarget)
+    offenders = []
+    for rel, tree in _modules():
+        if rel == "backend/cpu/native_target.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                if "NativeKVState" in ast.unparse(node.args[1]):
+                    offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []
