@@ -280,11 +280,16 @@ class ServerSettings:
         (creates and removes a probe file beside the log).
 
         Raises:
+            ResponseLogHeldError: another live process writes the response log (one line
+                naming it: one server per log).
             ResponseLogError: the response log is a directory, not a regular file, in a
                 missing or unwritable folder (one line naming it).
         """
         if self.response_log and self.response_cache_tokens > 0:
             check_log_path(self.response_log, ResponseLogError, "--response-log")
+            from ragspec.drafters.response_journal import check_log_free
+
+            check_log_free(self.response_log)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
