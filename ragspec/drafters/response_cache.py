@@ -359,7 +359,7 @@ class ResponseCache:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
                         raise ResponseLogError(f"{path}:{lineno}: not UTF-8 ({e.reason})") from None
-                    model, *row = self._parse_row(path, lineno, line, vocab_size)
+                    model, tail, out, part, text = self._parse_row(path, lineno, line, vocab_size)
                 except ResponseLogError as e:
                     if not skip_bad:
                         raise
@@ -371,7 +371,7 @@ class ResponseCache:
                     raise ResponseLogError(
                         f"{path}:{lineno}: a response of model {model!r}, this cache is for {self.model!r}"
                     )
-                rows.append((row[2], row[0], row[1], row[3]))
+                rows.append((part, tail, out, text))
         if skipped:
             logger.warning(
                 "response log %s: %d bad line(s) skipped, %d response(s) read", path, len(skipped), len(rows)

@@ -283,3 +283,51 @@ def test_compact_merges_every_shard_into_one(tmp_path, char_tokenizer, capsys):
     assert after.num_shards == 1 and after.num_documents == 6 and _shard_dirs(d) == [after.manifest.shards[0].name]
     assert [list(after.document(i)) for i in range(6)] == [list(before.document(i)) for i in range(6)]
     assert Datastore.open(d, verify=True).num_tokens == before.num_tokens
+
+
+def test_from_log_takes_the_unsalted_answers_unless_asked_for_a_partition(
+    tmp_path, char_tokenizer, monkeypatch, capsys
+):
+    """A tenant's answers (journaled under their partition since they are kept) never reach
+    a shared datastore by default; ``--partition`` takes one tenant's, and only its."""
+    from ragspec.datastore import cli as ds_cli
+
+    monkeypatch.setattr(ds_cli, "_load_tokenizer", lambda model: (char_tokenizer, "chars"))
+    d = _store(tmp_path, char_tokenizer)
+    a, b = "a" * 32, "b" * 32
+    rows = [("shared answer one", ""), ("tenant a answer", a), ("shared answer two", ""), ("tenant b answer", b)]
+    log = tmp_path / "responses.jsonl"
+    log.write_text(
+        "".join(json.dumps({"model": "m", "text": t, **({"partition": p} if p else {})}) + "\n" for t, p in rows)
+    )
+
+    def texts() -> list[str]:
+        ds = Datastore.open(d)
+        return [char_tokenizer.decode(list(ds.document(i))) for i in range(1, ds.num_documents)]
+
+    assert ds_cli.main(["datastore", "add", str(d), "--from-log", str(log), "--no-progress"]) == 0
+    assert texts() == ["shared answer one", "shared answer two"]
+    assert "2 record(s) of 2 tenant partition(s) left out" in capsys.readouterr().err
+    assert ds_cli.main(["datastore", "add", str(d), "--from-log", str(log), "--partition", a, "--no-progress"]) == 0
+    assert texts()[-1:] == ["tenant a answer"]
+    assert ds_cli.main(["datastore", "add", str(d), "--partition", a]) == 2  # --partition needs --from-log
+
+
+def test_quiet_silences_every_progress_bar_of_a_build(tmp_path, char_tokenizer, monkeypatch, capsys):
+    """Regression: ``-q`` did not silence the progress bars of ``datastore build`` and
+    ``add`` (only ``--no-progress`` did)."""
+    from ragspec.cli import main
+    from ragspec.datastore import cli as ds_cli
+
+    monkeypatch.setattr(ds_cli, "_load_tokenizer", lambda model: (char_tokenizer, "chars"))
+    src = tmp_path / "seed.txt"
+    src.write_text(SEED)
+    assert main(["datastore", "build", str(src), "-o", str(tmp_path / "loud")]) == 0
+    assert "indexing" in capsys.readouterr().err  # the bars, without -q
+    for argv in (["-q", "datastore", "build"], ["datastore", "build", "-q"]):
+        out = tmp_path / f"quiet{len(argv[0])}"
+        assert main([*argv, str(src), "-o", str(out)]) == 0
+        assert capsys.readouterr().err == ""
+    assert main(["-q", "datastore", "add", str(out), str(src)]) == 0
+    assert main(["-q", "datastore", "compact", str(out)]) == 0
+    assert capsys.readouterr().err == ""
