@@ -167,7 +167,9 @@ def test_keyed_answers_survive_a_crash_for_their_key_only(tmp_path):
     def app(path):
         engine = make_tiny_engine()
         settings = ServerSettings(api_key="k1,k2", response_log=str(path), calibrate=False)
-        return create_app(engine=engine, settings=settings, response_cache=open_response_cache(engine, 10**6, str(path)))
+        return create_app(
+            engine=engine, settings=settings, response_cache=open_response_cache(engine, 10**6, str(path))
+        )
 
     def complete(srv, key):
         r = httpx.post(srv.url + "/v1/completions", json=body, headers=bearer(key), timeout=TIMEOUT)
