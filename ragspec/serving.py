@@ -142,13 +142,7 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
     if old is None:
         raise ConfigError("this engine drafts from no datastore")
     add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
-    new = Datastore.open(
-        old.path,
-        tokenizer=engine.tokenizer,
-        min_match=old.min_match,
-        max_match=old.max_match,
-        max_samples=old.max_samples,
-    )
+    new = old.reopen()  # the shards ``old`` holds are shared, only the new one is opened
     logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
     return with_datastore(engine, new), new.info()
 
