@@ -29,25 +29,6 @@ from pathlib import Path
 DEV_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
 
 
-def texts_of(path: Path, chunk_chars: int) -> list[str]:
-    """The dev data's rag passages and summarization articles, in chunks of about
-    ``chunk_chars`` characters (cut at a space)."""
-    out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row["category"] not in ("rag", "summarization"):
-                continue
-            text = row["turns"][0].removeprefix("Summarize:").strip()
-            while text:
-                cut = text[:chunk_chars]
-                if len(text) > chunk_chars and " " in cut:
-                    cut = cut[: cut.rfind(" ")]
-                out.append(cut)
-                text = text[len(cut) :].strip()
-    return out
-
-
 def open_files_of(directory: Path) -> int:
     """Files a fresh process holds open for the datastore, every shard mapped."""
     import subprocess
@@ -80,7 +61,9 @@ def main(argv=None) -> int:
     from ragspec.datastore.live import DatastoreWriter
 
     tokenizer, _ = _load_tokenizer(args.model)
-    texts = texts_of(args.data, args.chunk_chars)
+    from soak_server import load_add_texts  # the script beside this one: the same documents it adds
+
+    texts = load_add_texts(args.data, args.chunk_chars)
     need = args.seed_docs + args.additions * args.docs_per_add
     if len(texts) < need:
         texts = (texts * (need // len(texts) + 1))[:need]  # repeated: lookups still see distinct shards

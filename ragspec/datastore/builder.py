@@ -54,7 +54,7 @@ from .format import (
     tokenizer_identity,
     write_manifest,
 )
-from .shards import install_shard, next_shard_name, remove_shards, write_shard
+from .shards import flatten, install_shard, next_shard_name, remove_shards, write_shard
 from .store import Datastore, DatastoreInfo
 from .streaming import MAX_INVALID_UTF8, ChunkedTokenizer, TextStream, split_complete_lines
 
@@ -616,10 +616,12 @@ def _binary_stdin(stdin: Optional[TextIO]) -> BinaryIO:
 
 def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: bool) -> ShardEntry:
     """Write tokens.bin, sa.bin, docs.bin and sources.json of one shard into ``sdir``."""
+    flat, offsets = flatten(read.docs)  # frees the pieces before sorting
     return write_shard(
         sdir,
         name,
-        read.docs,
+        flat,
+        offsets,
         read.sources,
         min_id=read.min_id,
         max_id=read.max_id,

@@ -63,6 +63,7 @@ from .shards import (
     MERGE_FACTOR,
     MergeStopped,
     commit_merge,
+    flatten,
     install_shard,
     merge_shards,
     next_shard_name,
@@ -211,7 +212,10 @@ class DatastoreWriter:
             name = next_shard_name(d, manifest)
             tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
             try:
-                entry = write_shard(tmp, name, read.docs, read.sources, min_id=read.min_id, max_id=read.max_id, t0=t0)
+                flat, offsets = flatten(read.docs)
+                entry = write_shard(
+                    tmp, name, flat, offsets, read.sources, min_id=read.min_id, max_id=read.max_id, t0=t0
+                )
                 install_shard(d, tmp, name)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Shards written and merged: what keeps a datastore that grows by additions bounded.
 
-Every build and add writes one shard (:func:`write_shard`). Left alone, a datastore grown
+Every build and add writes one shard (:func:`flatten`, :func:`write_shard`). Left alone, a datastore grown
 by many small additions (a server's ``POST /v1/datastores/{name}/documents``) holds one
 shard per addition: every lookup searches every shard, and an open datastore holds two
 files per mapped shard. So shards are merged, by the logarithmic method (Bentley and Saxe
@@ -70,8 +70,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MERGE_FACTOR",
     "MAX_SHARDS",
+    "flatten",
     "write_shard",
-    "write_flat_shard",
     "next_shard_name",
     "install_shard",
     "remove_shards",
@@ -100,45 +100,22 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_shard(
-    sdir: Path,
-    name: str,
-    docs: list[np.ndarray],
-    sources: list[dict[str, Any]],
-    *,
-    min_id: int,
-    max_id: int,
-    skipped_files: int = 0,
-    skipped_lines: int = 0,
-    t0: float,
-    progress: bool = False,
-) -> ShardEntry:
-    """Write the documents ``docs`` (int32 token ids each; the list is emptied) as the
-    shard ``name`` into ``sdir``: see :func:`write_flat_shard`."""
+def flatten(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The documents ``docs`` (int32 token ids each; the list is emptied, its pieces freed)
+    as a shard's arrays: (flat int32 [T + D], each document followed by the separator -1;
+    offsets int64 [D + 1], each document's start, then the length)."""
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))  # [D]
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)  # [D + 1]
     np.cumsum(lengths + 1, out=offsets[1:])
-    flat = np.empty(int(offsets[-1]), dtype=np.int32)  # [T + D] documents, each followed by the separator
+    flat = np.empty(int(offsets[-1]), dtype=np.int32)  # [T + D]
     for d, start in zip(docs, offsets[:-1].tolist()):
         flat[start : start + len(d)] = d
     flat[offsets[1:] - 1] = SEPARATOR_ID
-    docs.clear()  # the flat array holds them now: free the pieces before sorting
-    return write_flat_shard(
-        sdir,
-        name,
-        flat,
-        offsets,
-        sources,
-        min_id=min_id,
-        max_id=max_id,
-        skipped_files=skipped_files,
-        skipped_lines=skipped_lines,
-        t0=t0,
-        progress=progress,
-    )
+    docs.clear()
+    return flat, offsets
 
 
-def write_flat_shard(
+def write_shard(
     sdir: Path,
     name: str,
     flat: np.ndarray,
@@ -291,7 +268,7 @@ def merge_shards(
         lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
     if should_stop():
         raise MergeStopped()
-    entry = write_flat_shard(
+    entry = write_shard(
         sdir,
         "",
         flat,

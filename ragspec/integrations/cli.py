@@ -292,8 +292,8 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--response-log",
         default=None,
         help="JSON-lines file the response cache is loaded from at start and appended to as answers "
-        "finish (a crash loses at most the last second; RAGSPEC_RESPONSE_LOG; "
-        "'ragspec datastore add --from-log' makes it a datastore shard)",
+        "finish, keyed answers under their tenant's partition (a crash loses at most the last second; owner-only; "
+        "one server per log; RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)

@@ -16,7 +16,7 @@ import openai
 import pytest
 from _integ_helpers import LiveServer
 
-from ragspec.datastore import Datastore, build_datastore
+from ragspec.datastore import Datastore
 from ragspec.integrations.server import ServerSettings, build_summary_prompt, create_app
 from ragspec.serving import datastore_engines
 
@@ -118,15 +118,6 @@ def test_a_bad_budget_is_a_400_naming_the_field(live_server, bad):
 
 
 # ---------------------------------------------------------------------- runtime corpus
-@pytest.fixture
-def corpus(tmp_path, tiny_engine):
-    """A datastore folder that knows nothing of the tiny model's answers."""
-    src = tmp_path / "seed.txt"
-    src.write_text("a bird sang in the tree while the sun rose over the hill.")
-    build_datastore([src], tmp_path / "kb", tiny_engine.tokenizer, progress=False)
-    return tmp_path / "kb"
-
-
 def serve_corpus(tiny_engine, corpus, **settings):
     """A server drafting from ``corpus`` alone (no prompt lookup, no response cache)."""
     engines = datastore_engines(tiny_engine, [("kb", str(corpus))])

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from _integ_helpers import LiveServer, make_tiny_engine
 
-from ragspec.datastore import Datastore, build_datastore
+from ragspec.datastore import Datastore
 from ragspec.datastore import live as live_mod
 from ragspec.datastore.format import MANIFEST_NAME
 from ragspec.drafters.response_cache import ResponseCache, partition_of
@@ -27,14 +27,6 @@ from ragspec.serving import datastore_engines, open_response_cache
 TIMEOUT = httpx.Timeout(60.0)
 ADMIN, READER = "admin-key", "reader-key"
 URL = "/v1/datastores/kb/documents"
-
-
-@pytest.fixture
-def corpus(tmp_path, tiny_engine):
-    src = tmp_path / "seed.txt"
-    src.write_text("a bird sang in the tree while the sun rose over the hill.")
-    build_datastore([src], tmp_path / "kb", tiny_engine.tokenizer, progress=False)
-    return tmp_path / "kb"
 
 
 def serve(tiny_engine, corpus, **settings):
