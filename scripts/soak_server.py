@@ -731,6 +731,27 @@ def print_table(res: dict) -> None:
     print(f"warm restart healthy (ready) in under 30 s: {v['restart_under_30s']}")
 
 
+def verdict(res: dict) -> dict:
+    """What the soak must show: no failures, phase B's P95 within 2x of A's, flat RSS and open
+    files, a warm restart under 30 s, every addition visible or refused."""
+    a, b = res["phases"]["A"], res["phases"]["B"]
+    ratio = b["p95_s"] / a["p95_s"] if a["p95_s"] and b["p95_s"] is not None else None
+    adds = res.get("adds")
+    return {
+        "no_failures": a["failures"] == 0 and b["failures"] == 0 and (adds is None or adds["failures"] == 0),
+        "p95_ratio": ratio,
+        "p95_within_2x": ratio is not None and ratio <= 2.0,
+        "rss_flat": bool(a["rss"].get("flat")) and bool(b["rss"].get("flat")),
+        "open_files_flat": bool(a["open_files"].get("flat")) and bool(b["open_files"].get("flat")),
+        "restart_under_30s": res["restart"]["ready_s"] < 30.0,
+        "adds_visible_or_refused": adds is None
+        or (
+            adds["expected"] == adds["listed_end"] == adds["on_disk"] == adds["listed_after_restart"]
+            and adds["not_visible_at_once"] == 0
+        ),
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pythonpath", default=None, help="PYTHONPATH of the served checkout (default: inherited)")
@@ -820,22 +841,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         server.stop(30)
         if built is not None:
             shutil.rmtree(built, ignore_errors=True)
-    a, b = res["phases"]["A"], res["phases"]["B"]
-    ratio = b["p95_s"] / a["p95_s"] if a["p95_s"] and b["p95_s"] is not None else None
-    adds = res.get("adds")
-    res["verdict"] = {
-        "no_failures": a["failures"] == 0 and b["failures"] == 0 and (adds is None or adds["failures"] == 0),
-        "p95_ratio": ratio,
-        "p95_within_2x": ratio is not None and ratio <= 2.0,
-        "rss_flat": bool(a["rss"].get("flat")) and bool(b["rss"].get("flat")),
-        "open_files_flat": bool(a["open_files"].get("flat")) and bool(b["open_files"].get("flat")),
-        "restart_under_30s": res["restart"]["ready_s"] < 30.0,
-        "adds_visible_or_refused": adds is None
-        or (
-            adds["expected"] == adds["listed_end"] == adds["on_disk"] == adds["listed_after_restart"]
-            and adds["not_visible_at_once"] == 0
-        ),
-    }
+    res["verdict"] = verdict(res)
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:
