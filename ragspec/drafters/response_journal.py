@@ -39,7 +39,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, TextIO
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence, TextIO
 
 from ..errors import ResponseLogError, ResponseLogHeldError
 from ..jsonl import check_log_path, iter_bounded_lines
@@ -139,12 +139,12 @@ class LogLock:
     def __init__(self, log: str | os.PathLike) -> None:
         self.log = Path(log)
         self.path = _lock_path(self.log)
-        self._fd: Optional[int] = None
+        self._file: Optional[BinaryIO] = None  # a file object: a lock dropped unreleased closes with it
 
     @property
     def held(self) -> bool:
         """Whether this object holds the lock now."""
-        return self._fd is not None
+        return self._file is not None
 
     def acquire(self) -> None:
         """Take the lock, at once or not at all.
@@ -153,7 +153,7 @@ class LogLock:
             ResponseLogHeldError: another process holds it (one line naming the holder).
             ResponseLogError: the lock file cannot be created.
         """
-        if self._fd is not None:
+        if self._file is not None:
             return
         try:
             import fcntl
@@ -182,14 +182,14 @@ class LogLock:
             os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
         except OSError:
             pass  # the lock holds without the note
-        self._fd = fd
+        self._file = open(fd, "r+b", buffering=0)
 
     def release(self) -> None:
         """Let the lock go (closing the file releases it). Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
+        f, self._file = self._file, None
+        if f is not None:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                f.close()
 
 
 def check_log_free(log: str | os.PathLike) -> None:
