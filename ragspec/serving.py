@@ -19,7 +19,7 @@ from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError
+from .errors import ConfigError, ResponseLogHeldError
 from .loading import load_engine, with_datastore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,10 @@ class ServingConfig:
     """Tokens of earlier responses kept to draft from (0: no response cache)."""
     response_log: Optional[str] = None
     """JSON-lines file the response cache is loaded from at start, when it exists."""
+    response_log_spread: bool = False
+    """Several processes of one service share ``response_log`` (Ray Serve replicas): each
+    journals to the first of ``LOG``, ``LOG.1``, ``LOG.2``, ... that no live process holds
+    (one writer per log)."""
 
 
 @dataclass(frozen=True)
@@ -138,32 +142,40 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
     if old is None:
         raise ConfigError("this engine drafts from no datastore")
     add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
-    new = Datastore.open(
-        old.path,
-        tokenizer=engine.tokenizer,
-        min_match=old.min_match,
-        max_match=old.max_match,
-        max_samples=old.max_samples,
-    )
+    new = old.reopen()  # the shards ``old`` holds are shared, only the new one is opened
     logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
     return with_datastore(engine, new), new.info()
 
 
-def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
+def open_response_cache(
+    engine: Engine, max_tokens: int, log: Optional[str] = None, *, spread: bool = False
+) -> Optional[ResponseCache]:
     """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
     ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
-    responses are appended to that log as they finish (``ResponseCache.open_journal``: bad
-    lines skipped with a warning, the log compacted; closed by ``close_response_log``).
+    responses are appended to that log as they finish (``ResponseCache.open_journal``: the
+    log locked to this process, bad lines skipped with a warning, the log compacted; closed
+    by ``close_response_log``). ``spread``: take the first of ``log``, ``log.1``, ...,
+    ``log.63`` that no live process holds (replicas of one service).
 
     Raises:
+        ResponseLogHeldError: another live process writes ``log`` (with ``spread``: all 64).
         ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
     if max_tokens <= 0:
         return None
     cache = ResponseCache(max_tokens, model=engine.model_name or "")
     if log:
-        n = cache.open_journal(log, vocab_size=engine.target.vocab_size)
-        logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
+        vocab = engine.target.vocab_size
+        for i in range(64 if spread else 1):
+            path = log if i == 0 else f"{log}.{i}"
+            try:
+                n = cache.open_journal(path, vocab_size=vocab)
+            except ResponseLogHeldError:
+                if not spread or i == 63:
+                    raise
+                continue
+            logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, path)
+            break
     return cache
 
 
@@ -183,5 +195,7 @@ def load_serving(config: ServingConfig) -> ServingEngines:
     """
     engine = load_serving_engine(config)
     variants = datastore_engines(engine, config.datastores)
-    cache = open_response_cache(engine, config.response_cache_tokens, config.response_log)
+    cache = open_response_cache(
+        engine, config.response_cache_tokens, config.response_log, spread=config.response_log_spread
+    )
     return ServingEngines(engine=engine, datastore_engines=variants, response_cache=cache)
