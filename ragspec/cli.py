@@ -174,7 +174,7 @@ def _generate_and_print(engine: "Engine", prompt: str, args, params: RequestPara
     assert stats is not None, "a stream's last chunk carries the request's statistics"
     out = GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stats)
     drafting = "off" if args.no_speculation else engine.drafting
-    numerics = getattr(engine.target, "numerics", "exact")
+    numerics = engine.target.numerics
     if args.json:
         rec = {
             "text": out.text,

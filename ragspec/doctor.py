@@ -114,6 +114,7 @@ def kernel_report(
     Raises:
         RagspecError: ``model`` cannot be loaded, or a bad device / numerics / drafting.
     """
+    from .backend.base import Capability
     from .backend.cpu import kernels
     from .backend.cpu.native import native_step_enabled
     from .errors import ConfigError
@@ -135,8 +136,13 @@ def kernel_report(
 
     native: dict[str, Any] = {"enabled": native_step_enabled(), "in_library": status.decoder_step}
     if target is not None:
-        # only the CPU backend has a native step (CPUTarget.native_step_off says why not)
-        off = getattr(target, "native_step_off", f"the native step is the CPU backend's; the model is on {run_device}")
+        # only the CPU backend has a native step (its speed-ups say why not)
+        speed_ups = target.capability(Capability.SPEED_UPS)
+        off = (
+            speed_ups.native_step_off
+            if speed_ups is not None
+            else f"the native step is the CPU backend's; the model is on {run_device}"
+        )
         native.update(runs=off is None, reason=off)
     else:
         native.update(runs=None, reason="give --model to load a model and check its native step")

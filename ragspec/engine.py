@@ -242,7 +242,7 @@ class Engine:
     @property
     def model(self) -> Any:
         """The backend's underlying model (the transformers model for ``HFTarget`` and ``CPUTarget``)."""
-        return getattr(self.target, "model", None)
+        return self.target.model
 
     @property
     def datastore(self) -> Optional["Datastore"]:

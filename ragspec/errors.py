@@ -19,11 +19,14 @@ __all__ = [
     "EmptyCorpusError",
     "DatastoreInputError",
     "TokenizerMismatchError",
+    "DatastoreBusyError",
+    "IdempotencyKeyError",
     "CapacityError",
     "PromptTooLongError",
     "EagleHeadMismatchError",
     "MissingDependencyError",
     "ResponseLogError",
+    "ResponseLogHeldError",
     "BenchServerError",
 ]
 
@@ -96,6 +99,16 @@ class TokenizerMismatchError(DatastoreError):
     """A datastore (or draft head) was built with another tokenizer than the target's."""
 
 
+class DatastoreBusyError(DatastoreError):
+    """An addition to a datastore must wait: it holds as many shards as it may
+    (:data:`ragspec.datastore.shards.MAX_SHARDS`) until the merging running in the
+    background finishes. Nothing was written; retry shortly."""
+
+
+class IdempotencyKeyError(DatastoreError, ValueError):
+    """An addition's idempotency key was already used by an addition of other documents."""
+
+
 class CapacityError(RagspecError):
     """The request does not fit: queue full, or more tokens than the context holds."""
 
@@ -117,6 +130,11 @@ class ResponseLogError(RagspecError):
     """A response log (``--response-log``) cannot be used: its path is a directory, not a
     regular file, in a missing or unwritable folder; or it holds another model's responses
     (or, read strictly, a line that is not a valid record)."""
+
+
+class ResponseLogHeldError(ResponseLogError):
+    """Another live process writes this response log (one writer per log: its lock file,
+    ``<log>.lock``, is held)."""
 
 
 class BenchServerError(RagspecError):

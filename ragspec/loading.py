@@ -1,4 +1,4 @@
-"""The one builder of engines: model, backend and its speed-ups, datastore, EAGLE head,
+"""The one builder of engines: model, backend built with its speed-ups, datastore, EAGLE head,
 drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
@@ -46,7 +46,6 @@ __all__ = [
     "load_target",
     "select_target",
     "load_eagle",
-    "response_cache_for",
     "open_datastores",
     "datastore_name",
     "compose_drafter",
@@ -110,16 +109,21 @@ def select_target(
     cuda_slots: int = CUDA_SLOTS,
 ) -> "Target":
     """The backend for a loaded transformers model, chosen once, here, from its device (read
-    from its parameters; its dtype decides which speed-ups apply), with its speed-ups
-    installed.
+    from its parameters; its dtype decides which speed-ups apply), built whole with its
+    speed-ups (one choice, made here: nothing is installed on the target afterwards).
 
-    * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
-      :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
-      attention kernels for float32, the GGUF file's blocks, the fused decoder step;
-      pre-packed oneDNN weights for bfloat16);
+    * CPU: :func:`~ragspec.backend.cpu.build.load_cpu_target` with the
+      :class:`~ragspec.backend.cpu.build.CPUSpeedUps` chosen from the arguments and the
+      environment (``RAGSPEC_CPU_KERNELS``, ``RAGSPEC_NATIVE_STEP``): the fused C++ step's
+      target (:class:`~ragspec.backend.cpu.native_target.NativeTarget`) for a float32 Llama
+      with the compiled kernels, else the kernel-routed transformers target
+      (:class:`~ragspec.backend.cpu.target.CPUTarget`: compiled few-row linear and
+      attention kernels for float32, the GGUF file's blocks; pre-packed oneDNN weights for
+      bfloat16);
+    * CUDA: ragspec's CUDA backend (:func:`ragspec.backend.cuda.load_cuda_target`) for the
+      models it serves;
     * any other device: the device-neutral :class:`~ragspec.backend.hf.HFTarget`, its
-      attention routed through ragspec's function
-      (:meth:`~ragspec.backend.hf.HFTarget.route_gqa_attention`).
+      attention routed through ragspec's function (``route_attention``).
 
     Args:
         model: a loaded ``PreTrainedModel`` for causal LM (eval mode, on its device).
@@ -128,8 +132,8 @@ def select_target(
         cache: ragspec's cache folder (the compiled kernels live in it).
         gguf: the GGUF file the model was loaded from, or None.
         numerics: ``"exact"`` or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
-        speed_ups: False: the backend for the device without its speed-ups installed (the
-            EAGLE trainer, which trains through the model's own forward).
+        speed_ups: False: the backend for the device without its speed-ups (the EAGLE
+            trainer, which trains through the model's own forward).
         use_cuda_backend: on CUDA, ragspec's CUDA backend
             (:func:`ragspec.backend.cuda.load_cuda_target`) for the models it serves (None: on
             unless ``RAGSPEC_CUDA_BACKEND=0``); off, or a model it cannot run: the
@@ -148,12 +152,20 @@ def select_target(
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     device = next(model.parameters()).device
     if device.type == "cpu":
-        from .backend.cpu.target import CPUTarget
+        from .backend.cpu.build import CPUSpeedUps, load_cpu_target
+        from .backend.cpu.kernels import cpu_kernels_enabled
+        from .backend.cpu.native import native_step_enabled
 
-        cpu_target = CPUTarget(model)
+        choice = None
         if speed_ups:
-            cpu_target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
-        return cpu_target
+            choice = CPUSpeedUps(
+                compiled_kernels=cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled(),
+                native_step=native_step_enabled(),
+                gguf=Path(gguf) if gguf else None,
+                numerics=numerics,
+                cache=Path(cache) if cache else None,
+            )
+        return load_cpu_target(model, choice)
     if device.type == "cuda" and speed_ups:
         # ragspec/backend/cuda/: a static KV pool, the flat batch of every request's rows,
         # CUDA graphs, row-invariant Triton kernels (numerics "exact") or cuBLAS ("fast")
@@ -168,10 +180,7 @@ def select_target(
         raise ConfigError(
             "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
         )
-    target = HFTarget(model)
-    if speed_ups:
-        target.route_gqa_attention()
-    return target
+    return HFTarget(model, route_attention=speed_ups)
 
 
 def load_target(
@@ -184,7 +193,7 @@ def load_target(
     numerics: str = "exact",
 ) -> tuple["Target", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
-    the backend for its device, with its speed-ups installed (:func:`select_target`).
+    the backend for its device, built with its speed-ups (:func:`select_target`).
 
     ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
@@ -272,11 +281,9 @@ def load_engine(
     drafting: str = AUTO_DRAFTING,
     numerics: str = "exact",
     recalibrate: Optional[bool] = None,
-    response_cache_tokens: int = 0,
-    response_log: Optional[Union[str, Path]] = None,
 ) -> Engine:
-    """Load a model and build an engine with prompt-lookup drafting, plus datastores, an
-    EAGLE head and a cache of its own responses when given.
+    """Load a model and build an engine with prompt-lookup drafting, plus datastores and an
+    EAGLE head when given.
 
     Args:
         model: registry name (``smollm2-135m-instruct``, ``gemma3-270m``), a GGUF file or
@@ -311,17 +318,12 @@ def load_engine(
             the mode; :data:`ragspec.config.NUMERICS`).
         recalibrate: with ``calibrate``, measure even where a cached table fits (None: when
             ``RAGSPEC_RECALIBRATE`` is 1/true/yes/on).
-        response_cache_tokens: tokens of the engine's finished responses kept to draft
-            later requests from (0: no response cache; :mod:`ragspec.drafters.response_cache`).
-        response_log: with a response cache, the JSON-lines journal it is loaded from and
-            appends to (:func:`response_cache_for`).
 
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
         DatastoreError: a datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
-        ResponseLogError: the response log is unusable or holds another model's responses.
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
             where it cannot be served; datastore names given twice.
     """
@@ -331,7 +333,6 @@ def load_engine(
     named = ([(datastore_name(datastore), datastore)] if datastore else []) + list(datastores)
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
     stores = open_datastores(named, tokenizer)
-    responses = response_cache_for(spec.name, response_cache_tokens, response_log, target.vocab_size)
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
     _warn_headless(eagle_drafter, drafting, spec)
     drafting = resolve_drafting(drafting, target.device)
@@ -342,7 +343,6 @@ def load_engine(
         datastore=next(iter(stores.values()), None),
         eagle=eagle_drafter,
         eagle_path=eagle_path,
-        response_cache=responses,
         drafting=drafting,
     )
     return Engine(
@@ -377,27 +377,6 @@ def _device_policy(target: "Target", latency: Optional[LatencyModel], policy: Po
     from .backend.cuda import gpu_draft_policy
 
     return gpu_draft_policy(latency.table, policy)
-
-
-def response_cache_for(
-    model_name: str, max_tokens: int, log: Optional[Union[str, Path]] = None, vocab_size: Optional[int] = None
-) -> Optional[ResponseCache]:
-    """The cache of a model's own responses (``model_name``), holding up to ``max_tokens``
-    tokens (None when ``max_tokens`` is 0 or less), with the responses of the JSON-lines
-    file ``log`` (token ids checked against ``vocab_size``); new responses are appended to
-    that log as they finish (``ResponseCache.open_journal``: bad lines skipped with a
-    warning, the log compacted; closed by ``ResponseCache.close_journal``).
-
-    Raises:
-        ResponseLogError: the log path is unusable, or the log holds another model's responses.
-    """
-    if max_tokens <= 0:
-        return None
-    responses = ResponseCache(max_tokens, model=model_name or "")
-    if log:
-        n = responses.open_journal(str(log), vocab_size=vocab_size)
-        logger.info("response cache: %d responses (%d tokens) from %s", n, responses.num_tokens, log)
-    return responses
 
 
 def _calibrated(
@@ -554,15 +533,14 @@ def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
 
 
 def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
-    """Deprecated: give the response cache when the engine is built (:func:`load_engine`'s
-    ``response_cache_tokens``, :func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
+    """Deprecated: give the response cache when the engine is built (:func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
 
     Raises:
         ConfigError: an engine whose drafter was not composed here, and already has a cache.
     """
     warnings.warn(
         "ragspec.loading.with_response_cache is deprecated: give the cache when the engine is built "
-        "(load_engine(response_cache_tokens=...), engine_over)",
+        "(engine_over(engine, engine.datastores, cache))",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -22,8 +22,8 @@ from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError, DatastoreNotFoundError
-from .loading import engine_over, load_engine, open_datastores, response_cache_for
+from .errors import ConfigError, DatastoreNotFoundError, ResponseLogHeldError
+from .loading import engine_over, load_engine, open_datastores
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,8 @@ __all__ = [
     "load_serving_engine",
     "serve_engine",
     "add_to_datastore",
-    "reopen_datastore",
+    "serve_datastore",
     "open_response_cache",
-    "response_cache_for",
     "close_response_log",
     "load_serving",
     "datastore_engines",
@@ -74,6 +73,10 @@ class ServingConfig:
     """Tokens of earlier responses kept to draft from (0: no response cache)."""
     response_log: Optional[str] = None
     """JSON-lines file the response cache is loaded from at start, when it exists."""
+    response_log_spread: bool = False
+    """Several processes of one service share ``response_log`` (Ray Serve replicas): each
+    journals to the first of ``LOG``, ``LOG.1``, ``LOG.2``, ... that no live process holds
+    (one writer per log)."""
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,16 @@ class ServingEngines:
 
 def load_serving_engine(config: ServingConfig) -> Engine:
     """The served engine: ``config``'s model with its EAGLE head, drafting, policy and
-    calibration, its named datastores (the first the default of requests naming none) and
-    its response cache, through :func:`ragspec.loading.load_engine`.
+    calibration and its named datastores (the first the default of requests naming none),
+    through :func:`ragspec.loading.load_engine`, drafting from its response cache too
+    (:func:`open_response_cache`; no second load: :func:`serve_engine`).
 
     Raises:
         ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, DatastoreError,
-            ResponseLogError, ConfigError: as :func:`ragspec.loading.load_engine`.
+            ConfigError: as :func:`ragspec.loading.load_engine`.
+        ResponseLogHeldError, ResponseLogError: as :func:`open_response_cache`.
     """
-    return load_engine(
+    engine = load_engine(
         config.model,
         config.device,
         config.dtype,
@@ -117,9 +122,11 @@ def load_serving_engine(config: ServingConfig) -> Engine:
         recalibrate=config.recalibrate,
         numerics=config.numerics,
         drafting=config.drafting,
-        response_cache_tokens=config.response_cache_tokens,
-        response_log=config.response_log,
     )
+    cache = open_response_cache(
+        engine, config.response_cache_tokens, config.response_log, spread=config.response_log_spread
+    )
+    return serve_engine(engine, engine.datastores, cache)
 
 
 def serve_engine(
@@ -142,9 +149,11 @@ def serve_engine(
 def add_to_datastore(engine: Engine, name: str, texts: Sequence[str], source: str = "<texts>") -> DatastoreInfo:
     """Add ``texts`` (one document each) to ``engine``'s datastore ``name``, on disk and
     atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
-    manifest replaced; a crash leaves the datastore as it was), then serve it reopened
-    (:func:`reopen_datastore`). Requests already started keep drafting from it as it was.
-    ``source``: the new shard's source record. Returns the datastore's new info.
+    manifest replaced; a crash leaves the datastore as it was), then serve it reopened (the
+    shards it held shared, the new one opened: :func:`serve_datastore`). Requests already
+    started keep drafting from it as it was. ``source``: the new shard's source record.
+    Returns the datastore's new info. (The server adds through the datastore's writer,
+    :class:`ragspec.datastore.live.DatastoreWriter`, which serves each copy the same way.)
 
     Raises:
         DatastoreNotFoundError: ``engine`` has no datastore of that name.
@@ -156,32 +165,22 @@ def add_to_datastore(engine: Engine, name: str, texts: Sequence[str], source: st
         raise DatastoreNotFoundError(name, tuple(engine.datastores))
     old = engine.datastores[name]
     add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
-    info = reopen_datastore(engine, name)
-    logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), info.num_documents)
-    return info
+    new = old.reopen()  # the shards ``old`` holds are shared, only the new one is opened
+    serve_datastore(engine, name, new)
+    logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
+    return new.info()
 
 
-def reopen_datastore(engine: Engine, name: str) -> DatastoreInfo:
-    """Reopen ``engine``'s datastore ``name`` from its folder (same lookup settings) and
-    serve it from now on (:meth:`Engine.swap_datastore`, its drafter composed again; no
-    model loaded): the one place a served datastore is swapped in. Returns its info.
+def serve_datastore(engine: Engine, name: str, datastore: Datastore) -> None:
+    """Serve ``datastore`` (a new copy of ``engine``'s datastore ``name``: reopened after an
+    addition, merged) from now on: the one place a served datastore is replaced
+    (:meth:`Engine.swap_datastore`: its drafter composed again, no model loaded; requests
+    already started keep the copy they drafted from).
 
     Raises:
         DatastoreNotFoundError: ``engine`` has no datastore of that name.
-        DatastoreError: the datastore is damaged or gone.
     """
-    if name not in engine.datastores:
-        raise DatastoreNotFoundError(name, tuple(engine.datastores))
-    old = engine.datastores[name]
-    new = Datastore.open(
-        old.path,
-        tokenizer=engine.tokenizer,
-        min_match=old.min_match,
-        max_match=old.max_match,
-        max_samples=old.max_samples,
-    )
-    engine.swap_datastore(name, new)
-    return new.info()
+    engine.swap_datastore(name, datastore)
 
 
 def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
@@ -224,13 +223,36 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
     return engine, add_to_datastore(engine, name, texts, source)
 
 
-def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
-    """:func:`ragspec.loading.response_cache_for` ``engine``'s model (its name and vocabulary).
+def open_response_cache(
+    engine: Engine, max_tokens: int, log: Optional[str] = None, *, spread: bool = False
+) -> Optional[ResponseCache]:
+    """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
+    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
+    responses are appended to that log as they finish (``ResponseCache.open_journal``: the
+    log locked to this process, bad lines skipped with a warning, the log compacted; closed
+    by ``close_response_log``). ``spread``: take the first of ``log``, ``log.1``, ...,
+    ``log.63`` that no live process holds (replicas of one service).
 
     Raises:
+        ResponseLogHeldError: another live process writes ``log`` (with ``spread``: all 64).
         ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
-    return response_cache_for(engine.model_name, max_tokens, log, engine.target.vocab_size)
+    if max_tokens <= 0:
+        return None
+    cache = ResponseCache(max_tokens, model=engine.model_name or "")
+    if log:
+        vocab = engine.target.vocab_size
+        for i in range(64 if spread else 1):
+            path = log if i == 0 else f"{log}.{i}"
+            try:
+                n = cache.open_journal(path, vocab_size=vocab)
+            except ResponseLogHeldError:
+                if not spread or i == 63:
+                    raise
+                continue
+            logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, path)
+            break
+    return cache
 
 
 def close_response_log(cache: ResponseCache, path: str) -> int:

@@ -219,6 +219,7 @@ class FakeTarget:
     device = torch.device("cpu")
     dtype = torch.float32
     model = None  # no transformers model behind it (the protocol's ``model``)
+    numerics = "exact"
 
     def __init__(self, vocab_size=64, eos_token_id=2, eos_at=None, max_length=4096, seed=0):
         self.vocab_size = vocab_size

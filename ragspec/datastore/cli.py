@@ -1,4 +1,4 @@
-"""``ragspec datastore ...``: build, extend, describe, query and benchmark datastores.
+"""``ragspec datastore ...``: build, extend, compact, describe, query and benchmark datastores.
 
 ``ragspec/cli.py`` calls :func:`add_datastore_commands` with its sub-parsers; each command
 sets ``func`` and returns an exit status. Errors print one line on stderr and exit 2.
@@ -138,7 +138,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             seed=args.seed,
             tokenizer_name=name,
             overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=_progress(args),
         )
     else:
         tokenizer, name = _load_tokenizer(args.model)
@@ -148,7 +148,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             tokenizer,
             field=args.field,
             tokenizer_name=name,
-            progress=not args.no_progress,
+            progress=_progress(args),
             overwrite=args.overwrite,
             strict=args.strict,
         )
@@ -170,25 +170,80 @@ def _skips(info: Any) -> str:
     )
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether to show progress bars: not with ``--no-progress`` nor ``-q``."""
+    return not (args.no_progress or getattr(args, "quiet", False))
+
+
+def _log_texts(logs: Sequence[str], partition: str, folder: str) -> list[str]:
+    """The texts of the response logs' records in ``partition`` ("" = the unsalted ones),
+    written as JSONL files in ``folder`` (one per log, named after it), line by line; what
+    was left out is reported on stderr."""
+    from ragspec.drafters.response_journal import LogSelection, iter_log_texts
+
+    out = []
+    for i, log in enumerate(logs):
+        sel = LogSelection()
+        path = os.path.join(folder, f"{i:03d}-{os.path.basename(log)}")
+        with open(path, "w", encoding="utf-8") as f:
+            for text in iter_log_texts(log, partition, sel):
+                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        other = sum(sel.other_partitions.values())
+        if other:
+            keyed = len([p for p in sel.other_partitions if p])
+            what = f"{keyed} tenant partition(s)" + (" and unsalted records" if "" in sel.other_partitions else "")
+            print(
+                f"{log}: {other} record(s) of {what} left out (--partition DIGEST takes one tenant's: the "
+                'digest in its records\' "partition" field)',
+                file=sys.stderr,
+            )
+        if sel.oversized or sel.bad:
+            print(f"{log}: {len(sel.oversized) + len(sel.bad)} line(s) skipped (see the warnings)", file=sys.stderr)
+        out.append(path)
+    return out
+
+
 @_guard
 def cmd_add(args: argparse.Namespace) -> int:
+    import tempfile
+
     from .builder import add_to_datastore
 
     inputs, field = list(args.inputs), args.field
-    if args.from_log:
-        # a response log of `ragspec serve --response-log`: JSON lines, the response in "text"
-        if inputs and field != "text":
-            raise ConfigError("--from-log reads the logs' 'text' field: give other inputs with --field text, or apart")
-        inputs, field = inputs + list(args.from_log), "text"
-    if not inputs:
+    if args.partition is not None and not args.from_log:
+        raise ConfigError("--partition selects the records of --from-log logs: give --from-log LOG")
+    if args.from_log and inputs and field != "text":
+        raise ConfigError("--from-log reads the logs' 'text' field: give other inputs with --field text, or apart")
+    if not inputs and not args.from_log:
         raise ConfigError("nothing to add: give INPUT files or --from-log LOG")
     tokenizer = _tokenizer_for(args.directory, args.model)
-    info = add_to_datastore(
-        args.directory, inputs, tokenizer, field=field, progress=not args.no_progress, strict=args.strict
-    )
+    with tempfile.TemporaryDirectory(prefix="ragspec-log-") as work:
+        if args.from_log:
+            # a response log of `ragspec serve --response-log`: JSON lines, the response in "text";
+            # a tenant's answers only when asked for (--partition)
+            inputs, field = inputs + _log_texts(args.from_log, args.partition or "", work), "text"
+        info = add_to_datastore(
+            args.directory, inputs, tokenizer, field=field, progress=_progress(args), strict=args.strict
+        )
     print(
         f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
         f"{info.num_tokens:,} tokens{_skips(info).replace('; skipped', '; skipped in all')}"
+    )
+    return 0
+
+
+@_guard
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .shards import compact_datastore
+    from .store import Datastore
+
+    with Datastore.open(args.directory) as ds:
+        before = ds.num_shards
+    t0 = time.perf_counter()
+    info = compact_datastore(args.directory, progress=_progress(args))
+    print(
+        f"compacted {info.path}: {before} shards -> {info.num_shards}, {info.num_documents:,} documents, "
+        f"{info.num_tokens:,} tokens in {time.perf_counter() - t0:.1f} s"
     )
     return 0
 
@@ -373,12 +428,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``datastore`` command group (build, add, info, query, bench) to ``subparsers``."""
+    """Add the ``datastore`` command group (build, add, compact, info, query, bench) to ``subparsers``."""
     model_default = os.environ.get("RAGSPEC_MODEL")
     p = subparsers.add_parser(
         "datastore",
         help="build and inspect retrieval datastores",
-        description="Build, extend, describe, query and benchmark datastores.",
+        description="Build, extend, compact, describe, query and benchmark datastores.",
     )
     sub = p.add_subparsers(dest="datastore_command", required=True)
 
@@ -427,11 +482,27 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LOG",
         help="a response log of 'ragspec serve --response-log' (JSON lines; its responses' text), repeatable",
     )
+    a.add_argument(
+        "--partition",
+        default=None,
+        metavar="DIGEST",
+        help='take the --from-log records of this tenant\'s partition (the digest in their "partition" field) '
+        "instead of the unsalted ones: a tenant's answers go only where that tenant alone drafts",
+    )
     a.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
     a.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_add)
+
+    c = sub.add_parser(
+        "compact",
+        help="merge every shard into one (lookups search one index, as after a build)",
+        description="Merge every shard of a datastore into one. Safe while servers serve it and add to it.",
+    )
+    c.add_argument("directory", metavar="DIR", help="the datastore")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_compact)
 
     i = sub.add_parser("info", help="format, tokenizer, counts and size of a datastore")
     i.add_argument("directory", metavar="DIR", help="the datastore")

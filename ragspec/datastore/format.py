@@ -84,6 +84,7 @@ __all__ = [
     "locked",
     "find_leftovers",
     "remove_leftovers",
+    "hold_directory",
 ]
 
 FORMAT_NAME = "ragspec-datastore"
@@ -504,12 +505,14 @@ def _sibling_pattern(name: str, kind: str) -> re.Pattern:
 def find_leftovers(directory: str | os.PathLike, manifest: Optional["Manifest"] = None) -> list[Path]:
     """What interrupted builds and adds of the datastore ``directory`` left behind.
 
-    Inside it: ``.shard-tmp-*`` (an add killed while writing its shard), ``.manifest.*.tmp``
-    (killed while replacing the manifest) and, when ``manifest`` is given, ``shard-NNNNN``
-    directories it does not list (an add killed between renaming its shard into place and
-    listing it). Next to it: ``.NAME.tmp-*`` (a build killed while writing) and
-    ``.NAME.old-*`` (an overwrite killed while removing the old datastore). A build or add
-    running right now shows up too. Other files are never listed.
+    Inside it: ``.shard-tmp-*`` (an add or merge killed while writing its shard; one a live
+    merge holds, locked, is not listed), ``.manifest.*.tmp`` (killed while replacing the
+    manifest) and, when ``manifest`` is given, ``shard-NNNNN`` directories it does not list
+    (an add killed between renaming its shard into place and listing it, a merge killed
+    before removing the shards it replaced). Next to it: ``.NAME.tmp-*`` (a build killed
+    while writing) and ``.NAME.old-*`` (an overwrite killed while removing the old
+    datastore). A build or add running right now shows up too. Other files are never
+    listed.
 
     Returns:
         The paths, sorted.
@@ -520,7 +523,10 @@ def find_leftovers(directory: str | os.PathLike, manifest: Optional["Manifest"] 
         listed = {s.name for s in manifest.shards} if manifest is not None else None
         for p in d.iterdir():
             n = p.name
-            if _SHARD_TMP.match(n) or _MANIFEST_TMP.match(n):
+            if _SHARD_TMP.match(n):
+                if not _held(p):
+                    out.append(p)
+            elif _MANIFEST_TMP.match(n):
                 out.append(p)
             elif listed is not None and _SHARD_NAME.match(n) and n not in listed and p.is_dir():
                 out.append(p)
@@ -576,6 +582,24 @@ def _dir_lock(path: Path, *, blocking: bool = True) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)  # releases the lock
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds the directory ``path`` locked (:func:`hold_directory`)."""
+    try:
+        with _dir_lock(path, blocking=False) as free:
+            return not free
+    except OSError:
+        return False  # gone meanwhile
+
+
+@contextlib.contextmanager
+def hold_directory(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on the directory ``path`` while the block runs: a temporary
+    shard directory written outside ``DIR/.lock`` (a merge's) is then not a leftover to the
+    adds that clean up meanwhile (:func:`find_leftovers`)."""
+    with _dir_lock(Path(path)):
+        yield
 
 
 def _clean_siblings(dest: Path) -> None:

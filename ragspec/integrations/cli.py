@@ -48,6 +48,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         numerics=args.numerics,
         drafting=args.drafting,
         api_key=args.api_key,
+        admin_key=args.admin_key,
         max_queue=args.max_queue,
         max_active=args.max_active,
         max_step_tokens=args.max_step_tokens,
@@ -109,7 +110,7 @@ def ray_options_from_args(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     ray_options = ray_options_from_args(args)
     settings = settings_from_args(args)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
     if ray_options is not None:
         # the replicas load the model and datastores themselves (on their nodes); a bad
@@ -183,6 +184,12 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys separated by commas, one per "
         "tenant: each its own cache partition and share of the queue (RAGSPEC_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="keys that may also add documents to the datastores (POST /v1/datastores/NAME/documents) and see their "
+        "sizes; API keys too; several separated by commas. With keys, other keys cannot write (RAGSPEC_ADMIN_KEY)",
     )
     p.add_argument(
         "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"
@@ -285,8 +292,8 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--response-log",
         default=None,
         help="JSON-lines file the response cache is loaded from at start and appended to as answers "
-        "finish (a crash loses at most the last second; RAGSPEC_RESPONSE_LOG; "
-        "'ragspec datastore add --from-log' makes it a datastore shard)",
+        "finish, keyed answers under their tenant's partition (a crash loses at most the last second; owner-only; "
+        "one server per log; RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)

@@ -35,6 +35,7 @@ Importing this module is cheap (Ray, torch and FastAPI load when used).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -299,7 +300,9 @@ class RagspecReplica:
         self.response_cache: Optional[ResponseCache] = None
         try:
             # each replica caches its own answers (a shared cache would be a store of our own)
-            served = await asyncio.to_thread(_load_serving_released, settings.serving_config())
+            # replicas share the settings: each journals to a response log of its own
+            config = dataclasses.replace(settings.serving_config(), response_log_spread=True)
+            served = await asyncio.to_thread(_load_serving_released, config)
             self.engine, self.response_cache = served.engine, served.response_cache
         except (RagspecError, OSError, ValueError) as e:
             # not raised here: the health check reports it (one line) and Ray Serve never

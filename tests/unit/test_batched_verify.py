@@ -63,11 +63,13 @@ def _tiny_gemma3(seed: int = 0, window: int = 16):
 
 
 def _target(skinny, model, attention_kernel: bool = True) -> CPUTarget:
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(skinny)
-    if attention_kernel:
-        assert target.use_attention_kernel(load_few_query_attention())
+    target = CPUTarget(
+        model,
+        skinny=skinny,
+        attention_kernel=load_few_query_attention() if attention_kernel else None,
+        route_attention=True,
+    )
+    assert target.attention_routed
     return target
 
 

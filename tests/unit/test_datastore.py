@@ -179,12 +179,12 @@ def test_empty_corpus_refused(tmp_path, content):
 
 def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     # a Ctrl-C during the suffix sort leaves neither the datastore nor a temporary directory
-    from ragspec.datastore import builder
+    from ragspec.datastore import shards
 
     def boom(tokens):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(builder, "reverse_prefix_order", boom)
+    monkeypatch.setattr(shards, "reverse_prefix_order", boom)
     src = _write_docs(tmp_path / "in", [[1, 2, 3]])
     with pytest.raises(KeyboardInterrupt):
         build_datastore([src], tmp_path / "ds", make_tokenizer(), progress=False)

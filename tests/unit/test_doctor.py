@@ -154,7 +154,7 @@ def test_doctor_model_native_step_runs(tmp_path, capsys, monkeypatch):
     rc, report = _doctor_json(capsys, "--model", str(folder), "--device", "cpu")
     assert rc == 0 and report["cpu_kernels"]["active"]
     assert report["native_step"]["runs"] is True and report["native_step"]["reason"] is None
-    assert report["model"]["backend"] == "CPUTarget" and report["model"]["dtype"] == "float32"
+    assert report["model"]["backend"] == "NativeTarget" and report["model"]["dtype"] == "float32"
     assert report["numerics"]["fast_reason"] in (
         "needs a GGUF model",
         "needs a CPU with AVX-512 VNNI (and RAGSPEC_CPU_ISA not avx2)",

@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from ragspec.backend.base import Capability
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PLDConfig, PolicyConfig
 from ragspec.drafters import CompositeDrafter, MergedDrafter, NgramIndex, PromptLookupDrafter, SelectingDrafter
@@ -476,7 +477,8 @@ def test_loading_builds_engines_over_a_model_already_held(model, tok):
     # by hand: a target over the model (transformers' own forwards unless sped up) and an
     # engine drafting with a drafter set its caller composed
     target = select_target(model, speed_ups=False)
-    assert isinstance(target, HFTarget) and target.native_step is None and target.model is model
+    assert isinstance(target, HFTarget) and target.model is model
+    assert target.capability(Capability.FUSED_STEP) is None  # no speed-ups: no fused step
     with pytest.raises(ConfigError, match="numerics"):
         select_target(model, speed_ups=False, numerics="approximate")
     drafter = PromptLookupDrafter(PLDConfig())

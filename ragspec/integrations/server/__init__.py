@@ -35,7 +35,7 @@ off) and ``/metrics`` (unless ``--public-metrics``) need ``Authorization: Bearer
 ``/health`` and ``/ready`` stay open. Each key is a tenant: its requests' caches are
 partitioned by a digest of the key (``cache_salt``), and it has its own share of the places
 (:mod:`.admission`). A request may name only the datastores the server was started with, by
-name.
+name; with keys, only the ``--admin-key`` keys may add documents to them (:mod:`.datastores`).
 
 The modules, by role:
 

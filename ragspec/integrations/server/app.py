@@ -240,6 +240,8 @@ def create_app(
             pool = getattr(app.state, "prepare_pool", None)
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+            for writer in list(app.state.datastore_writers.values()):
+                await asyncio.to_thread(writer.close)  # a merge running is abandoned
             if cache is not None and settings.response_log and app.state.ready:
                 await _save_response_cache(cache, settings.response_log)
 
@@ -247,6 +249,7 @@ def create_app(
     app = FastAPI(title="ragspec", version="0.1.0", lifespan=lifespan, **docs)  # type: ignore[arg-type]
     app.state.settings = settings
     app.state.datastore_lock = threading.Lock()
+    app.state.datastore_writers = {}
     metrics = _metrics(app)
     app.state.metrics = metrics
     # the last added runs first: count, check the key, then admit (limits, read deadline)

@@ -42,8 +42,10 @@ class ServerState:
     started: int
     """Unix time the app started (``/v1/models``' ``created``)."""
     datastore_lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held while documents are added to a served datastore and it is swapped in
-    (:mod:`.datastores`): one addition at a time."""
+    """Held while a served datastore's writer is made (:mod:`.datastores`)."""
+    datastore_writers: dict = field(default_factory=dict)
+    """The writers of the served datastores that took additions, by name
+    (:class:`ragspec.datastore.live.DatastoreWriter`; closed at shutdown)."""
 
     @classmethod
     def of(cls, app: FastAPI) -> "ServerState":
@@ -59,6 +61,7 @@ class ServerState:
             model_name=s.model_name,
             started=s.started,
             datastore_lock=s.datastore_lock,
+            datastore_writers=s.datastore_writers,
         )
 
 
