@@ -8,7 +8,7 @@ each Ray Serve replica (:mod:`ragspec.integrations.ray`) build what they serve h
 makes one from the service's settings). Engines come from :mod:`ragspec.loading`, the one
 builder of engines: a request names the datastore it drafts from
 (``RequestParams.datastore``); documents added to a datastore are served through
-:func:`reopen_datastore`, the one place a datastore is swapped in.
+:func:`serve_datastore`, the one place a datastore is swapped in.
 """
 
 from __future__ import annotations
