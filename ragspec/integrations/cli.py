@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -111,15 +112,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
+    if ray_options is None or not (ray_options.address or os.environ.get("RAY_ADDRESS")):
+        # every path and option is checked before the model loads (a bad --datastore fails
+        # in seconds, not after the load); a Ray cluster's replicas check theirs on their nodes
+        settings.check_inputs()
     if ray_options is not None:
         # the replicas load the model and datastores themselves (on their nodes); a bad
         # one fails its health check and this ends with its one-line error
         from .ray import run
 
         return run(settings, ray_options, ready=_say_ready)
-    # files the service writes are checked before the model loads (a bad path fails in
-    # a second, not after the load)
-    settings.check_files()
     import uvicorn
 
     from .server import create_app

@@ -1,0 +1,80 @@
+"""What a new user trips on, run through ``ragspec.cli.main`` on a tiny random model: every
+path and option of ``ragspec serve`` checked before the model loads, the API keys as users
+write them, the datastore commands' messages."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
+    monkeypatch.setenv("RAGSPEC_CACHE", str(tmp_path / "cache"))
+    for var in ("RAGSPEC_API_KEY", "RAGSPEC_DATASTORES", "RAGSPEC_MODEL", "RAGSPEC_EAGLE", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    from ragspec.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fail the test if the server starts loading anything."""
+    import ragspec.serving
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    for name in ("load_serving", "load_serving_engine", "datastore_engines"):
+        monkeypatch.setattr(ragspec.serving, name, loaded)
+
+
+@pytest.mark.parametrize(
+    "case, extra, named",
+    [
+        ("missing datastore", ["--datastore", "docs=nope-ds"], "'docs'"),
+        ("file as datastore", ["--datastore", "docs={file}"], "'docs'"),
+        ("folder that is no datastore", ["--datastore", "docs={folder}"], "manifest.json"),
+        ("missing EAGLE head", ["--eagle", "{folder}"], "EAGLE head"),
+        ("bad device", ["--device", "gpu0"], "gpu0"),
+        ("bad dtype", ["--dtype", "int3"], "int3"),
+        ("fast numerics on a transformers folder", ["--numerics", "fast", "--device", "cpu"], "GGUF"),
+    ],
+)
+def test_serve_with_a_bad_path_or_option_fails_before_the_model_loads(
+    tiny_folder, tmp_path, capsys, no_load, case, extra, named
+):
+    """Regression: ``ragspec serve --datastore docs=nope-ds`` failed after the model had
+    loaded (91 s on a loaded machine) while ``/health`` answered 200."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    extra = [a.format(file=tmp_path / "a-file", folder=tmp_path / "empty") for a in extra]
+    rc, _, err = _run(capsys, "serve", "--model", str(tiny_folder), "--no-calibrate", "--port", "8799", *extra)
+    err = err.strip()
+    assert rc == 2, err
+    assert err.startswith("ragspec: error: ") and named in err, err
+    assert len(err.splitlines()) == 1 and "internal error" not in err
+
+
+def test_serve_with_a_missing_model_fails_before_loading(tmp_path, capsys, no_load):
+    rc, _, err = _run(capsys, "serve", "--model", str(tmp_path / "no-model"), "--port", "8799")
+    assert rc == 2 and "no-model" in err and "internal error" not in err
+
+
+def test_check_inputs_passes_a_good_configuration(tiny_folder, tmp_path):
+    from ragspec.datastore import build_datastore
+    from ragspec.integrations.settings import ServerSettings
+    from ragspec.models import load_tokenizer, resolve_model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 20)
+    build_datastore([corpus], tmp_path / "ds", load_tokenizer(resolve_model(str(tiny_folder))), progress=False)
+    settings = ServerSettings(model=str(tiny_folder), device="cpu", datastores=(("docs", str(tmp_path / "ds")),))
+    settings.check_inputs()  # nothing raised, nothing loaded
