@@ -48,7 +48,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         eagle=args.eagle,
         numerics=args.numerics,
         drafting=args.drafting,
-        api_key=args.api_key,
+        api_key=",".join(args.api_key) if args.api_key else None,
         max_queue=args.max_queue,
         max_active=args.max_active,
         max_step_tokens=args.max_step_tokens,
@@ -182,9 +182,12 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys separated by commas, one per "
-        "tenant: each its own cache partition and share of the queue (RAGSPEC_API_KEY)",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys (the flag repeated, or keys "
+        "separated by commas), one per tenant: each its own cache partition and share of the queue "
+        "(RAGSPEC_API_KEY, keys separated by commas)",
     )
     p.add_argument(
         "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"

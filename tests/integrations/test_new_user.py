@@ -78,3 +78,48 @@ def test_check_inputs_passes_a_good_configuration(tiny_folder, tmp_path):
     build_datastore([corpus], tmp_path / "ds", load_tokenizer(resolve_model(str(tiny_folder))), progress=False)
     settings = ServerSettings(model=str(tiny_folder), device="cpu", datastores=(("docs", str(tmp_path / "ds")),))
     settings.check_inputs()  # nothing raised, nothing loaded
+
+
+@pytest.mark.parametrize("flags", [["--api-key", "K1", "--api-key", "K2"], ["--api-key", "K1,K2"]])
+def test_repeated_api_key_keeps_every_key(tiny_engine, flags):
+    """Regression: ``--api-key K1 --api-key K2`` kept only the last key and locked the first
+    tenant out."""
+    import httpx
+    from _integ_helpers import LiveServer
+
+    from ragspec.cli import build_parser
+    from ragspec.integrations.cli import settings_from_args
+    from ragspec.integrations.server import create_app
+
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags]))
+    assert settings.api_keys == ("K1", "K2")
+    with LiveServer(create_app(engine=tiny_engine, settings=settings)) as srv:
+        for key, status in (("K1", 200), ("K2", 200), ("K3", 401)):
+            r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == status, (key, r.text)
+
+
+def test_metrics_name_the_datastore_routes(tmp_path, tiny_engine):
+    """Regression: ``/metrics`` counted the datastore routes as ``endpoint="other"``."""
+    import re
+
+    import httpx
+    from _integ_helpers import LiveServer
+
+    from ragspec.datastore import build_datastore
+    from ragspec.integrations.server import ServerSettings, create_app
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the cat sat on the mat. " * 20)
+    build_datastore([str(corpus)], tmp_path / "ds", tiny_engine.tokenizer, progress=False)
+    app = create_app(engine=tiny_engine, settings=ServerSettings(datastores=(("notes", str(tmp_path / "ds")),)))
+    with LiveServer(app) as srv:
+        assert httpx.get(srv.url + "/v1/datastores").status_code == 200
+        r = httpx.post(srv.url + "/v1/datastores/notes/documents", json={"documents": ["a dog ran."]}, timeout=60)
+        assert r.status_code == 200, r.text
+        httpx.get(srv.url + "/no-such-path")
+        text = httpx.get(srv.url + "/metrics").text
+    counted = dict(re.findall(r'^ragspec_requests_total\{endpoint="([^"]+)",status="(\d+)"\}', text, re.M))
+    assert counted.get("/v1/datastores") == "200", text
+    assert counted.get("/v1/datastores/{name}/documents") == "200", text
+    assert counted.get("other") == "404", text
