@@ -123,3 +123,64 @@ def test_metrics_name_the_datastore_routes(tmp_path, tiny_engine):
     assert counted.get("/v1/datastores") == "200", text
     assert counted.get("/v1/datastores/{name}/documents") == "200", text
     assert counted.get("other") == "404", text
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the cat sat on the mat. " * 20)
+    return folder
+
+
+@pytest.mark.parametrize("what", ["datastore", "folder", "file"])
+def test_build_into_an_existing_output_says_what_is_there(tiny_folder, tmp_path, corpus, capsys, what):
+    """Regression: ``datastore build -o X`` said "already exists (use add to extend a
+    datastore, or overwrite)" whether X was a datastore, a folder or a file."""
+    out = tmp_path / "out"
+    model = ["--model", str(tiny_folder), "--no-progress"]
+    if what == "datastore":
+        assert _run(capsys, "datastore", "build", str(corpus), "-o", str(out), *model)[0] == 0
+    elif what == "folder":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    else:
+        out.write_text("mine")
+    rc, _, err = _run(capsys, "datastore", "build", str(corpus), "-o", str(out), *model)
+    assert rc == 2, err
+    said = {"datastore": "is already a datastore", "folder": "is a folder of other files", "file": "is a file"}[what]
+    assert said in err and "--overwrite" in err, err
+    rc, _, err = _run(capsys, "datastore", "build", str(corpus), "-o", str(out), "--overwrite", *model)
+    if what == "file":  # a file is never replaced
+        assert rc == 2 and out.read_text() == "mine", err
+    else:
+        assert rc == 0 and (out / "manifest.json").is_file(), err
+
+
+def test_info_verify_says_what_was_verified(tiny_folder, tmp_path, corpus, capsys):
+    """Regression: ``datastore info --verify`` printed nothing of the verification."""
+    import json
+
+    out = tmp_path / "ds"
+    rc, built, _ = _run(
+        capsys, "datastore", "build", str(corpus), "-o", str(out), "--model", str(tiny_folder), "--no-progress"
+    )
+    assert rc == 0
+    # the build summary says what each time measures, and the one info shows is there
+    rc, text, _ = _run(capsys, "datastore", "info", str(out), "--verify")
+    build_time = next(line for line in text.splitlines() if line.startswith("build time"))
+    seconds = build_time.split()[2]
+    assert f"({seconds} s tokenizing, indexing and writing" in built and "loading the tokenizer" in built, built
+    assert "tokenizing, indexing and writing" in build_time
+    verified = next(line for line in text.splitlines() if line.startswith("verified"))
+    assert "sha256 of 4 files in 1 shard" in verified and "token ids" in verified, text
+    rc, text, _ = _run(capsys, "datastore", "info", str(out), "--verify", "--json")
+    info = json.loads(text)
+    assert info["verified"] == {
+        "files": 4,
+        "shards": 1,
+        "token_ids": info["num_tokens"],
+        "vocab_size": info["vocab_size"],
+    }
+    rc, text, _ = _run(capsys, "datastore", "info", str(out), "--json")
+    assert json.loads(text)["verified"] is False
