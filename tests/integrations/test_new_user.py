@@ -184,3 +184,26 @@ def test_info_verify_says_what_was_verified(tiny_folder, tmp_path, corpus, capsy
     }
     rc, text, _ = _run(capsys, "datastore", "info", str(out), "--json")
     assert json.loads(text)["verified"] is False
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda chat, llm: chat.bind_tools([]), "ChatRagspec.bind_tools"),
+        (lambda chat, llm: chat.with_structured_output({"type": "object"}), "ChatRagspec.with_structured_output"),
+        (lambda chat, llm: llm.with_structured_output({"type": "object"}), "RagspecLLM.with_structured_output"),
+        (lambda chat, llm: chat.bind(tools=[{"type": "function"}]).invoke("hi"), "'tools'"),
+        (lambda chat, llm: llm.invoke("hi", response_format={"type": "json_object"}), "'response_format'"),
+    ],
+)
+def test_unsupported_langchain_calls_name_what_and_where(tiny_engine, call, named):
+    """Regression: ``ChatRagspec.bind_tools`` raised an empty ``NotImplementedError``."""
+    from ragspec.errors import UnsupportedError
+    from ragspec.integrations.langchain import ChatRagspec, RagspecLLM
+
+    chat, llm = ChatRagspec(engine=tiny_engine, max_new_tokens=2), RagspecLLM(engine=tiny_engine, max_new_tokens=2)
+    with pytest.raises(UnsupportedError) as caught:
+        call(chat, llm)
+    message = str(caught.value)
+    assert isinstance(caught.value, NotImplementedError)  # as LangChain's own unsupported calls
+    assert named in message and "not supported" in message and "docs/usage.md" in message, message
