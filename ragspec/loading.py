@@ -20,6 +20,7 @@ import torch
 
 from .calibrate import measure_latency_model
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
+from .deprecation import warn_deprecated
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
@@ -371,6 +372,21 @@ def load_engine(
             drafting=drafting,
         ),
     )
+
+
+def _from_pretrained(
+    cls: type[Engine], model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs
+) -> Engine:
+    """Deprecated alias of :func:`load_engine` (the same arguments), kept one release: it
+    warns and names ``ragspec.load_engine``."""
+    warn_deprecated("Engine.from_pretrained", "ragspec.load_engine(...) (the same arguments)")
+    return load_engine(model, device, dtype, **kwargs)
+
+
+# Engine.from_pretrained was removed without a deprecation period; it is back for one release
+# as the alias above. Set here, where engines are built: the engine module imports nothing of
+# this one (no import cycle), and ragspec's __init__ imports this module, so every Engine has it.
+Engine.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]  # a classmethod is callable
 
 
 def _calibrated(
