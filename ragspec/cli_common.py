@@ -116,7 +116,13 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
     p.add_argument(
         "--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)"
     )
-    p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=8,
+        help="most draft tokens verified per step (default 8; on CUDA, unless given, sized from the measured "
+        "forward latency)",
+    )
     p.add_argument(
         "--numerics",
         choices=("exact", "fast"),

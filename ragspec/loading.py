@@ -67,7 +67,7 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     Xeon, 3 dev prompts x 6 categories, 128 tokens, interleaved in one ``ragspec bench
     --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
     drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
-    as fast or faster in every category (``docs/bench/issue22-retrieval-vs-merged-run{1,2}.json``).
+    as fast or faster in every category (``docs/bench/drafting-retrieval-vs-merged-run{1,2}.json``).
     On CUDA a head level is a small part of a step, as in EAGLE's own measurements.
 
     Raises:

@@ -300,7 +300,7 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_ray_args(p: argparse.ArgumentParser) -> None:
     """``serve``'s Ray Serve options (they only apply with ``--ray``)."""
-    r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
+    r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see docs/ray.md in ragspec's repository)")
     r.add_argument(
         "--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)"
     )
