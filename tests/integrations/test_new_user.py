@@ -207,3 +207,34 @@ def test_unsupported_langchain_calls_name_what_and_where(tiny_engine, call, name
     message = str(caught.value)
     assert isinstance(caught.value, NotImplementedError)  # as LangChain's own unsupported calls
     assert named in message and "not supported" in message and "docs/usage.md" in message, message
+
+
+def test_rag_chain_example_needs_no_langchain_community(monkeypatch):
+    """Regression: ``examples/rag_chain.py`` printed langchain-community's sunset warning;
+    its retriever is faiss behind a langchain-core retriever now, and the ``examples``
+    extra does not bring langchain-community."""
+    import importlib.util
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    from langchain_core.embeddings import Embeddings
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setitem(sys.modules, "langchain_community", None)  # importing it would fail
+    spec = importlib.util.spec_from_file_location("ragspec_example_rag_chain_nc", root / "examples" / "rag_chain.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    class Letters(Embeddings):
+        def embed_documents(self, texts):
+            return [[t.count(c) / max(len(t), 1) for c in "abcdefghij"] for t in texts]
+
+        def embed_query(self, text):
+            return self.embed_documents([text])[0]
+
+    docs = [example.Document(page_content=t) for t in ("aaaa", "bbbb", "cccc")]
+    retriever, name = example.make_retriever(docs, Letters(), k=1)
+    assert name == "faiss" and [d.page_content for d in retriever.invoke("bbb")] == ["bbbb"]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any("langchain-community" in req for req in extras["examples"])
