@@ -215,9 +215,9 @@ def test_rag_chain_example_needs_no_langchain_community(monkeypatch):
     extra does not bring langchain-community."""
     import importlib.util
     import sys
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from langchain_core.embeddings import Embeddings
 
     root = Path(__file__).resolve().parents[2]
