@@ -22,6 +22,7 @@ own unpadded ones by float rounding; ragspec's equal its solo answers.
 Usage (offline; the default model fetched with ``ragspec model fetch``)::
 
     python examples/rag_chain.py                       # passages of 3 Spec-Bench rag prompts
+    python examples/rag_chain.py --data specbench-dev.jsonl   # the Spec-Bench data elsewhere
     python examples/rag_chain.py --docs my_folder --question "What ...?"
     python examples/rag_chain.py --batch 3             # + a batch vs HuggingFacePipeline
 
@@ -292,6 +293,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
     )
     ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=DEV_DATA,
+        help=f"Spec-Bench JSONL the default passages and questions come from (default: {DEV_DATA})",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3, help="passages retrieved")
     ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
@@ -302,13 +309,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ragspec.integrations.langchain import RagspecLLM
     from ragspec.loading import load_engine
+    from ragspec.models import quiet_transformers
+
+    quiet_transformers()  # no "Loading weights" bars from transformers between the lines below
 
     tmp = None
     folder, question = args.docs, args.question
     if folder is None:
+        if not args.data.is_file():
+            ap.error(f"no Spec-Bench data at {args.data}: give --data PATH, or your own --docs FOLDER --question TEXT")
         tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
         folder = Path(tmp.name)
-        questions = write_specbench_passages(folder, num_prompts=max(3, args.batch))
+        questions = write_specbench_passages(folder, args.data, num_prompts=max(3, args.batch))
         question = question or questions[0]
         print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
     if not question:

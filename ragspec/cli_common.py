@@ -163,19 +163,33 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
 def engine_from_args(args: argparse.Namespace, calibrate: bool = True) -> "Engine":
     """The engine :func:`add_model_args`' options describe, through
     :func:`ragspec.loading.load_engine` (``--prefix-cache-tokens`` too where the command has
-    it); ``calibrate`` times the target's forwards at start-up.
+    it), after :func:`ragspec.serving.check_config` checked them (a bad path fails before
+    the model loads); ``calibrate`` times the target's forwards at start-up.
 
     Raises:
         RagspecError: the model, datastore or head cannot be loaded (typed subclasses).
     """
     from .config import PolicyConfig
     from .loading import load_engine
+    from .serving import ServingConfig, check_config
 
+    datastore = getattr(args, "datastore", None)
+    # every path and option checked in seconds, before the model loads
+    check_config(
+        ServingConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            eagle=getattr(args, "eagle", None),
+            numerics=getattr(args, "numerics", None) or "exact",
+            datastores=((datastore, datastore),) if datastore else (),
+        )
+    )
     return load_engine(
         args.model,
         device=args.device,
         dtype=args.dtype,
-        datastore=getattr(args, "datastore", None),
+        datastore=datastore,
         eagle=getattr(args, "eagle", None),
         policy=PolicyConfig(
             max_draft_tokens=args.max_draft_tokens,

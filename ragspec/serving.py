@@ -109,6 +109,8 @@ def check_config(config: ServingConfig) -> None:
         try:
             Datastore.open(directory).close()
         except DatastoreError as e:
+            if name == directory:  # a datastore named by its folder: the message names it
+                raise
             raise type(e)(f"datastore {name!r}: {e}") from e
 
 

@@ -238,3 +238,22 @@ def test_rag_chain_example_needs_no_langchain_community(monkeypatch):
     assert name == "faiss" and [d.page_content for d in retriever.invoke("bbb")] == ["bbbb"]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any("langchain-community" in req for req in extras["examples"])
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["summarize", "{file}"]])
+def test_generate_with_a_missing_datastore_fails_before_the_model_loads(
+    tiny_folder, tmp_path, capsys, monkeypatch, command
+):
+    """``generate --datastore nope`` loaded the model first (seconds to minutes), then failed."""
+    import ragspec.loading
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(ragspec.loading, "load_engine", loaded)
+    (tmp_path / "doc.txt").write_text("a document")
+    argv = [a.format(file=tmp_path / "doc.txt") for a in command]
+    rc, _, err = _run(capsys, *argv, "--datastore", str(tmp_path / "nope"), "--model", str(tmp_path / "nope"))
+    assert rc == 2 and "nope" in err and "internal error" not in err, err
+    rc, _, err = _run(capsys, *argv, "--datastore", str(tmp_path / "nope"), "--model", str(tiny_folder))
+    assert rc == 2 and "no datastore at" in err, err
