@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -115,6 +115,10 @@ class Engine:
 
     Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
     """
+
+    from_pretrained: ClassVar[Callable[..., "Engine"]]
+    """Deprecated alias of :func:`ragspec.load_engine` (the same arguments), for one release:
+    it warns. Set by :mod:`ragspec.loading`, which builds engines."""
 
     def __init__(
         self,

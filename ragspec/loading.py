@@ -20,6 +20,7 @@ import torch
 
 from .calibrate import measure_latency_model
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
+from .deprecation import warn_deprecated
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.merged import MergedDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
@@ -66,7 +67,7 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     Xeon, 3 dev prompts x 6 categories, 128 tokens, interleaved in one ``ragspec bench
     --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
     drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
-    as fast or faster in every category (``docs/bench/issue22-retrieval-vs-merged-run{1,2}.json``).
+    as fast or faster in every category (``docs/bench/drafting-retrieval-vs-merged-run{1,2}.json``).
     On CUDA a head level is a small part of a step, as in EAGLE's own measurements.
 
     Raises:
@@ -381,6 +382,21 @@ def load_engine(
             drafting=drafting,
         ),
     )
+
+
+def _from_pretrained(
+    cls: type[Engine], model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs
+) -> Engine:
+    """Deprecated alias of :func:`load_engine` (the same arguments), kept one release: it
+    warns and names ``ragspec.load_engine``."""
+    warn_deprecated("Engine.from_pretrained", "ragspec.load_engine(...) (the same arguments)")
+    return load_engine(model, device, dtype, **kwargs)
+
+
+# Engine.from_pretrained was removed without a deprecation period; it is back for one release
+# as the alias above. Set here, where engines are built: the engine module imports nothing of
+# this one (no import cycle), and ragspec's __init__ imports this module, so every Engine has it.
+Engine.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]  # a classmethod is callable
 
 
 def _calibrated(

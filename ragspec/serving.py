@@ -19,7 +19,7 @@ from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError, ResponseLogHeldError
+from .errors import ConfigError, DatastoreError, ResponseLogHeldError
 from .loading import load_engine, with_datastore
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ __all__ = [
     "open_response_cache",
     "close_response_log",
     "load_serving",
+    "check_config",
 ]
 
 
@@ -82,6 +83,39 @@ class ServingEngines:
     engine: Engine
     datastore_engines: dict[str, Engine]
     response_cache: Optional[ResponseCache]
+
+
+def check_config(config: ServingConfig) -> None:
+    """Check, in seconds and before any model loads, what :func:`load_serving` would only
+    find wrong after the load: the model names something loadable, the device and dtype
+    parse (and CUDA is there when asked for), ``numerics="fast"`` has a GGUF model where it
+    needs one, an EAGLE head folder is a head folder, every datastore opens (sizes and the
+    manifest; the tokenizer is checked at load). Nothing is loaded or kept open.
+
+    Raises:
+        ModelNotFoundError: the model is not fetched, or no such path.
+        ConfigError: a bad device or dtype, or ``numerics="fast"`` on a CPU without a GGUF model.
+        ModelLoadError: ``eagle`` names a folder that is not an EAGLE head.
+        DatastoreError: a datastore directory is missing or not a datastore (the message
+            names the datastore).
+    """
+    from .eagle.head import read_head_config
+    from .models import resolve_device, resolve_dtype, resolve_model
+
+    spec = resolve_model(config.model)
+    device = resolve_device(config.device)
+    resolve_dtype(config.dtype, device)
+    if config.numerics == "fast" and device.type == "cpu" and spec.kind != "gguf":
+        raise ConfigError(f"--numerics fast needs a GGUF model on a CPU; {spec.path} is a transformers folder")
+    if config.eagle and str(config.eagle).lower() not in ("auto", "none"):
+        read_head_config(config.eagle)
+    for name, directory in config.datastores:
+        try:
+            Datastore.open(directory).close()
+        except DatastoreError as e:
+            if name == directory:  # a datastore named by its folder: the message names it
+                raise
+            raise type(e)(f"datastore {name!r}: {e}") from e
 
 
 def load_serving_engine(config: ServingConfig) -> Engine:

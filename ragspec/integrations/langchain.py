@@ -17,6 +17,10 @@ Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new
 ``max_draft_tokens`` (the call's draft budget per step, under the engine's; 0: plain
 decoding), ``documents``. Anything else raises ``TypeError``.
 
+Not supported yet: tool calling and schema-constrained output (``bind_tools``,
+``with_structured_output``, ``tools=`` / ``response_format=`` arguments); they raise
+:class:`~ragspec.errors.UnsupportedError` (a ``NotImplementedError``) naming the call.
+
 Each generation's drafting statistics (vLLM's per-request names, as the server's
 ``usage.speculative_decoding``) are in its metadata under ``"speculative_decoding"``
 (:func:`stats_metadata`).
@@ -36,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, NoReturn, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LLM, BaseChatModel
@@ -55,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragspec.backend.threads import release_openmp_pool
 from ragspec.engine import Engine
-from ragspec.errors import ConfigError
+from ragspec.errors import ConfigError, UnsupportedError
 from ragspec.types import GenerationStats, StreamChunk
 
 from ._stepping import BatchStepper, Slot, document_texts, merge_stop
@@ -75,6 +79,21 @@ _CALL_KWARGS = (
     "max_draft_tokens",
     "documents",
 )
+
+
+_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format", "ls_structured_output_format")
+"""Call arguments of tool calling and structured output (what ``bind_tools`` and
+``with_structured_output`` bind), unsupported."""
+
+
+def _unsupported(what: str) -> UnsupportedError:
+    """The error of a LangChain call ragspec does not support: it names ``what`` and where
+    to look (tool calling and structured output are not supported yet)."""
+    return UnsupportedError(
+        f"{what} is not supported: ragspec's LangChain classes generate plain text, without tool calls or "
+        "schema-constrained output (yet). What they support: ragspec's docs/usage.md, section 'LangChain'. "
+        "Meanwhile, ask for JSON in the prompt and parse the answer (langchain_core.output_parsers.JsonOutputParser)."
+    )
 
 
 def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
@@ -155,6 +174,11 @@ class _RagspecParams(BaseModel):
 
     def _engine_kwargs(self, stop: Optional[Sequence[str]], kwargs: dict) -> dict:
         unknown = sorted(set(kwargs) - set(_CALL_KWARGS))
+        tooling = [k for k in unknown if k in _TOOL_KWARGS]
+        if tooling:
+            raise _unsupported(
+                f"{type(self).__name__}: the call argument(s) {tooling} (tool calling, structured output)"
+            )
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
@@ -343,6 +367,14 @@ class RagspecLLM(_RagspecParams, LLM):
         return self.bind(documents=document_texts(documents))
 
     # ------------------------------------------------------------------ LangChain hooks
+    def with_structured_output(self, schema: dict[str, Any] | type, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("RagspecLLM.with_structured_output (output constrained to a schema)")
+
     def _call(
         self,
         prompt: str,
@@ -490,6 +522,24 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
     def with_documents(self, documents) -> Runnable:
         """This model with ``documents`` as draft sources of every call."""
         return self.bind(documents=document_texts(documents))
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.bind_tools (tool calling)")
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+    ) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.with_structured_output (output constrained to a schema)")
 
     def _prompt(self, messages: Sequence[BaseMessage]) -> list[int]:
         if not getattr(self.engine.tokenizer, "chat_template", None):

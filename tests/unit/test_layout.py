@@ -130,10 +130,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jsonl",
             "prefix_cache",
             "progress",
+            "deprecation",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
-    ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
+    (
+        "drafters",
+        ("drafters", "drafters.*", "drafting", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*"),
+    ),
     ("loop", ("prompts", "request", "prefill", "draft_choice", "engine", "loading", "serving")),
     (
         "top",
