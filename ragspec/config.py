@@ -29,7 +29,7 @@ DRAFTING_MODES = ("merged", "select", "retrieval")
 one from the device: :func:`ragspec.loading.resolve_drafting`): ``"merged"``, one tree from
 all sources, retrieval's copies also hung under the head's tokens
 (:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
-(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
+(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before merged trees);
 ``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
 returns no hidden states for it either)."""
 

@@ -63,14 +63,19 @@ def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
 
     device = torch.cuda.is_available()
     reason: Optional[str] = None
+    # the first thing to fix first: the device and torch's build before triton and the model
     if os.environ.get("RAGSPEC_CUDA_BACKEND", "1") == "0":
         reason = "switched off: RAGSPEC_CUDA_BACKEND=0"
+    elif torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch (see docs/gpu.md)"
+    elif not device:
+        reason = (
+            f"no CUDA device visible (torch.cuda.is_available() is False; torch built for CUDA {torch.version.cuda})"
+        )
     elif not cuda_kernels.triton_available():
-        reason = "triton is not installed"
+        reason = "triton is not installed (pip install triton)"
     elif model is not None:
         reason = unsupported_reason(model)
-    if reason is None and not device:
-        reason = "no CUDA device (torch.cuda.is_available() is False)"
     return {
         "device_present": device,
         "device_name": torch.cuda.get_device_name(0) if device else None,

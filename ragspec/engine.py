@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .backend.base import Capability, Target, VerifyItem
 from .composition import DrafterParts, DraftSources
 from .config import DecodeConfig, PolicyConfig, SamplingParams
+from .deprecation import warn_deprecated
 from .detok import TextAssembler
 from .draft_choice import Pending, draft_for_step, observe_gates, per_request_drafts
 from .drafters.base import (
@@ -107,6 +107,10 @@ class Engine:
     Raises:
         ConfigError: named datastores with a drafter not composed from ``parts``.
     """
+
+    from_pretrained: ClassVar[Callable[..., "Engine"]]
+    """Deprecated alias of :func:`ragspec.load_engine` (the same arguments), for one release:
+    it warns. Set by :mod:`ragspec.loading`, which builds engines."""
 
     def __init__(
         self,
@@ -589,11 +593,9 @@ class Engine:
         params = request_params(params, **fields)
         if document_ids is None:
             return self.start(prompt, params, chat=chat)
-        warnings.warn(
-            "document_ids is deprecated: give the texts as draft_documents (the drafter alone reads them), or "
-            "a PreparedPrompt to Engine.start",
-            DeprecationWarning,
-            stacklevel=2,
+        warn_deprecated(
+            "Engine.request/stream/generate(document_ids=)",
+            "draft_documents= (texts the drafter alone reads), or a PreparedPrompt to Engine.start",
         )
         prepared = self.prepare(prompt, params, chat=chat)
         extra = tuple(tuple(int(t) for t in d) for d in document_ids) if params.drafts else ()
@@ -785,11 +787,10 @@ def _deprecated_start(
     unknown = sorted(set(kwargs) - {"decode", "sampling", "documents", "document_ids", "cache_salt"})
     if unknown:
         raise TypeError(f"Engine.start() got unexpected keyword argument(s) {unknown}")
-    warnings.warn(
-        "Engine.start(prompt, decode, sampling, documents=, document_ids=, cache_salt=) is deprecated: give one "
-        "RequestParams (ragspec.RequestParams), Engine.start(prompt, params)",
-        DeprecationWarning,
-        stacklevel=3,
+    warn_deprecated(
+        "Engine.start(prompt, decode, sampling, documents=, document_ids=, cache_salt=)",
+        "Engine.start(prompt, RequestParams(...)) (ragspec.RequestParams: one value for the request)",
+        stacklevel=4,
     )
     if isinstance(params, RequestParams):
         raise TypeError("Engine.start(): give a RequestParams alone, not with decode/sampling settings")

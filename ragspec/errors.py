@@ -28,6 +28,7 @@ __all__ = [
     "ResponseLogError",
     "ResponseLogHeldError",
     "BenchServerError",
+    "UnsupportedError",
 ]
 
 
@@ -140,3 +141,9 @@ class ResponseLogHeldError(ResponseLogError):
 class BenchServerError(RagspecError):
     """A server the bench started or talks to failed (``ragspec bench --serve``): it exited
     or did not become ready in time, or answered a request with an error."""
+
+
+class UnsupportedError(RagspecError, NotImplementedError):
+    """A call ragspec does not support (yet), e.g. LangChain's ``bind_tools``: the message
+    names what is unsupported and where to look. A ``NotImplementedError`` too, as
+    LangChain's own unsupported calls raise."""

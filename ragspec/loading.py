@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
@@ -23,6 +22,7 @@ import torch
 from .calibrate import measure_latency_model
 from .composition import DrafterParts, compose_drafter
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
+from .deprecation import warn_deprecated
 from .drafters.base import CompositeDrafter, Drafter
 from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from .engine import Engine
@@ -69,7 +69,7 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     Xeon, 3 dev prompts x 6 categories, 128 tokens, interleaved in one ``ragspec bench
     --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
     drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
-    as fast or faster in every category (``docs/bench/issue22-retrieval-vs-merged-run{1,2}.json``).
+    as fast or faster in every category (``docs/bench/drafting-retrieval-vs-merged-run{1,2}.json``).
     On CUDA a head level is a small part of a step, as in EAGLE's own measurements.
 
     Raises:
@@ -379,6 +379,21 @@ def _device_policy(target: "Target", latency: Optional[LatencyModel], policy: Po
     return gpu_draft_policy(latency.table, policy)
 
 
+def _from_pretrained(
+    cls: type[Engine], model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs
+) -> Engine:
+    """Deprecated alias of :func:`load_engine` (the same arguments), kept one release: it
+    warns and names ``ragspec.load_engine``."""
+    warn_deprecated("Engine.from_pretrained", "ragspec.load_engine(...) (the same arguments)")
+    return load_engine(model, device, dtype, **kwargs)
+
+
+# Engine.from_pretrained was removed without a deprecation period; it is back for one release
+# as the alias above. Set here, where engines are built: the engine module imports nothing of
+# this one (no import cycle), and ragspec's __init__ imports this module, so every Engine has it.
+Engine.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]  # a classmethod is callable
+
+
 def _calibrated(
     target: "Target",
     spec: "ModelSpec",
@@ -522,11 +537,10 @@ def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
     from (``RequestParams.datastore``); build the engine with its datastores
     (:func:`load_engine`'s ``datastores``, :func:`engine_over`). This returns
     ``engine_over(engine, {name: datastore})`` (no model loaded)."""
-    warnings.warn(
-        "ragspec.loading.with_datastore is deprecated: build one engine with every datastore "
-        "(load_engine(datastores=...), engine_over) and name it per request (RequestParams.datastore)",
-        DeprecationWarning,
-        stacklevel=2,
+    warn_deprecated(
+        "ragspec.loading.with_datastore",
+        "one engine with every datastore (load_engine(datastores=...), engine_over), each request naming "
+        "its own (RequestParams.datastore)",
     )
     named = {datastore_name(datastore.path): datastore} if datastore is not None else {}
     return engine_over(engine, named, engine.parts.response_cache)
@@ -538,12 +552,7 @@ def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engin
     Raises:
         ConfigError: an engine whose drafter was not composed here, and already has a cache.
     """
-    warnings.warn(
-        "ragspec.loading.with_response_cache is deprecated: give the cache when the engine is built "
-        "(engine_over(engine, engine.datastores, cache))",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_deprecated("ragspec.loading.with_response_cache", "engine_over(engine, engine.datastores, cache)")
     return engine_over(engine, _named_datastores(engine), cache)
 
 

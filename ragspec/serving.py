@@ -14,15 +14,15 @@ builder of engines: a request names the datastore it drafts from
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
+from .deprecation import warn_deprecated
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError, DatastoreNotFoundError, ResponseLogHeldError
+from .errors import ConfigError, DatastoreError, DatastoreNotFoundError, ResponseLogHeldError
 from .loading import engine_over, load_engine, open_datastores
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ __all__ = [
     "load_serving",
     "datastore_engines",
     "add_documents",
+    "check_config",
 ]
 
 
@@ -92,12 +93,41 @@ class ServingEngines:
     def datastore_engines(self) -> dict[str, Engine]:
         """Deprecated: one engine serves every datastore (a request names it); this maps
         each datastore's name to that one engine."""
-        warnings.warn(
-            "ServingEngines.datastore_engines is deprecated: one engine serves every datastore (engine.datastores)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated("ServingEngines.datastore_engines", "engine.datastores (one engine serves every datastore)")
         return {name: self.engine for name in self.engine.datastores}
+
+
+def check_config(config: ServingConfig) -> None:
+    """Check, in seconds and before any model loads, what :func:`load_serving` would only
+    find wrong after the load: the model names something loadable, the device and dtype
+    parse (and CUDA is there when asked for), ``numerics="fast"`` has a GGUF model where it
+    needs one, an EAGLE head folder is a head folder, every datastore opens (sizes and the
+    manifest; the tokenizer is checked at load). Nothing is loaded or kept open.
+
+    Raises:
+        ModelNotFoundError: the model is not fetched, or no such path.
+        ConfigError: a bad device or dtype, or ``numerics="fast"`` on a CPU without a GGUF model.
+        ModelLoadError: ``eagle`` names a folder that is not an EAGLE head.
+        DatastoreError: a datastore directory is missing or not a datastore (the message
+            names the datastore).
+    """
+    from .eagle.head import read_head_config
+    from .models import resolve_device, resolve_dtype, resolve_model
+
+    spec = resolve_model(config.model)
+    device = resolve_device(config.device)
+    resolve_dtype(config.dtype, device)
+    if config.numerics == "fast" and device.type == "cpu" and spec.kind != "gguf":
+        raise ConfigError(f"--numerics fast needs a GGUF model on a CPU; {spec.path} is a transformers folder")
+    if config.eagle and str(config.eagle).lower() not in ("auto", "none"):
+        read_head_config(config.eagle)
+    for name, directory in config.datastores:
+        try:
+            Datastore.open(directory).close()
+        except DatastoreError as e:
+            if name == directory:  # a datastore named by its folder: the message names it
+                raise
+            raise type(e)(f"datastore {name!r}: {e}") from e
 
 
 def load_serving_engine(config: ServingConfig) -> Engine:
@@ -192,11 +222,10 @@ def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> 
     Raises:
         DatastoreError: a directory is not a datastore, or was built with another tokenizer.
     """
-    warnings.warn(
-        "ragspec.serving.datastore_engines is deprecated: one engine serves every datastore "
-        "(load_engine(datastores=...), serve_engine); requests name theirs (RequestParams.datastore)",
-        DeprecationWarning,
-        stacklevel=2,
+    warn_deprecated(
+        "ragspec.serving.datastore_engines",
+        "one engine with every datastore (load_engine(datastores=...), serve_engine), each request naming "
+        "its own (RequestParams.datastore)",
     )
     opened = open_datastores(datastores, engine.tokenizer)
     cache = engine.parts.response_cache
@@ -212,11 +241,7 @@ def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>")
         ConfigError: ``engine`` drafts from no datastore.
         EmptyCorpusError, DatastoreInputError, DatastoreError: as :func:`add_to_datastore`.
     """
-    warnings.warn(
-        "ragspec.serving.add_documents is deprecated: add_to_datastore(engine, name, texts)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_deprecated("ragspec.serving.add_documents", "ragspec.serving.add_to_datastore(engine, name, texts)")
     name = engine.default_datastore
     if name is None:
         raise ConfigError("this engine drafts from no named datastore")

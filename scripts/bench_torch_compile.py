@@ -39,7 +39,7 @@ first divergence if not).
 Usage::
 
     python scripts/bench_torch_compile.py \\
-        --json docs/bench/issue18-torch-compile-run1.json
+        --json docs/bench/fused-step-vs-torch-compile.json
 """
 
 from __future__ import annotations

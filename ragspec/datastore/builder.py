@@ -47,6 +47,7 @@ from .format import (
     Manifest,
     ShardEntry,
     atomic_directory,
+    check_output,
     check_tokenizer,
     locked,
     read_manifest,
@@ -676,8 +677,7 @@ def build_datastore(
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
     dest = Path(out_dir)
-    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+    check_output(dest, overwrite)  # before the (long) tokenizing
     identity = tokenizer_identity(tokenizer, tokenizer_name)
     read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict, chunk_bytes)
     with atomic_directory(dest, overwrite=overwrite) as tmp:

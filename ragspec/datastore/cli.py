@@ -61,6 +61,10 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     return run
 
 
+_BUILD_TIME = "tokenizing, indexing and writing"
+"""What a datastore's recorded build time measures (``DatastoreInfo.build_s``)."""
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -69,9 +73,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _print_info(info: Any, as_json: bool) -> None:
+def _verified(ds: Any) -> dict[str, Any]:
+    """What ``Datastore.open(..., verify=True)`` checked of ``ds``: every shard file's sha256
+    against the manifest, every token id against the vocabulary."""
+    shards = ds.manifest.shards
+    return {
+        "files": sum(len(entry.files) for entry in shards),
+        "shards": len(shards),
+        "token_ids": sum(entry.num_tokens for entry in shards),
+        "vocab_size": ds.manifest.tokenizer.vocab_size,
+    }
+
+
+def _print_info(info: Any, as_json: bool, verified: Optional[dict[str, Any]] = None) -> None:
+    """``verified``: what ``--verify`` checked (:func:`_verified`), None without it."""
     if as_json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps({**info.to_dict(), "verified": verified or False}, indent=2))
         return
     rows = [
         ("path", info.path),
@@ -85,7 +102,7 @@ def _print_info(info: Any, as_json: bool) -> None:
         ("bytes on disk", f"{_fmt_bytes(info.bytes_on_disk)} ({info.bytes_per_token:.2f} bytes/token)"),
         ("created", info.created),
         ("updated", info.updated),
-        ("build time", f"{info.build_s:.1f} s"),
+        ("build time", f"{info.build_s:.1f} s ({_BUILD_TIME}; loading the tokenizer not counted)"),
         ("skipped inputs", f"{info.skipped_files} binary file(s), {info.skipped_lines} malformed JSONL line(s)"),
     ]
     if info.leftovers:
@@ -94,6 +111,15 @@ def _print_info(info: Any, as_json: bool) -> None:
                 "leftovers",
                 f"{len(info.leftovers)} from interrupted builds/adds (removed by the next build of "
                 f"this directory or add to it): " + ", ".join(info.leftovers),
+            )
+        )
+    if verified is not None:
+        rows.append(
+            (
+                "verified",
+                f"ok: the sha256 of {verified['files']} files in {verified['shards']} shard(s) as the manifest "
+                f"records them, {verified['token_ids']:,} token ids all below the vocabulary size "
+                f"{verified['vocab_size']:,}",
             )
         )
     width = max(len(k) for k, _ in rows)
@@ -153,10 +179,12 @@ def cmd_build(args: argparse.Namespace) -> int:
             strict=args.strict,
         )
     dt = time.perf_counter() - t0
+    before = "loading the model and generating the answers" if args.responses else "loading the tokenizer"
     print(
         f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
-        f"({info.num_tokens / max(dt, 1e-9):,.0f} tokens/s), {_fmt_bytes(info.bytes_on_disk)} "
-        f"({info.bytes_per_token:.2f} bytes/token){_skips(info)}"
+        f"({info.build_s:.1f} s {_BUILD_TIME}, {info.num_tokens / max(info.build_s, 1e-9):,.0f} tokens/s: the "
+        f"build time 'datastore info' shows; {max(dt - info.build_s, 0.0):.1f} s {before}), "
+        f"{_fmt_bytes(info.bytes_on_disk)} ({info.bytes_per_token:.2f} bytes/token){_skips(info)}"
     )
     return 0
 
@@ -253,7 +281,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .store import Datastore
 
     with Datastore.open(args.directory, verify=args.verify) as ds:
-        _print_info(ds.info(), args.json)
+        _print_info(ds.info(), args.json, _verified(ds) if args.verify else None)
     return 0
 
 
@@ -447,7 +475,9 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, metavar="DIR", help="datastore directory to create")
     b.add_argument("--model", default=model_default, help="model whose tokenizer is used (default: the default model)")
     b.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
-    b.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    b.add_argument(
+        "--overwrite", action="store_true", help="replace DIR if it is a datastore or a folder (never a file)"
+    )
     b.add_argument(
         "--strict",
         action="store_true",
@@ -508,7 +538,10 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     i.add_argument("directory", metavar="DIR", help="the datastore")
     i.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     i.add_argument(
-        "--verify", action="store_true", help="also check every file's sha256 and every token id against the vocabulary"
+        "--verify",
+        action="store_true",
+        help="also check every file's sha256 and every token id against the vocabulary, and say what was checked "
+        "(--json: a 'verified' field)",
     )
     i.set_defaults(func=cmd_info)
 

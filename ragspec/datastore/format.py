@@ -79,6 +79,7 @@ __all__ = [
     "write_json_file",
     "check_files",
     "atomic_directory",
+    "check_output",
     "set_default_mode",
     "fsync_dir",
     "locked",
@@ -628,6 +629,35 @@ def _clean_siblings(dest: Path) -> None:
         _remove(p)
 
 
+def check_output(dest: Path, overwrite: bool) -> None:
+    """Refuse to build into ``dest`` where something is in the way, saying what it is: a
+    datastore (``ragspec datastore add`` extends it, ``--overwrite`` replaces it), a folder
+    of other files (``--overwrite`` replaces the folder) or a file (never replaced: a file
+    is not a datastore's output). An empty folder or no ``dest`` at all is free.
+
+    Raises:
+        DatastoreError: as above, naming ``--overwrite`` (``overwrite=True``).
+    """
+    if not dest.exists() and not dest.is_symlink():
+        return
+    where = repr(str(dest))
+    if not dest.is_dir():
+        raise DatastoreError(
+            f"{where} is a file, not a folder: choose another output folder (--overwrite replaces folders only)"
+        )
+    if overwrite or not any(dest.iterdir()):
+        return
+    if (dest / MANIFEST_NAME).is_file():
+        raise DatastoreError(
+            f"{where} is already a datastore: 'ragspec datastore add {dest} INPUT...' extends it, "
+            "--overwrite (overwrite=True) replaces it"
+        )
+    raise DatastoreError(
+        f"{where} is a folder of other files, not a datastore: choose another output folder, or "
+        "--overwrite (overwrite=True) to replace the folder and everything in it"
+    )
+
+
 @contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``destination``; on success rename it into place.
@@ -638,7 +668,8 @@ def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False)
     temporary directory is removed and ``destination`` is left as it was.
 
     Raises:
-        DatastoreError: ``destination`` exists (and is not empty) and ``overwrite`` is False.
+        DatastoreError: ``destination`` is a file, or a folder that is not empty and
+            ``overwrite`` is False (:func:`check_output`).
     """
     dest = Path(destination)
     parent = dest.parent if str(dest.parent) else Path(".")
@@ -648,8 +679,7 @@ def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False)
         # lock of the parent, so a cleaner never sees a live build's directory unlocked
         with _dir_lock(parent):
             _clean_siblings(dest)
-            if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-                raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+            check_output(dest, overwrite)
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
             stack.enter_context(_dir_lock(tmp))
         try:

@@ -111,7 +111,8 @@ class DatastoreInfo:
     created: str
     updated: str
     build_s: float
-    """Seconds spent building all shards."""
+    """Seconds spent tokenizing, indexing and writing all shards (each build's and add's
+    own time; loading the tokenizer or a model is not counted)."""
     skipped_files: int = 0
     """Input files skipped as binary, over all builds and adds."""
     skipped_lines: int = 0

@@ -22,6 +22,10 @@ decoding), ``documents``, ``draft_documents``, ``datastore`` (the name of one of
 engine's datastores to draft from). Anything else raises ``TypeError``. They and the fields
 become one :class:`~ragspec.params.RequestParams` per call (:meth:`_RagspecBase.request_params`).
 
+Not supported yet: tool calling and schema-constrained output (``bind_tools``,
+``with_structured_output``, ``tools=`` / ``response_format=`` arguments); they raise
+:class:`~ragspec.errors.UnsupportedError` (a ``NotImplementedError``) naming the call.
+
 Each generation's drafting statistics (vLLM's per-request names, as the server's
 ``usage.speculative_decoding``) are in its metadata under ``"speculative_decoding"``
 (:func:`stats_metadata`).
@@ -42,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Iterator, NoReturn, Optional, Sequence, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LLM, BaseChatModel
@@ -61,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragspec.backend.threads import release_openmp_pool
 from ragspec.engine import Engine
-from ragspec.errors import ConfigError
+from ragspec.errors import ConfigError, UnsupportedError
 from ragspec.params import RequestParams
 from ragspec.prompts import Messages, PreparedPrompt, Prompt
 from ragspec.types import GenerationStats, StreamChunk
@@ -133,6 +137,21 @@ def merge_stop(*lists: Optional[Sequence[str]]) -> list[str]:
             if s and s not in out:
                 out.append(s)
     return out
+
+
+_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format", "ls_structured_output_format")
+"""Call arguments of tool calling and structured output (what ``bind_tools`` and
+``with_structured_output`` bind), unsupported."""
+
+
+def _unsupported(what: str) -> UnsupportedError:
+    """The error of a LangChain call ragspec does not support: it names ``what`` and where
+    to look (tool calling and structured output are not supported yet)."""
+    return UnsupportedError(
+        f"{what} is not supported: ragspec's LangChain classes generate plain text, without tool calls or "
+        "schema-constrained output (yet). What they support: ragspec's docs/usage.md, section 'LangChain'. "
+        "Meanwhile, ask for JSON in the prompt and parse the answer (langchain_core.output_parsers.JsonOutputParser)."
+    )
 
 
 def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
@@ -257,10 +276,17 @@ class _RagspecBase(BaseModel):
         added to the fields', the rest replacing them).
 
         Raises:
+            UnsupportedError: a tool-calling or structured-output argument (``tools``,
+                ``response_format`` ...).
             TypeError: an unknown keyword argument.
             ConfigError: a value out of range.
         """
         unknown = sorted(set(kwargs) - set(_CALL_KWARGS))
+        tooling = [k for k in unknown if k in _TOOL_KWARGS]
+        if tooling:
+            raise _unsupported(
+                f"{type(self).__name__}: the call argument(s) {tooling} (tool calling, structured output)"
+            )
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
@@ -438,6 +464,14 @@ class RagspecLLM(_RagspecBase, LLM):
         return GenerationChunk(text=chunk.text, generation_info=info)
 
     # ------------------------------------------------------------------ LangChain hooks
+    def with_structured_output(self, schema: dict[str, Any] | type, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("RagspecLLM.with_structured_output (output constrained to a schema)")
+
     def _call(
         self,
         prompt: str,
@@ -540,6 +574,24 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "ragspec-chat"
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.bind_tools (tool calling)")
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+    ) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.with_structured_output (output constrained to a schema)")
 
     def _input(self, value: Any) -> tuple[Messages, bool]:
         if not getattr(self.engine.tokenizer, "chat_template", None):

@@ -5,8 +5,9 @@ release, with a DeprecationWarning."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+from ragspec.deprecation import warn_deprecated
 
 from . import stepper as _stepper
 
@@ -19,11 +20,9 @@ _RENAMED.update({"ERROR": "ERROR", "GONE": "GONE"})
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         new = _RENAMED[name]
-        warnings.warn(
-            f"ragspec.integrations.scheduler.{name} is deprecated: ragspec.integrations.stepper.{new} "
-            "(one stepper for the server and LangChain; it takes the engine it steps)",
-            DeprecationWarning,
-            stacklevel=2,
+        warn_deprecated(
+            f"ragspec.integrations.scheduler.{name}",
+            f"ragspec.integrations.stepper.{new} (one stepper for the server and LangChain; it takes the engine)",
         )
         return getattr(_stepper, new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

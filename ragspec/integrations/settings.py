@@ -300,6 +300,21 @@ class ServerSettings:
 
             check_log_free(self.response_log)
 
+    def check_inputs(self) -> None:
+        """Check every path and option the service loads or writes, in seconds and before
+        the (slow) model load: the files it writes (:meth:`check_files`), then what it
+        loads (the model, device, dtype, numerics, EAGLE head and every datastore:
+        :func:`ragspec.serving.check_config`). Imports torch.
+
+        Raises:
+            ResponseLogError, ModelNotFoundError, ModelLoadError, DatastoreError, ConfigError:
+                as those two say (one line naming the option or datastore).
+        """
+        self.check_files()
+        from ragspec.serving import check_config
+
+        check_config(self.serving_config())
+
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys, the admin keys included (none: no key needed)."""

@@ -131,10 +131,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "prefix_cache",
             "progress",
             "params",
+            "deprecation",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
-    ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
+    (
+        "drafters",
+        ("drafters", "drafters.*", "drafting", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*"),
+    ),
     ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
     (
         "top",

@@ -26,13 +26,13 @@ import contextlib
 import logging
 import threading
 import time
-import warnings
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import APIRouter, FastAPI
 
 from ragspec import serving
 from ragspec.backend.threads import release_openmp_pool
+from ragspec.deprecation import warn_deprecated
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.engine import Engine
 from ragspec.loading import open_datastores
@@ -168,11 +168,9 @@ def create_app(
     ``on_loaded``)."""
     settings = settings if settings is not None else ServerSettings.from_env()
     if datastore_engines is not None:
-        warnings.warn(
-            "create_app(datastore_engines=...) is deprecated: one engine serves every datastore; pass an engine "
-            "built with them (ragspec.serving.serve_engine) or name them in the settings",
-            DeprecationWarning,
-            stacklevel=2,
+        warn_deprecated(
+            "create_app(datastore_engines=...)",
+            "an engine with its datastores (ragspec.serving.serve_engine), or the datastores in the settings",
         )
 
     async def load(app: FastAPI) -> Optional[ResponseCache]:

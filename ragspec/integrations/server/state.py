@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Request
 
+from ragspec.deprecation import warn_deprecated
 from ragspec.engine import Engine
 
 from ..metrics import ServerMetrics
@@ -131,10 +131,6 @@ def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
     Raises:
         APIError: 400 ``datastore_not_found``, as :func:`check_datastore`.
     """
-    warnings.warn(
-        "pick_engine is deprecated: one engine serves every datastore (check_datastore, RequestParams.datastore)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_deprecated("pick_engine", "check_datastore and RequestParams.datastore (one engine serves every datastore)")
     check_datastore(state, datastore)
     return state.engine
