@@ -55,6 +55,7 @@ from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
+from .scheduling import StepPlan, Work
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
@@ -440,9 +441,60 @@ class Engine:
             return req.next_prefill_tokens()
         return 1 + (req.draft_budget(self.policy.max_draft_tokens) if req.session is not None else 0)
 
-    def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
+    def work(self, requests: Sequence[Request], tenants: Optional[Sequence[str]] = None) -> list[Work]:
+        """What a :class:`~ragspec.scheduling.StepComposer` needs of each request
+        (:meth:`Request.work <ragspec.request.Request.work>`, ``index`` its position in
+        ``requests``); ``tenants[i]``: whose request i is (None: one tenant)."""
+        return [req.work(i, tenants[i] if tenants is not None else "") for i, req in enumerate(requests)]
+
+    def _selected(
+        self, requests: Sequence[Request], plan: Optional[StepPlan]
+    ) -> tuple[list[Request], list[tuple[int, Request]]]:
+        """The step's prefilling requests (in the order their chunks run) and decoding
+        requests ``(index, request)``: with no ``plan`` every request, the earliest
+        prefills first; else the plan's. Cancelled requests are marked finished; a request
+        is started (``started_s``) at its first step with work (without a plan: its first
+        step).
+
+        Raises:
+            ConfigError: the plan names a request that is not prefilling or decoding.
+        """
+        if plan is not None:
+            _check_plan(requests, plan)
+        chosen = None if plan is None else set(plan.indices)
+        prefilling: dict[int, Request] = {}
+        decoding: list[tuple[int, Request]] = []
+        for i, req in enumerate(requests):
+            ends = bool(req.finish_reason or req.cancel_requested)
+            if not req.started_s and (chosen is None or i in chosen or ends):
+                req.started_s = time.perf_counter()
+                req.stats.queue_s = req.started_s - req.created_s
+            if req.finish_reason:
+                continue
+            if req.cancel_requested:
+                req.finish_reason = "cancelled"
+            elif chosen is not None and i not in chosen:
+                continue
+            elif req.root is None:
+                prefilling[i] = req
+            else:
+                decoding.append((i, req))
+        if plan is None:  # earliest first
+            return [prefilling[i] for i in sorted(prefilling, key=lambda i: (prefilling[i].created_s, i))], decoding
+        return [prefilling[i] for i in plan.prefill if i in prefilling], decoding
+
+    def step(self, requests: Sequence[Request], plan: Optional[StepPlan] = None) -> list[StreamChunk]:
         """Advance each request by one step: one chunk of its prefill, or one
         draft-verify-commit round in one ``Target.verify`` call for all of them.
+
+        Which requests work (``plan``): None: every decoding request decodes and prefilling
+        requests run a chunk each, the earliest first, within ``PolicyConfig.prefill_step_tokens``
+        (:func:`~ragspec.prefill.prefill_budget`). A :class:`~ragspec.scheduling.StepPlan`
+        (from a :class:`~ragspec.scheduling.StepComposer` over :meth:`work`) names them by
+        their index in ``requests``: ``plan.prefill`` run one chunk each, in that order,
+        ``plan.decode`` are verified; the others do nothing in this step (finished or
+        cancelled ones still end in it). Each request's own steps are the same whichever
+        plan: outputs do not depend on the schedule.
 
         Drafts in a batch (``PolicyConfig.batch_aware`` with ``adaptive``): the verification
         forward costs about ``latency(total rows)``, so each request's draft is chosen for
@@ -468,7 +520,8 @@ class Engine:
             in it ``finish_reason`` and ``stats`` (its last chunk).
 
         Raises:
-            ConfigError: a request was already finished.
+            ConfigError: a request was already finished; a plan naming a request that is
+                not prefilling (in ``plan.prefill``) or not decoding (in ``plan.decode``).
         """
         for req in requests:
             if req.done:
@@ -476,25 +529,14 @@ class Engine:
         t_step = time.perf_counter()
         pending: list[Pending] = []
         prefill_tokens = chunks = 0
+        prefill_s = 0.0
         with torch.inference_mode():
-            decoding: list[tuple[int, Request]] = []
-            prefilling: list[tuple[float, int, Request]] = []
-            for i, req in enumerate(requests):
-                if not req.started_s:
-                    req.started_s = time.perf_counter()
-                    req.stats.queue_s = req.started_s - req.created_s
-                if req.finish_reason:
-                    continue
-                if req.cancel_requested:
-                    req.finish_reason = "cancelled"
-                elif req.root is None:
-                    prefilling.append((req.created_s, i, req))
-                else:
-                    decoding.append((i, req))
-            budget = prefill_budget(self.policy)
-            for _, _, req in sorted(prefilling, key=lambda t: t[:2]):  # earliest first
+            prefilling, decoding = self._selected(requests, plan)
+            budget = prefill_budget(self.policy) if plan is None else None  # a plan is run as it is
+            for req in prefilling:
                 if chunks and budget is not None and prefill_tokens + req.next_prefill_tokens() > budget:
                     break
+                t_chunk = time.perf_counter()
                 prefill_tokens += prefill(
                     self.target,
                     req,
@@ -502,6 +544,7 @@ class Engine:
                     hidden_states=self._hidden_states,
                     eos_token_ids=self.eos_token_ids,
                 )
+                prefill_s += time.perf_counter() - t_chunk
                 chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
             cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
@@ -538,12 +581,13 @@ class Engine:
                 if any(g is not None for g in gates):
                     observe_gates(pending, results, gates, time.perf_counter() - t_decode)
         self.last_step = StepReport(
-            requests=len(requests),
+            requests=len(requests) if plan is None else len(plan.indices),
             verified=len(pending),
             rows=sum(1 + p.tree.num_nodes for p in pending),
             prefill_tokens=prefill_tokens,
             prefill_chunks=chunks,
             seconds=time.perf_counter() - t_step,
+            prefill_s=prefill_s,
         )
         return [take_chunk(req) for req in requests]
 
@@ -766,6 +810,20 @@ class Engine:
         req.root = committed[-1]
         record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
         return res
+
+
+def _check_plan(requests: Sequence[Request], plan: StepPlan) -> None:
+    """Raise ConfigError when ``plan`` names a request out of range, twice, or in the wrong
+    list (``prefill``: not prefilling; ``decode``: not prefilled yet); finished and
+    cancelled requests may be named (they end in the step)."""
+    named = plan.indices
+    if len(set(named)) != len(named) or any(not 0 <= i < len(requests) for i in named):
+        raise ConfigError(f"step plan names requests {list(named)}: each at most once, of {len(requests)} requests")
+    wrong = [i for i in plan.prefill if requests[i].root is not None]
+    wrong += [i for i in plan.decode if requests[i].root is None]
+    wrong = [i for i in wrong if not (requests[i].finish_reason or requests[i].cancel_requested)]
+    if wrong:
+        raise ConfigError(f"step plan names requests {sorted(wrong)} that are not prefilling or decoding as it says")
 
 
 def _is_messages(prompt: Any) -> bool:

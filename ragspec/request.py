@@ -18,6 +18,7 @@ from .detok import TextAssembler
 from .drafters.base import DraftSession, SessionCapability, session_capabilities
 from .params import RequestParams
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
+from .scheduling import Work
 from .types import DraftTree, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import Verifier
 
@@ -113,6 +114,25 @@ class Request:
         left = len(self.prompt_ids) - self.prefilled
         return min(left, self.prefill_chunk) if self.prefill_chunk else left
 
+    def work(self, index: int, tenant: str = "") -> Work:
+        """This request as a :class:`~ragspec.scheduling.StepComposer` sees it before a
+        step (``index``: its position in the step's list; ``tenant``: whose it is): prompt
+        left, next chunk, rows per decode step (root + the draft nodes it verified per step
+        so far), tokens left, whether it started or ends without a forward."""
+        stats = self.stats
+        drafted = stats.num_drafted_tokens / stats.num_steps if stats.num_steps else 0.0
+        return Work(
+            index=index,
+            arrival_s=self.created_s,
+            prompt_left=len(self.prompt_ids) - self.prefilled if self.prefilling else 0,
+            chunk=self.next_prefill_tokens(),
+            rows=1 + round(drafted),
+            tokens_left=max(0, self.decode.max_new_tokens - self.num_generated_tokens),
+            started=bool(self.started_s),
+            done=bool(self.done or self.finish_reason or self.cancel_requested),
+            tenant=tenant,
+        )
+
     def draft_budget(self, engine_budget: int) -> int:
         """Most draft tokens a step of this request verifies: ``engine_budget`` (the
         engine's ``PolicyConfig.max_draft_tokens``), capped by its own
@@ -133,6 +153,7 @@ class StepReport:
         prefill_tokens: prompt tokens prefilled in it (all chunks).
         prefill_chunks: prefill forwards run in it.
         seconds: wall time of the step.
+        prefill_s: seconds of it in prefill forwards.
     """
 
     requests: int = 0
@@ -141,6 +162,7 @@ class StepReport:
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     seconds: float = 0.0
+    prefill_s: float = 0.0
 
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:

@@ -8,9 +8,10 @@ Glossary:
         outbox its reader takes items from, its cancel flag.
     incoming: submitted jobs not yet seen by the worker.
     waiting: jobs whose request is made (prompt checked) but not started.
-    active: jobs being generated; each round is one ``engine.step`` over all of them, that
-        is one verification forward for the whole batch (prefills run in the same step),
-        whatever datastore each drafts from (a request's datastore is its drafting input).
+    active (in flight): jobs being generated. Each round is one ``engine.step`` over the
+        jobs the composer chose, that is one verification forward for all the decoding ones
+        (prefill chunks run in the same step), whatever datastore each drafts from (a
+        request's datastore is its drafting input).
 
 The engine is shared; per-request state (KV cache, draft session, generator) lives in each
 job's request, so a job's output is what the same request gives alone. Items reach their
@@ -26,12 +27,16 @@ loaded the model gives its pool back with ``release_openmp_pool``).
 
 Admission is bounded (when bounds are set): at most ``max_active + max_queue`` tickets and
 jobs are in the system; one more raises :class:`~ragspec.errors.CapacityError` (the server
-answers 429). Admission to the active set is by count (``max_active``) and by a token
-budget per step (``max_step_tokens``): a waiting job starts only while the active jobs'
-next-step tokens (:meth:`Engine.step_tokens`: a prefill chunk, or root + most draft rows)
-plus its first prefill chunk fit the budget (one job always runs). A cancelled job (its
-client gone, its reader closed) is dropped before its next step, wherever it is (incoming,
-waiting or active), without a forward.
+answers 429). What each round runs is chosen by a :class:`~ragspec.scheduling.StepComposer`
+over every prepared job, with the engine's measured cost model: which requests prefill a
+chunk and which decode (:mod:`ragspec.scheduling`: decodes are never starved, the request
+with the least work left goes first, a request joins the running ones where the cost model
+says running together is nearly free, at most ``max_active`` in flight). Tenants (a job's
+``tenant``: an API key's digest, a client address) are served in turn: a tenant with fewer
+requests in flight goes first and one with none in flight starts at once, so one tenant's
+backlog delays another's request by about the steps it shares with the requests in
+flight, not by the backlog. A cancelled job (its client gone, its reader closed) is dropped
+before its next step, wherever it is (incoming, waiting or in flight), without a forward.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import torch
 
 from ragspec.engine import Engine, Request, StepReport
 from ragspec.errors import CapacityError
+from ragspec.scheduling import ComposerConfig, StepComposer
 from ragspec.types import StreamChunk
 
 logger = logging.getLogger(__name__)
@@ -142,10 +148,12 @@ class Job:
     """Run in the worker: ``engine.start(...)`` (no forward)."""
     outbox: Any
     """Its :class:`Outbox` (:class:`AsyncOutbox` or :class:`ThreadOutbox`)."""
+    tenant: str = ""
+    """Whose request it is (served in turn with the other tenants; "": one tenant)."""
     id: int = 0
     submitted_s: float = field(default_factory=time.perf_counter)
     activated_s: float = 0.0
-    """``time.perf_counter()`` when it joined the active set (0 before)."""
+    """``time.perf_counter()`` when it first got work in a step (0 before)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Optional[Request] = None
     """Its request: KV state, draft session, generator (set by the worker; None once released)."""
@@ -198,18 +206,22 @@ class Stepper:
     Args:
         engine: the engine whose requests are stepped (one ``engine.step`` per round for
             all active jobs).
-        max_active: generations interleaved at once (None: no bound).
+        max_active: generations in flight at once (None: no bound); a tenant with none in
+            flight may start one beyond it.
         max_queue: jobs allowed to wait beyond the active ones (None: no bound).
         max_step_tokens: token budget of one step (prefill chunk tokens + verification
-            rows of all active jobs) for admitting waiting jobs; None: count only.
+            rows) beyond its first chunk; None: no budget.
         on_finish: called in the worker with ``(job, final_chunk)`` when a generation ends
             normally (metrics).
         on_cancel: called in the worker with ``(job)`` when a cancelled job is dropped.
         on_step: called in the worker with ``(report)`` after each engine step
             (:class:`~ragspec.engine.StepReport`; metrics).
-        on_activate: called in the worker with ``(job)`` when a job joins the active set
-            (its queue time is ``job.activated_s - job.submitted_s``).
+        on_activate: called in the worker with ``(job)`` when a job first gets work in a
+            step (its queue time is ``job.activated_s - job.submitted_s``).
         thread_name: the worker thread's name.
+        composer: chooses each step's work (None: a
+            :class:`~ragspec.scheduling.StepComposer` over the engine's latency model with
+            ``max_active`` and ``max_step_tokens``).
 
     Constructing starts nothing: :meth:`start` (or the first submission) starts the
     worker, :meth:`stop` ends it.
@@ -227,8 +239,14 @@ class Stepper:
         on_step: Optional[Callable[[StepReport], Any]] = None,
         on_activate: Optional[Callable[[Job], Any]] = None,
         thread_name: str = "ragspec-worker",
+        composer: Optional[StepComposer] = None,
     ) -> None:
         self.engine = engine
+        self.composer = (
+            composer
+            if composer is not None
+            else StepComposer(engine.latency, ComposerConfig(max_active=max_active, max_step_tokens=max_step_tokens))
+        )
         self.max_active = max_active
         self.max_queue = max_queue
         self.max_step_tokens = max_step_tokens
@@ -240,7 +258,7 @@ class Stepper:
         self.steps = 0
         """Engine steps run so far."""
         self.max_batch = 0
-        """Most requests stepped together so far (for tests and logs)."""
+        """Most requests working in one step so far (for tests and logs)."""
         self._cv = threading.Condition()
         self._incoming: collections.deque[Job] = collections.deque()
         self._num_jobs = 0
@@ -292,31 +310,35 @@ class Stepper:
             self._num_jobs -= 1
             self._cv.notify()
 
-    def submit(self, make_request: Callable[[], Request], outbox: Outbox, ticket: Optional[Ticket] = None) -> Job:
+    def submit(
+        self, make_request: Callable[[], Request], outbox: Outbox, ticket: Optional[Ticket] = None, tenant: str = ""
+    ) -> Job:
         """Queue a generation, from any thread. ``make_request()`` runs in the worker and
         returns ``engine.start(...)`` (no forward; an exception there is delivered to the
         reader as the job's error). ``outbox``: where its items go. ``ticket``: the place
-        reserved for it (spent here); None takes a new one. Starts the worker if needed.
+        reserved for it (spent here); None takes a new one. ``tenant``: whose it is
+        (tenants are served in turn). Starts the worker if needed.
 
         Raises:
             CapacityError: no ticket and the system is full, or the stepper is stopping.
         """
-        return self.submit_many([make_request], lambda: outbox, ticket)[0]
+        return self.submit_many([make_request], lambda: outbox, ticket, tenant)[0]
 
     def submit_many(
         self,
         make_requests: Sequence[Callable[[], Request]],
         outbox: Callable[[], Outbox],
         ticket: Optional[Ticket] = None,
+        tenant: str = "",
     ) -> list[Job]:
         """:meth:`submit` for several generations at once (one outbox each from
-        ``outbox()``): the worker sees them together, so they share their first step.
+        ``outbox()``), all of ``tenant``: the worker sees them together.
         ``ticket`` counts for the first of them.
 
         Raises:
             CapacityError: the system is full (then none is queued), or stopping.
         """
-        jobs = [Job(make_request=m, outbox=outbox()) for m in make_requests]
+        jobs = [Job(make_request=m, outbox=outbox(), tenant=tenant) for m in make_requests]
         with self._cv:
             admitted = 0
             try:
@@ -397,60 +419,50 @@ class Stepper:
             self._release(job)
             self._notify(self.on_cancel, job)
 
-    def _step(self, active: list[Job]) -> None:
-        """One round: one ``engine.step`` over the active jobs; chunks delivered, finished
-        jobs released."""
-        if not active:
+    def _round(self, jobs: list[Job]) -> None:
+        """One round over the prepared jobs: the composer's plan, one ``engine.step``;
+        chunks delivered, finished jobs released."""
+        if not jobs:
             return
-        requests = [j.request for j in active]
+        requests = [j.request for j in jobs]
         try:
-            chunks = self.engine.step(requests)  # type: ignore[arg-type]  # active jobs hold a request
+            plan = self.composer.plan(self.engine.work(requests, [j.tenant for j in jobs]))  # type: ignore[arg-type]
+            for i in plan.indices:
+                if not jobs[i].activated_s:
+                    jobs[i].activated_s = time.perf_counter()
+                    self._notify(self.on_activate, jobs[i])
+            self._num_active = sum(1 for j in jobs if j.activated_s)  # in flight, this step's included
+            chunks = self.engine.step(requests, plan)  # type: ignore[arg-type]  # prepared jobs hold a request
         except Exception as e:
-            logger.exception("step of requests %s failed", [j.id for j in active])
-            for job in list(active):
+            logger.exception("step of requests %s failed", [j.id for j in jobs])
+            for job in list(jobs):
                 self._deliver(job, ERROR, e)
-                active.remove(job)
+                jobs.remove(job)
                 self._release(job)
             return
         self.steps += 1
-        self.max_batch = max(self.max_batch, len(active))
-        self._notify(self.on_step, self.engine.last_step)
-        for job, chunk in zip(list(active), chunks):
+        self.max_batch = max(self.max_batch, len(plan.indices))
+        report = self.engine.last_step
+        self.composer.observe(report.prefill_tokens, report.prefill_s)
+        self._notify(self.on_step, report)
+        for job, chunk in zip(list(jobs), chunks):
             if chunk.text or chunk.token_ids or chunk.finish_reason:
                 self._deliver(job, CHUNK, chunk)
             if chunk.finish_reason is not None:
-                active.remove(job)
+                jobs.remove(job)
                 self._release(job)
                 self._notify(self.on_finish, job, chunk)
 
-    def _tokens(self, job: Job) -> int:
-        """Tokens ``job`` puts through the model in its next step."""
-        assert job.request is not None, f"job {job.id} has no request"
-        return int(self.engine.step_tokens(job.request))
-
-    def _admit_waiting(self, waiting, active: list[Job]) -> None:
-        """Move waiting jobs to the active set, in order, while the count and the step's
-        token budget allow (at least one active job)."""
-        budget = self.max_step_tokens
-        used = sum(self._tokens(j) for j in active) if budget is not None else 0
-        while waiting and (self.max_active is None or len(active) < self.max_active):
-            need = self._tokens(waiting[0]) if budget is not None else 0
-            if budget is not None and active and used + need > budget:
-                break
-            job = waiting.popleft()
-            job.activated_s = time.perf_counter()
-            active.append(job)
-            used += need
-            self._notify(self.on_activate, job)
+    def _in_flight(self, jobs: Sequence[Job]) -> int:
+        return sum(1 for j in jobs if j.activated_s)
 
     def _run(self) -> None:
-        waiting: collections.deque[Job] = collections.deque()
-        active: list[Job] = []
+        jobs: list[Job] = []  # prepared: waiting or in flight, in arrival order
         # every step runs in inference mode, whichever generator exits its own block first
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not (self._stopping or self._incoming or waiting or active):
+                    while not (self._stopping or self._incoming or jobs):
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -463,17 +475,14 @@ class Stepper:
                     elif not self._prepare(job):
                         self._release(job)
                     else:
-                        waiting.append(job)
-                self._sweep(waiting)
-                self._admit_waiting(waiting, active)
-                self._num_active = len(active)
+                        jobs.append(job)
                 # a job whose reader left is dropped before the step: cancellation within one step
-                self._sweep(active)
-                self._num_active = len(active)
-                self._step(active)
-                self._num_active = len(active)
+                self._sweep(jobs)
+                self._num_active = self._in_flight(jobs)
+                self._round(jobs)
+                self._num_active = self._in_flight(jobs)
             # stopping: close what is left
-            leftovers = active + list(waiting)
+            leftovers = list(jobs)
             with self._cv:
                 leftovers += list(self._incoming)
                 self._incoming.clear()

@@ -288,9 +288,9 @@ def test_steps_run_in_one_compute_thread_whoever_reads(tiny_engine, monkeypatch)
     names: list[str] = []
     real = tiny_engine.step
 
-    def step(requests):
+    def step(requests, plan=None):
         names.append(threading.current_thread().name)
-        return real(requests)
+        return real(requests, plan)
 
     monkeypatch.setattr(tiny_engine, "step", step)
     try:

@@ -478,9 +478,9 @@ class GatedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def step(self, requests):
+    def step(self, requests, plan=None):
         self._gate.wait(30)
-        return self._engine.step(requests)
+        return self._engine.step(requests, plan)
 
 
 def test_full_queue_gets_429_with_retry_after(tiny_engine):

@@ -292,10 +292,10 @@ class SteppedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def step(self, requests):
+    def step(self, requests, plan=None):
         self.starts.append(time.perf_counter())
         time.sleep(self.step_s)
-        return self._engine.step(requests)
+        return self._engine.step(requests, plan)
 
 
 def _open_stream(port: int, i: int) -> socket.socket:

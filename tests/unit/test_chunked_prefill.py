@@ -202,43 +202,17 @@ def test_seeded_sampled_requests_keep_their_solo_drafts(tok):
 # the scheduler's token budget and step metrics
 
 
-class _TokEngine:
-    """An engine stand-in: step_tokens from a table."""
+def test_stepper_composes_steps_within_its_bounds(tok):
+    """The stepper's bounds are its composer's (ragspec/scheduling.py, tested there): at
+    most max_active in flight, the token budget past a step's first chunk, the engine's
+    latency model as the cost model."""
+    from ragspec.integrations.stepper import Stepper
+    from ragspec.scheduling import ComposerConfig
 
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def step_tokens(self, req):
-        return self.tokens[req]
-
-
-def test_stepper_admits_by_token_budget():
-    from ragspec.integrations.stepper import Job, Stepper
-
-    eng = _TokEngine({"a": 9, "b": 256, "c": 256, "d": 9})
-    jobs = {}
-    for name in "abcd":
-        job = Job(make_request=lambda: None, outbox=None)
-        job.request = name
-        jobs[name] = job
-    activated = []
-    s = Stepper(eng, max_active=8, max_step_tokens=300, on_activate=activated.append)
-    waiting = collections.deque(jobs[n] for n in "abcd")
-    active: list = []
-    s._admit_waiting(waiting, active)
-    assert [j.request for j in active] == ["a", "b"]  # 9 + 256; c's chunk would pass 300
-    assert [j.request for j in waiting] == ["c", "d"] and activated == active
-    assert all(j.activated_s > 0 for j in active)
-    # one job always runs, whatever its size
-    alone = collections.deque([jobs["c"]])
-    got: list = []
-    Stepper(eng, max_step_tokens=10)._admit_waiting(alone, got)
-    assert got == [jobs["c"]]
-    # no budget: count only
-    waiting = collections.deque(jobs[n] for n in "abcd")
-    active = []
-    Stepper(eng, max_active=3, max_step_tokens=None)._admit_waiting(waiting, active)
-    assert len(active) == 3
+    eng = _engine(tok, 256)
+    s = Stepper(eng, max_active=3, max_step_tokens=300)
+    assert s.composer.config == ComposerConfig(max_active=3, max_step_tokens=300)
+    assert s.composer.latency is eng.latency
 
 
 def test_step_metrics_render(tok):

@@ -132,6 +132,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "progress",
             "params",
             "deprecation",
+            "scheduling",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),

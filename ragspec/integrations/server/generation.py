@@ -13,7 +13,9 @@ the worker:
 3. the prompt is prepared in the same pool (:mod:`.prepare`: sizes checked, then
    tokenized);
 4. the job goes to the worker (:class:`..stepper.Stepper`) with token ids and its
-   :class:`~ragspec.params.RequestParams` only: ``engine.start(prepared, params)``.
+   :class:`~ragspec.params.RequestParams` only: ``engine.start(prepared, params)``, and
+   its tenant (:func:`.admission.client_id`: its API key, else its address), which the
+   worker serves in turn with the other tenants.
 
 A client that disconnects cancels its request at any stage: the disconnect watcher
 (:func:`.middleware.watch_disconnect`) sees ``http.disconnect`` as it happens; a request
@@ -39,7 +41,7 @@ from ragspec.prompts import PreparedPrompt
 from ragspec.types import StreamChunk
 
 from ..stepper import CHUNK, ERROR, GONE, AsyncOutbox, Job, Ticket
-from .admission import cache_salt
+from .admission import cache_salt, client_id
 from .errors import ClientGone, api_error
 from .middleware import read_body, watch_disconnect
 from .state import ServerState
@@ -125,7 +127,8 @@ class Generation:
         def make_request() -> EngineRequest:
             return engine.start(prepared, params)
 
-        self.job = self._scheduler.submit(make_request, AsyncOutbox(), ticket=self._ticket)
+        tenant = client_id(self.request.scope, bool(self.settings.api_keys))  # served in turn with the others
+        self.job = self._scheduler.submit(make_request, AsyncOutbox(), ticket=self._ticket, tenant=tenant)
         kind, value = await self._next()
         if kind == ERROR:
             self._done = True

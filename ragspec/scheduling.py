@@ -1,0 +1,290 @@
+"""The step composer: which requests prefill a chunk and which decode in the next step,
+chosen with the measured cost model so that requests wait little at the same throughput.
+
+A step of the engine runs each chosen request's next prefill chunk (a forward of its own)
+and one verification forward over every decoding request's rows. How a schedule spends the
+machine depends on what a forward costs (:class:`~ragspec.policy.LatencyModel`: seconds for
+a forward of q rows, measured at start-up):
+
+* on a CPU a prompt token costs about as much in any forward (prefill is compute-bound),
+  and every verification row adds a visible share of the step: running the requests of a
+  queue side by side finishes none of them sooner than running them one after another, it
+  only makes each wait for all;
+* on a GPU rows are nearly free up to a point: a request decoding beside others costs the
+  step next to nothing, and everyone should run at once.
+
+:class:`StepComposer` decides per step from the cost model:
+
+1. every decoding request decodes (decodes are never starved: a stream once started keeps
+   flowing);
+2. requests still to prefill are candidates, in turn order (:func:`fair_turns`: a tenant
+   with fewer requests in flight goes first) and then least remaining work first (its
+   remaining prompt and tokens in seconds), oldest on ties: a short prompt passes a long
+   one at its next chunk boundary;
+3. the first ``max_prefills`` candidates (one by default) that have a reason run one chunk
+   each; the reasons, in the order tried (:attr:`StepPlan.why`):
+
+   - ``idle``: nothing decodes and no chunk was chosen: the machine is free;
+   - ``shorter``: it has less work left than every request decoding or chosen (shortest
+     remaining work first, which minimises the mean waiting time on one machine);
+   - ``batched``: decoding beside the running requests costs little (the cost model's
+     added seconds for its rows are at most its seconds alone over the batch size plus
+     one: then running together beats running one after the other for the mean);
+     with a GPU's table this admits everyone;
+   - ``tenant``: its tenant has nothing in flight (fairness: a tenant's request never
+     waits for another tenant's backlog);
+   - ``waited``: it has waited ``max_wait_s`` (no request starves).
+
+   A request not started yet starts only while fewer than ``max_active`` are in flight
+   (``tenant`` excepted), and a step's chunks after the first stay within
+   ``max_step_tokens``.
+
+The composer only chooses: every request's own steps (its chunks, drafts, tokens) are what
+they are alone, so outputs do not depend on the schedule. The engine runs a plan with
+:meth:`Engine.step(requests, plan) <ragspec.engine.Engine.step>`; :meth:`Engine.work
+<ragspec.engine.Engine.work>` describes its requests as :class:`Work`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .errors import ConfigError
+from .policy import LatencyModel, ema_update
+
+__all__ = ["Work", "StepPlan", "ComposerConfig", "StepComposer", "fair_turns", "REASONS"]
+
+REASONS = ("idle", "shorter", "batched", "tenant", "waited")
+"""Why a candidate's chunk joins a step (:attr:`StepPlan.why`), in the order they are tried."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the composer knows of one request before a step.
+
+    Attributes:
+        index: its position in the list the plan indexes.
+        arrival_s: when it arrived (seconds on the composer's clock; lower is older).
+        prompt_left: prompt tokens not in its KV cache yet (> 0: it is prefilling).
+        chunk: tokens of its next prefill chunk (0 when decoding).
+        rows: verification rows one decode step of it takes (root + the draft nodes it
+            verifies on average; 1 before it decoded).
+        tokens_left: most tokens it may still generate.
+        started: it has had a step (it is in flight).
+        done: it finishes without a forward (finished or cancelled): no candidate.
+        tenant: whose it is (an API key's digest, a client address; "" for one tenant).
+    """
+
+    index: int
+    arrival_s: float
+    prompt_left: int = 0
+    chunk: int = 0
+    rows: int = 1
+    tokens_left: int = 0
+    started: bool = False
+    done: bool = False
+    tenant: str = ""
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.done and self.prompt_left > 0
+
+    @property
+    def decoding(self) -> bool:
+        return not self.done and self.prompt_left <= 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step runs: ``prefill`` (indices, one chunk each, in this order) and
+    ``decode`` (indices verified in the step's one forward); ``why[k]`` is the reason
+    ``prefill[k]`` joins (one of :data:`REASONS`). Requests in neither list do no work in
+    the step (finished or cancelled ones still end in it)."""
+
+    prefill: tuple[int, ...] = ()
+    decode: tuple[int, ...] = ()
+    why: tuple[str, ...] = ()
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Every request doing work in the step."""
+        return self.prefill + self.decode
+
+
+@dataclass(frozen=True)
+class ComposerConfig:
+    """The bounds of :class:`StepComposer`.
+
+    Attributes:
+        max_prefills: most requests prefilling a chunk in one step (>= 1).
+        max_step_tokens: prompt tokens plus decode rows of one step beyond its first chunk
+            (None: no bound; the first chunk always runs).
+        max_active: most requests in flight (started, not finished): one not started yet
+            waits while this many are, unless its tenant has none in flight (None: no bound).
+        max_wait_s: seconds after which a waiting request runs its chunk whatever the
+            others (> 0).
+
+    Raises:
+        ConfigError: a bound out of range.
+    """
+
+    max_prefills: int = 1
+    max_step_tokens: Optional[int] = None
+    max_active: Optional[int] = None
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if type(self.max_prefills) is not int or self.max_prefills < 1:
+            raise ConfigError(f"max_prefills must be an integer >= 1, got {self.max_prefills!r}")
+        for name in ("max_step_tokens", "max_active"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not isinstance(self.max_wait_s, (int, float)) or not self.max_wait_s > 0 or math.isinf(self.max_wait_s):
+            raise ConfigError(f"max_wait_s must be a finite number of seconds > 0, got {self.max_wait_s!r}")
+
+
+def fair_turns(work: Sequence[Work], rank: Callable[[Work], tuple]) -> dict[int, int]:
+    """The turn of each prefilling request (index -> turn; lower goes first): round-robin
+    over tenants, a tenant's requests taken in ``rank`` order, each tenant's decoding
+    requests counted first. So a tenant with fewer requests in flight is served first and
+    one tenant's backlog never queues another's; with one tenant the turns follow
+    ``rank``.
+
+    Example: tenant "a" decoding 2 requests and waiting with 3, tenant "b" waiting with 1:
+    b's request has turn 0, a's turns 2, 3, 4.
+    """
+    decoding: dict[str, int] = defaultdict(int)
+    for w in work:
+        if w.decoding:
+            decoding[w.tenant] += 1
+    by_tenant: dict[str, list[Work]] = defaultdict(list)
+    for w in work:
+        if w.prefilling:
+            by_tenant[w.tenant].append(w)
+    turns: dict[int, int] = {}
+    for tenant, items in by_tenant.items():
+        for k, w in enumerate(sorted(items, key=rank)):
+            turns[w.index] = decoding[tenant] + k
+    return turns
+
+
+class StepComposer:
+    """Chooses each step's prefill chunks and decodes from the cost model (see the module
+    docstring).
+
+    Args:
+        latency: the target's forward seconds per q rows (the engine's model, read only).
+        config: the bounds (:class:`ComposerConfig`).
+        clock: seconds, the clock of :attr:`Work.arrival_s` (``time.perf_counter``; a
+            scripted one in tests).
+        prefill_ema: weight of a newly observed prefill rate (:meth:`observe`; 0: the
+            latency model's estimate only).
+    """
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        config: ComposerConfig = ComposerConfig(),
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        prefill_ema: float = 0.2,
+    ) -> None:
+        self.latency = latency
+        self.config = config
+        self.clock = clock
+        self.prefill_ema = prefill_ema
+        self._prefill_rate = 0.0  # seconds per prompt token observed (0: none yet)
+
+    # ------------------------------------------------------------------ costs
+    def observe(self, prefill_tokens: int, prefill_s: float) -> None:
+        """Learn the prefill's seconds per prompt token from a step that prefilled
+        ``prefill_tokens`` tokens in ``prefill_s`` seconds (nothing when either is 0)."""
+        if prefill_tokens > 0 and prefill_s > 0 and self.prefill_ema > 0:
+            self._prefill_rate = ema_update(self._prefill_rate, prefill_s / prefill_tokens, self.prefill_ema)
+
+    def prefill_seconds(self, tokens: int, chunk: int = 256) -> float:
+        """Seconds to prefill ``tokens`` prompt tokens: the observed rate, else the latency
+        model's forward of one ``chunk`` (extrapolated past its largest q) per chunk."""
+        if tokens <= 0:
+            return 0.0
+        if self._prefill_rate > 0:
+            return tokens * self._prefill_rate
+        chunk = max(1, min(chunk, tokens))
+        return tokens / chunk * self.latency(chunk)
+
+    def remaining_s(self, w: Work) -> float:
+        """Seconds of work ``w`` has left alone: its prompt's prefill and a one-row step
+        per token it may still generate."""
+        return self.prefill_seconds(w.prompt_left, w.chunk or 256) + max(0, w.tokens_left) * self.latency(1)
+
+    def joins_cheaply(self, rows: int, decoding_rows: int, decoding: int) -> bool:
+        """Whether a request of ``rows`` rows decoding beside ``decoding`` requests of
+        ``decoding_rows`` rows in all costs little enough to run together: the step's added
+        seconds at most its own step's seconds over ``decoding + 1``. For two requests of
+        equal work, running together then finishes both (on average) sooner than running
+        one after the other; a CPU's rows cost too much for it, a GPU's nearly nothing."""
+        rows = max(1, rows)
+        added = self.latency(decoding_rows + rows) - self.latency(decoding_rows)
+        return added <= self.latency(rows) / (decoding + 1)
+
+    # ------------------------------------------------------------------ the plan
+    def _rank(self, w: Work) -> tuple:
+        return (self.remaining_s(w), w.arrival_s, w.index)
+
+    def plan(self, work: Sequence[Work]) -> StepPlan:
+        """The next step's plan over ``work`` (each with its ``index`` in the list the plan
+        indexes). Never empty while some request can work."""
+        cfg = self.config
+        decoders = [w for w in work if w.decoding]
+        decode = tuple(w.index for w in decoders)
+        turns = fair_turns(work, self._rank)
+        candidates = sorted((w for w in work if w.prefilling), key=lambda w: (turns[w.index], *self._rank(w)))
+        in_flight = sum(w.started for w in work if not w.done)
+        busy_tenants = {w.tenant for w in work if w.started and not w.done}
+        shortest = min((self.remaining_s(w) for w in decoders), default=math.inf)
+        group, rows = len(decoders), sum(max(1, w.rows) for w in decoders)  # who will decode together
+        used = rows
+        now = self.clock()
+        prefill: list[int] = []
+        why: list[str] = []
+        for w in candidates:
+            if len(prefill) >= cfg.max_prefills:
+                break
+            if prefill and cfg.max_step_tokens is not None and used + w.chunk > cfg.max_step_tokens:
+                continue
+            new_tenant = w.tenant not in busy_tenants
+            if not w.started and cfg.max_active is not None and in_flight >= cfg.max_active and not new_tenant:
+                continue
+            reason = self._reason(w, group, rows, shortest, new_tenant, now)
+            if reason is None:
+                continue
+            prefill.append(w.index)
+            why.append(reason)
+            used += w.chunk
+            group, rows = group + 1, rows + max(1, w.rows)
+            shortest = min(shortest, self.remaining_s(w))
+            if not w.started:
+                in_flight += 1
+                busy_tenants.add(w.tenant)
+        return StepPlan(tuple(prefill), decode, tuple(why))
+
+    def _reason(self, w: Work, group: int, rows: int, shortest: float, new_tenant: bool, now: float) -> Optional[str]:
+        """Why candidate ``w`` runs a chunk in this step (None: it waits). ``group``: the
+        requests decoding or chosen to prefill so far, ``rows`` their rows; ``shortest``:
+        the least work left of one of them (inf: none)."""
+        if group == 0:
+            return "idle"
+        if self.remaining_s(w) < shortest:
+            return "shorter"
+        if self.joins_cheaply(w.rows, rows, group):
+            return "batched"
+        if new_tenant:
+            return "tenant"
+        if now - w.arrival_s >= self.config.max_wait_s:
+            return "waited"
+        return None
