@@ -529,7 +529,7 @@ class Engine:
         t_step = time.perf_counter()
         pending: list[Pending] = []
         prefill_tokens = chunks = 0
-        prefill_s = 0.0
+        prefill_s = decode_s = 0.0
         with torch.inference_mode():
             prefilling, decoding = self._selected(requests, plan)
             budget = prefill_budget(self.policy) if plan is None else None  # a plan is run as it is
@@ -578,8 +578,9 @@ class Engine:
                 t1 = time.perf_counter()
                 outs = self.target.verify(items)
                 results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
+                decode_s = time.perf_counter() - t_decode
                 if any(g is not None for g in gates):
-                    observe_gates(pending, results, gates, time.perf_counter() - t_decode)
+                    observe_gates(pending, results, gates, decode_s)
         self.last_step = StepReport(
             requests=len(requests) if plan is None else len(plan.indices),
             verified=len(pending),
@@ -588,6 +589,7 @@ class Engine:
             prefill_chunks=chunks,
             seconds=time.perf_counter() - t_step,
             prefill_s=prefill_s,
+            decode_s=decode_s,
         )
         return [take_chunk(req) for req in requests]
 

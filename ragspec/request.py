@@ -154,6 +154,8 @@ class StepReport:
         prefill_chunks: prefill forwards run in it.
         seconds: wall time of the step.
         prefill_s: seconds of it in prefill forwards.
+        decode_s: seconds of its decoding part (drafting, the verification forward,
+            commits; 0 without decoding requests).
     """
 
     requests: int = 0
@@ -163,6 +165,7 @@ class StepReport:
     prefill_chunks: int = 0
     seconds: float = 0.0
     prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:

@@ -27,10 +27,11 @@ a forward of q rows, measured at start-up):
    - ``idle``: nothing decodes and no chunk was chosen: the machine is free;
    - ``shorter``: it has less work left than every request decoding or chosen (shortest
      remaining work first, which minimises the mean waiting time on one machine);
-   - ``batched``: decoding beside the running requests costs little (the cost model's
-     added seconds for its rows are at most its seconds alone over the batch size plus
-     one: then running together beats running one after the other for the mean);
-     with a GPU's table this admits everyone;
+   - ``batched``: starting it now beside the running requests lowers the mean waiting
+     time: what it adds to their steps (its rows by the latency model, what a request was
+     observed to add beyond its rows: :meth:`StepComposer.observe`) and its prefill,
+     spread over their steps left, are small against its own step's seconds
+     (:meth:`StepComposer.joins_cheaply`). With a GPU's table this admits everyone;
    - ``tenant``: its tenant has nothing in flight (fairness: a tenant's request never
      waits for another tenant's backlog);
    - ``waited``: it has waited ``max_wait_s`` (no request starves).
@@ -199,13 +200,43 @@ class StepComposer:
         self.clock = clock
         self.prefill_ema = prefill_ema
         self._prefill_rate = 0.0  # seconds per prompt token observed (0: none yet)
+        self._scale = 0.0  # observed / modelled seconds of one request's decoding step (0: none yet)
+        self._per_request = 0.0  # model seconds a request adds beyond its rows
+        self._batched = False  # a step of several requests was observed
 
     # ------------------------------------------------------------------ costs
-    def observe(self, prefill_tokens: int, prefill_s: float) -> None:
-        """Learn the prefill's seconds per prompt token from a step that prefilled
-        ``prefill_tokens`` tokens in ``prefill_s`` seconds (nothing when either is 0)."""
-        if prefill_tokens > 0 and prefill_s > 0 and self.prefill_ema > 0:
-            self._prefill_rate = ema_update(self._prefill_rate, prefill_s / prefill_tokens, self.prefill_ema)
+    def observe(
+        self, prefill_tokens: int, prefill_s: float, requests: int = 0, rows: int = 0, decode_s: float = 0.0
+    ) -> None:
+        """Learn from one step (an engine's :class:`~ragspec.request.StepReport`): the
+        prefill's seconds per prompt token (``prefill_tokens`` in ``prefill_s``), and from
+        its decoding part (``requests`` verified in one forward of ``rows`` rows in
+        ``decode_s`` seconds) what a request costs beside others beyond its rows: the
+        latency model prices one request's rows, and a step of several requests also pays
+        per request (its own cache's attention, drafting, commits). Steps of one request
+        give the model's scale on this machine, steps of several the cost per extra request
+        in the model's units. Nothing is learned with ``prefill_ema`` 0."""
+        w = self.prefill_ema
+        if w <= 0:
+            return
+        if prefill_tokens > 0 and prefill_s > 0:
+            self._prefill_rate = ema_update(self._prefill_rate, prefill_s / prefill_tokens, w)
+        if requests < 1 or rows < requests or decode_s <= 0:
+            return
+        modelled = self.latency(rows)
+        if requests == 1:
+            self._scale = ema_update(self._scale, decode_s / modelled, w)
+        else:
+            extra = max(0.0, decode_s / (self._scale or 1.0) - modelled) / (requests - 1)
+            self._per_request = ema_update(self._per_request, extra, w) if self._batched else extra
+            self._batched = True
+
+    @property
+    def per_request_s(self) -> float:
+        """Seconds (in the latency model's units) a request adds to a decoding step beyond
+        its rows, as observed (0 before a step of several requests was seen: the rows alone
+        price it)."""
+        return self._per_request
 
     def prefill_seconds(self, tokens: int, chunk: int = 256) -> float:
         """Seconds to prefill ``tokens`` prompt tokens: the observed rate, else the latency
@@ -222,15 +253,30 @@ class StepComposer:
         per token it may still generate."""
         return self.prefill_seconds(w.prompt_left, w.chunk or 256) + max(0, w.tokens_left) * self.latency(1)
 
-    def joins_cheaply(self, rows: int, decoding_rows: int, decoding: int) -> bool:
-        """Whether a request of ``rows`` rows decoding beside ``decoding`` requests of
-        ``decoding_rows`` rows in all costs little enough to run together: the step's added
-        seconds at most its own step's seconds over ``decoding + 1``. For two requests of
-        equal work, running together then finishes both (on average) sooner than running
-        one after the other; a CPU's rows cost too much for it, a GPU's nearly nothing."""
+    def row_s(self) -> float:
+        """Seconds a verification row adds to a forward: the latency model's mean over its
+        measured q (its largest q's seconds less one row's, per row; a table's local
+        plateaus do not make a row free)."""
+        top = max(self.latency.table)
+        return max(0.0, self.latency(top) - self.latency(1)) / (top - 1) if top > 1 else self.latency(1)
+
+    def joins_cheaply(self, rows: int, decoding: int, prefill_s: float = 0.0, steps_left: float = math.inf) -> bool:
+        """Whether a request of ``rows`` rows per step, with ``prefill_s`` seconds of
+        prefill left, should start now beside ``decoding`` decoding requests that have
+        ``steps_left`` steps to go (the shortest), rather than after them.
+
+        Starting now delays each of them by its prefill and, for each shared step, by the
+        seconds it adds to a step ``a`` (:meth:`row_s` per row plus :attr:`per_request_s`);
+        it gains, per shared step, its own step's seconds ``L`` less ``a``. For the mean
+        waiting time it starts now when ``a <= (L - decoding * prefill_s / steps_left) /
+        (decoding + 1)``: with no prefill, when ``a`` is at most ``L`` over the batch size
+        plus one (two requests of equal work then finish, on average, sooner together than
+        one after the other). A CPU's rows, requests and prefills cost too much for it; a
+        GPU's rows nearly nothing."""
         rows = max(1, rows)
-        added = self.latency(decoding_rows + rows) - self.latency(decoding_rows)
-        return added <= self.latency(rows) / (decoding + 1)
+        added = rows * self.row_s() + self._per_request
+        spread = decoding * prefill_s / steps_left if steps_left > 0 else math.inf
+        return added <= (self.latency(rows) - spread) / (decoding + 1)
 
     # ------------------------------------------------------------------ the plan
     def _rank(self, w: Work) -> tuple:
@@ -247,8 +293,9 @@ class StepComposer:
         in_flight = sum(w.started for w in work if not w.done)
         busy_tenants = {w.tenant for w in work if w.started and not w.done}
         shortest = min((self.remaining_s(w) for w in decoders), default=math.inf)
-        group, rows = len(decoders), sum(max(1, w.rows) for w in decoders)  # who will decode together
-        used = rows
+        steps_left = min((max(0, w.tokens_left) for w in decoders), default=math.inf)
+        group = len(decoders)  # who will decode together: the decoding and the chosen requests
+        used = sum(max(1, w.rows) for w in decoders)
         now = self.clock()
         prefill: list[int] = []
         why: list[str] = []
@@ -260,28 +307,31 @@ class StepComposer:
             new_tenant = w.tenant not in busy_tenants
             if not w.started and cfg.max_active is not None and in_flight >= cfg.max_active and not new_tenant:
                 continue
-            reason = self._reason(w, group, rows, shortest, new_tenant, now)
+            reason = self._reason(w, group, steps_left, shortest, new_tenant, now)
             if reason is None:
                 continue
             prefill.append(w.index)
             why.append(reason)
             used += w.chunk
-            group, rows = group + 1, rows + max(1, w.rows)
+            group += 1
             shortest = min(shortest, self.remaining_s(w))
             if not w.started:
                 in_flight += 1
                 busy_tenants.add(w.tenant)
         return StepPlan(tuple(prefill), decode, tuple(why))
 
-    def _reason(self, w: Work, group: int, rows: int, shortest: float, new_tenant: bool, now: float) -> Optional[str]:
+    def _reason(
+        self, w: Work, group: int, steps_left: float, shortest: float, new_tenant: bool, now: float
+    ) -> Optional[str]:
         """Why candidate ``w`` runs a chunk in this step (None: it waits). ``group``: the
-        requests decoding or chosen to prefill so far, ``rows`` their rows; ``shortest``:
-        the least work left of one of them (inf: none)."""
+        requests decoding or chosen to prefill so far; ``steps_left``: the fewest tokens a
+        decoding one has left (inf: none decodes); ``shortest``: the least work left of one
+        of them (inf: none)."""
         if group == 0:
             return "idle"
         if self.remaining_s(w) < shortest:
             return "shorter"
-        if self.joins_cheaply(w.rows, rows, group):
+        if self.joins_cheaply(w.rows, group, self.prefill_seconds(w.prompt_left, w.chunk or 256), steps_left):
             return "batched"
         if new_tenant:
             return "tenant"

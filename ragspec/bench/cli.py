@@ -132,9 +132,10 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--serve",
         action="store_true",
-        help="time the HTTP service: ragspec serve against llama-server (same GGUF and threads), solo and "
-        "--serve-clients at once, each phase on a fresh server; then the server against its engine in process, "
-        "prompt by prompt (ragspec/bench/serve.py); default categories rag,summarization, --limit 4",
+        help="time the HTTP service: ragspec serve against llama-server (same GGUF and threads), solo, "
+        "--serve-clients at once, and those with short qa questions arriving among them (mixed), each phase on "
+        "a fresh server; then the server against its engine in process, prompt by prompt "
+        "(ragspec/bench/serve.py); default categories rag,summarization, --limit 4 (also of the qa questions)",
     )
     b.add_argument(
         "--serve-clients", type=int, default=8, help="with --serve: clients in the concurrent phase (default 8)"
@@ -155,6 +156,13 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="with --serve: seconds a server may take to be ready, and each request (default 600)",
+    )
+    b.add_argument(
+        "--serve-source",
+        default=None,
+        metavar="DIR",
+        help="with --serve: time the ragspec serve of this ragspec source tree (another checkout), run there "
+        "with it first on PYTHONPATH (default: this ragspec)",
     )
     b.set_defaults(func=cmd_bench)
     return b
@@ -615,17 +623,19 @@ def cmd_concurrency(args) -> int:
 def cmd_serve_bench(args) -> int:
     """The ``ragspec bench --serve`` command (``args`` from ``ragspec bench``)."""
     from ..models import resolve_model
-    from .serve import ServeBenchConfig, find_llama_server, format_report, run_serve_bench
+    from .serve import MixedLoad, ServeBenchConfig, find_llama_server, format_report, run_serve_bench
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["rag", "summarization"]
-    rows = load_prompts(args.data, cats, 4 if args.limit is None else args.limit, required=True)
+    limit = 4 if args.limit is None else args.limit
+    rows = load_prompts(args.data, cats, limit, required=True)
     phases = tuple(p.strip() for p in args.serve_phases.split(",") if p.strip())
+    short_rows = load_prompts(args.data, ["qa"], limit, required=True) if "mixed" in phases else []
     server_phases = any(p != "engine" for p in phases)
     binary = find_llama_server(args.llama_server) if server_phases else None
     gguf = resolve_model(args.model).gguf_file
     skipped = None
     if not server_phases:
-        skipped = "no solo or clients phase (--serve-phases)"
+        skipped = "no solo, clients or mixed phase (--serve-phases)"
     elif binary is None:
         skipped = "llama-server not found (--llama-server PATH, or llama-server on PATH)"
     elif gguf is None:
@@ -649,6 +659,8 @@ def cmd_serve_bench(args) -> int:
         llama_server=binary,
         gguf=str(gguf) if gguf is not None else None,
         timeout_s=args.serve_timeout,
+        server_source=args.serve_source,
+        mixed=MixedLoad(max_tokens=min(MixedLoad.max_tokens, args.max_new_tokens)),  # short: never the longer
     )
     print(
         f"# --serve: {len(rows)} prompts ({', '.join(cats)}), max_tokens {config.max_tokens}, {config.clients} clients, "
@@ -660,7 +672,8 @@ def cmd_serve_bench(args) -> int:
     def on_phase(p) -> None:
         print(
             f"  [{p.server} {p.phase}] {p.tok_s:.1f} tok/s, P50 {p.latency_p50_s:.2f} s, ready in {p.ready_s:.1f} s"
-            + ("" if p.identical is None else f", identical {p.identical}/{p.requests}"),
+            + ("" if p.identical is None else f", identical {p.identical}/{p.requests}")
+            + (f", short questions P50 {p.short_latency_p50_s:.2f} s" if p.short_requests else ""),
             file=sys.stderr,
         )
 
@@ -670,13 +683,16 @@ def cmd_serve_bench(args) -> int:
             file=sys.stderr,
         )
 
-    report = run_serve_bench(config, rows, llama_skipped=skipped, on_phase=on_phase, on_prompt=on_prompt)
+    report = run_serve_bench(
+        config, rows, llama_skipped=skipped, on_phase=on_phase, on_prompt=on_prompt, short_rows=short_rows
+    )
     print(format_report(report))
     if args.json:
         report.settings.update(data=args.data, torch=__import__("torch").__version__)
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1, default=str))
         print(f"# wrote {args.json}", file=sys.stderr)
     clients = [p for p in report.phases if p.server == "ragspec" and p.identical is not None]
-    if any(p.identical != p.requests for p in clients):
+    shorts = [p for p in report.phases if p.server == "ragspec" and p.short_identical is not None]
+    if any(p.identical != p.requests for p in clients) or any(p.short_identical != p.short_requests for p in shorts):
         print("# WARNING: some concurrent ragspec answers differ from their solo answers", file=sys.stderr)
     return 0

@@ -10,10 +10,14 @@ Two comparisons, one run, the servers never up at the same time:
    - ``solo``: the prompts one after another (one client);
    - ``clients``: N clients in a closed loop (each sends its next prompt when its answer
      has arrived); every prompt is sent once, so with as many prompts as clients (the
-     default: 4 rag + 4 summarization prompts, 8 clients) all requests go at once.
+     default: 4 rag + 4 summarization prompts, 8 clients) all requests go at once;
+   - ``mixed``: the same N clients' long prompts, with short questions (qa prompts, at most
+     :attr:`MixedLoad.max_tokens` tokens each) arriving among them at set times
+     (:class:`~ragspec.bench.serve_client.MixedLoad`), each short question also sent alone
+     first: how long a short question waits behind long ones.
 
    The phases alternate between the servers: ragspec solo, llama-server solo, ragspec N
-   clients, llama-server N clients. Requests are OpenAI ``/v1/chat/completions`` with the
+   clients, llama-server N clients, ragspec mixed, llama-server mixed. Requests are OpenAI ``/v1/chat/completions`` with the
    prompt as one user message (each server applies the model's chat template), greedy
    (``temperature`` 0), ``max_tokens`` (natural stops), streamed with
    ``stream_options.include_usage``.
@@ -30,25 +34,28 @@ Two comparisons, one run, the servers never up at the same time:
 Reported per phase (:class:`PhaseResult`):
     tok_s               completion tokens (the servers' ``usage``) / wall time of the phase
     latency_p50_s, latency_p95_s   per request, sent to the stream's end (``[DONE]``)
-    ttft_p50_s          per request, sent to the first chunk with content
+    ttft_p50_s, ttft_p95_s         per request, sent to the first chunk with content
     mean_tokens         mean completion tokens per request
-    identical           clients phase: answers whose text equals the same server's solo
-                        answer to the same prompt (the servers return text, not token ids)
+    identical           clients and mixed phases: answers whose text equals the same
+                        server's solo answer to the same prompt (the servers return text,
+                        not token ids)
+    short_*             mixed phase: the short questions among the long ones (their
+                        latency P50 / P95 and TTFT P50, and alone: ``short_alone_p50_s``);
+                        the fields above are the long prompts' (``tok_s``: all tokens)
 
 and per prompt of the engine comparison (:class:`EngineVsServer`): the engine's seconds
 (``engine.generate``), the server's (client-measured, HTTP and tokenization included),
 their ratio and whether the texts are equal.
 
 Pure parts (SSE parsing, aggregates, identity, command lines) are functions of their
-inputs; the processes and sockets live in :class:`ServerProcess` and :func:`run_serve_bench`.
+inputs; the processes and sockets live in :class:`ServerProcess` and :func:`run_serve_bench`,
+the client in :mod:`ragspec.bench.serve_client`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -59,10 +66,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from ..errors import BenchServerError, ConfigError, MissingDependencyError
+from ..errors import BenchServerError, ConfigError
 from .concurrency import _quantile
+from .serve_client import ChatReply, MixedLoad, RequestRecord, httpx_module, parse_sse, request_all, request_mixed
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -74,6 +82,7 @@ __all__ = [
     "SERVE_PHASES",
     "ChatReply",
     "RequestRecord",
+    "MixedLoad",
     "PhaseResult",
     "EngineVsServer",
     "ServeBenchConfig",
@@ -90,8 +99,8 @@ __all__ = [
     "format_report",
 ]
 
-SERVE_PHASES = ("solo", "clients", "engine")
-"""What ``--serve-phases`` may name: the two server phases and the engine comparison."""
+SERVE_PHASES = ("solo", "clients", "mixed", "engine")
+"""What ``--serve-phases`` may name: the three server phases and the engine comparison."""
 
 LLAMA_SERVER_CONTEXT = 16384
 """llama-server's ``-c`` (all slots together), as in the recorded baseline."""
@@ -105,106 +114,6 @@ STOP_WAIT_S = 15.0
 
 
 # ---------------------------------------------------------------------------- pure parts
-@dataclass(frozen=True)
-class ChatReply:
-    """One streamed ``/v1/chat/completions`` answer as the client saw it. Seconds from the
-    request being sent."""
-
-    text: str
-    latency_s: float
-    """To the end of the stream (``[DONE]``, else the last line)."""
-    ttft_s: Optional[float]
-    """To the first chunk with non-empty ``delta.content``; None: no content."""
-    completion_tokens: int
-    """``usage.completion_tokens`` when the server sent usage, else the content chunks."""
-    usage: bool
-    """Whether ``completion_tokens`` came from the server's ``usage``."""
-    finish_reason: Optional[str]
-    cached_tokens: Optional[int] = None
-    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens served from the
-    server's prefix cache (None: not reported)."""
-
-
-def parse_sse(lines: Iterable[tuple[float, str]]) -> ChatReply:
-    """A streamed chat answer from its server-sent-event lines, each with its arrival time
-    (seconds since the request was sent).
-
-    ``data: {json}`` lines carry ``choices[0].delta.content`` (concatenated into the text),
-    ``finish_reason`` and, last, ``usage``; ``data: [DONE]`` ends the stream; blank lines,
-    comments (``:``) and other fields are skipped.
-
-    Example: ``[(0.1, 'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}'),
-    (0.5, 'data: {"choices":[{"delta":{"content":"Hi"}}]}'), (0.6, 'data: [DONE]')]`` is
-    the text "Hi", TTFT 0.5 s, latency 0.6 s, 1 token (one content chunk, no usage).
-
-    Raises:
-        BenchServerError: an error event (``{"error": ...}``) or a line that is not JSON.
-    """
-    parts: list[str] = []
-    ttft: Optional[float] = None
-    end = 0.0
-    chunks = 0
-    tokens: Optional[int] = None
-    cached: Optional[int] = None
-    finish: Optional[str] = None
-    for at, line in lines:
-        end = at
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            break
-        try:
-            event = json.loads(data)
-        except ValueError:
-            raise BenchServerError(f"not a JSON event in the stream: {data[:200]!r}") from None
-        if not isinstance(event, dict):
-            raise BenchServerError(f"not a JSON object in the stream: {data[:200]!r}")
-        if "error" in event:
-            raise BenchServerError(f"the server answered an error mid-stream: {json.dumps(event['error'])[:300]}")
-        usage = event.get("usage")
-        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-            tokens = int(usage["completion_tokens"])
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                cached = int(details["cached_tokens"])
-        for choice in event.get("choices") or ():
-            content = (choice.get("delta") or {}).get("content")
-            if content:
-                parts.append(content)
-                chunks += 1
-                if ttft is None:
-                    ttft = at
-            if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-    return ChatReply(
-        text="".join(parts),
-        latency_s=end,
-        ttft_s=ttft,
-        completion_tokens=chunks if tokens is None else tokens,
-        usage=tokens is not None,
-        finish_reason=finish,
-        cached_tokens=cached,
-    )
-
-
-@dataclass
-class RequestRecord:
-    """One timed request of a phase. Seconds."""
-
-    prompt: int
-    """Index of the prompt in the bench's list."""
-    sent_s: float
-    """When it was sent, from the phase's start."""
-    latency_s: float
-    ttft_s: Optional[float]
-    completion_tokens: int
-    text: str
-    finish_reason: Optional[str] = None
-    cached_tokens: Optional[int] = None
-    """Prompt tokens the server's prefix cache served (None: not reported)."""
-
-
 @dataclass
 class PhaseResult:
     """One phase on one server (see the module docstring). Seconds and tokens/s."""
@@ -212,7 +121,7 @@ class PhaseResult:
     server: str
     """``"ragspec"`` or ``"llama-server"``."""
     phase: str
-    """``"solo"`` or ``"clients"``."""
+    """``"solo"``, ``"clients"`` or ``"mixed"``."""
     clients: int
     requests: int
     wall_s: float
@@ -231,12 +140,27 @@ class PhaseResult:
     """Process start to ready (model load, calibration)."""
     command: list[str] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
+    ttft_p95_s: float = 0.0
+    short_requests: int = 0
+    """Mixed phase: short questions sent among the long prompts (0: not a mixed phase)."""
+    short_latency_p50_s: float = 0.0
+    short_latency_p95_s: float = 0.0
+    short_ttft_p50_s: float = 0.0
+    short_alone_p50_s: float = 0.0
+    """The same short questions sent alone before the load."""
+    short_identical: Optional[int] = None
+    """Short answers among the long ones equal to their answers alone."""
 
 
 def count_identical(texts: Sequence[str], reference: Sequence[str]) -> int:
     """How many of ``texts`` equal the reference text at the same index (``texts[i]`` vs
     ``reference[i]``; indices past either list do not count)."""
     return sum(a == b for a, b in zip(texts, reference))
+
+
+def _ttfts(records: Sequence[RequestRecord]) -> list[float]:
+    """Each request's TTFT, its whole latency when it had no content."""
+    return [r.latency_s if r.ttft_s is None else r.ttft_s for r in records]
 
 
 def summarize_phase(
@@ -253,31 +177,44 @@ def summarize_phase(
     """A phase's aggregates from its requests (``records``, any order) and its wall time.
 
     ``reference``: the solo texts by prompt index, for ``identical`` (None: not counted).
-    A request without content counts its whole latency as its TTFT.
+    A request without content counts its whole latency as its TTFT. A mixed phase's
+    records (:attr:`RequestRecord.kind`): the long prompts give the latency, TTFT, mean
+    tokens and identity; the short questions the ``short_*`` fields (their answers
+    compared with their answers alone); ``tok_s`` counts the tokens of both over
+    ``wall_s``.
     """
-    ordered = sorted(records, key=lambda r: r.prompt)
+    ordered = sorted((r for r in records if r.kind == "long"), key=lambda r: r.prompt)
+    short = sorted((r for r in records if r.kind == "short"), key=lambda r: r.prompt)
+    alone = {r.prompt: r for r in records if r.kind == "alone"}
     tokens = sum(r.completion_tokens for r in ordered)
     latencies = [r.latency_s for r in ordered]
-    ttfts = [r.latency_s if r.ttft_s is None else r.ttft_s for r in ordered]
     identical = None
     if reference is not None:
         identical = sum(r.prompt < len(reference) and r.text == reference[r.prompt] for r in ordered)
+    loaded = tokens + sum(r.completion_tokens for r in short)
     return PhaseResult(
         server=server,
         phase=phase,
         clients=clients,
         requests=len(ordered),
         wall_s=wall_s,
-        completion_tokens=tokens,
-        tok_s=tokens / wall_s if wall_s > 0 else 0.0,
+        completion_tokens=loaded,
+        tok_s=loaded / wall_s if wall_s > 0 else 0.0,
         latency_p50_s=_quantile(latencies, 0.5),
         latency_p95_s=_quantile(latencies, 0.95),
-        ttft_p50_s=_quantile(ttfts, 0.5),
+        ttft_p50_s=_quantile(_ttfts(ordered), 0.5),
         mean_tokens=tokens / len(ordered) if ordered else 0.0,
         identical=identical,
         ready_s=ready_s,
         command=list(command),
-        records=list(ordered),
+        records=sorted(records, key=lambda r: (r.kind != "long", r.kind, r.prompt)),
+        ttft_p95_s=_quantile(_ttfts(ordered), 0.95),
+        short_requests=len(short),
+        short_latency_p50_s=_quantile([r.latency_s for r in short], 0.5),
+        short_latency_p95_s=_quantile([r.latency_s for r in short], 0.95),
+        short_ttft_p50_s=_quantile(_ttfts(short), 0.5),
+        short_alone_p50_s=_quantile([r.latency_s for r in alone.values()], 0.5),
+        short_identical=sum(r.prompt in alone and r.text == alone[r.prompt].text for r in short) if short else None,
     )
 
 
@@ -369,6 +306,13 @@ class ServeBenchConfig:
     warmup: bool = True
     """One short request on each fresh server (and the in-process engine) before timing."""
     python: str = sys.executable
+    server_source: Optional[str] = None
+    """A ragspec source tree whose ``ragspec serve`` is timed (its folder holds the
+    ``ragspec`` package; the server processes run there with it first on ``PYTHONPATH``),
+    e.g. another checkout to compare with; None: the ragspec of this process. The engine
+    comparison's in-process engine is always this process's."""
+    mixed: MixedLoad = MixedLoad()
+    """When the mixed phase's short questions arrive and how long they are."""
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -379,6 +323,8 @@ class ServeBenchConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.timeout_s > 0:
             raise ConfigError(f"--serve-timeout must be > 0 s, got {self.timeout_s}")
+        if self.server_source is not None and not (Path(self.server_source) / "ragspec" / "__init__.py").is_file():
+            raise ConfigError(f"--serve-source {self.server_source}: no ragspec package there (ragspec/__init__.py)")
         bad = [p for p in self.phases if p not in SERVE_PHASES]
         if bad or not self.phases:
             raise ConfigError(f"--serve-phases takes some of {', '.join(SERVE_PHASES)}, got {','.join(self.phases)}")
@@ -438,26 +384,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _httpx() -> Any:
-    try:
-        import httpx
-    except ImportError:
-        raise MissingDependencyError("ragspec bench --serve needs httpx: pip install 'ragspec[serve-bench]'") from None
-    return httpx
-
-
 # ---------------------------------------------------------------------------- processes
 class ServerProcess:
     """A server started as a child process on a loopback port, its output in ``log``;
     stopped (terminate, then kill after :data:`STOP_WAIT_S`) on leaving the ``with``.
 
     ``ready_path``: the URL path that answers 200 once the model is loaded (``/ready`` for
-    ragspec, ``/health`` for llama-server). Constructing does nothing; ``start`` (or
-    ``with``) starts it and waits at most ``timeout_s`` for it to be ready.
+    ragspec, ``/health`` for llama-server). ``source``: a folder it runs in, first on its
+    ``PYTHONPATH`` (a ragspec source tree; None: this process's folder and environment).
+    Constructing does nothing; ``start`` (or ``with``) starts it and waits at most
+    ``timeout_s`` for it to be ready.
     """
 
     def __init__(
-        self, name: str, command: Sequence[str], port: int, ready_path: str, log: Path, timeout_s: float
+        self,
+        name: str,
+        command: Sequence[str],
+        port: int,
+        ready_path: str,
+        log: Path,
+        timeout_s: float,
+        source: Optional[str] = None,
     ) -> None:
         self.name = name
         self.command = list(command)
@@ -466,6 +413,7 @@ class ServerProcess:
         self.log = log
         self.timeout_s = timeout_s
         self.ready_s = 0.0
+        self.source = source
         self._proc: Optional[subprocess.Popen] = None
 
     def start(self) -> float:
@@ -475,11 +423,17 @@ class ServerProcess:
             BenchServerError: it exited, or was not ready within ``timeout_s`` (stopped;
                 the message ends with its last output lines).
         """
-        httpx = _httpx()
+        httpx = httpx_module()
         logger.info("starting %s: %s", self.name, " ".join(self.command))
         t0 = time.perf_counter()
         with open(self.log, "ab") as out:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            env, cwd = None, None
+            if self.source is not None:
+                cwd = str(Path(self.source).resolve())
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)}
+            self._proc = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env
+            )
         try:
             self._wait_ready(httpx, t0 + self.timeout_s)
         except BaseException:  # not ready, or interrupted (Ctrl-C): no process left behind
@@ -535,78 +489,6 @@ class ServerProcess:
         self.stop()
 
 
-# ---------------------------------------------------------------------------- the client
-def _chat_body(text: str, max_tokens: int) -> dict:
-    return {
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def _chat(client: Any, url: str, text: str, max_tokens: int, timeout_s: float) -> ChatReply:
-    """One streamed chat request, each line timed as it arrives, at most ``timeout_s``."""
-    t0 = time.perf_counter()
-    lines: list[tuple[float, str]] = []
-
-    async def read() -> None:
-        async with client.stream("POST", url + "/v1/chat/completions", json=_chat_body(text, max_tokens)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", errors="replace")
-                raise BenchServerError(f"{url} answered {resp.status_code}: {body[:300]}")
-            async for line in resp.aiter_lines():
-                lines.append((time.perf_counter() - t0, line))
-
-    try:
-        await asyncio.wait_for(read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise BenchServerError(f"{url}: no complete answer within {timeout_s:.0f} s") from None
-    return parse_sse(lines)
-
-
-async def _drive(url: str, texts: Sequence[str], clients: int, max_tokens: int, timeout_s: float) -> tuple:
-    """Every text once through ``clients`` clients in a closed loop; returns the records
-    (in prompt order) and the wall seconds."""
-    httpx = _httpx()
-    pending = list(range(len(texts)))
-    records: list[RequestRecord] = []
-    # a fresh connection per request, for both servers: llama-server closes an idle
-    # keep-alive connection after a few seconds, and a request sent on one the server just
-    # closed fails with "Server disconnected without sending a response"
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=0)
-    timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s))
-    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
-        t0 = time.perf_counter()
-
-        async def worker() -> None:
-            while pending:
-                k = pending.pop(0)
-                sent = time.perf_counter() - t0
-                reply = await _chat(client, url, texts[k], max_tokens, timeout_s)
-                records.append(
-                    RequestRecord(
-                        prompt=k,
-                        sent_s=sent,
-                        latency_s=reply.latency_s,
-                        ttft_s=reply.ttft_s,
-                        completion_tokens=reply.completion_tokens,
-                        text=reply.text,
-                        finish_reason=reply.finish_reason,
-                        cached_tokens=reply.cached_tokens,
-                    )
-                )
-
-        await asyncio.gather(*(worker() for _ in range(min(clients, len(texts)))))
-        wall = time.perf_counter() - t0
-    return sorted(records, key=lambda r: r.prompt), wall
-
-
-def _request_all(url: str, texts: Sequence[str], clients: int, max_tokens: int, timeout_s: float) -> tuple:
-    return asyncio.run(_drive(url, texts, clients, max_tokens, timeout_s))
-
-
 # ---------------------------------------------------------------------------- the run
 @dataclass
 class ServeBenchReport:
@@ -638,15 +520,22 @@ def _server_phase(
     config: ServeBenchConfig,
     logdir: Path,
     reference: Optional[Sequence[str]],
+    short_texts: Sequence[str] = (),
 ) -> PhaseResult:
     clients = 1 if phase == "solo" else config.clients
     port = free_port()
     command = make(port)
-    server = ServerProcess(name, command, port, ready_path, logdir / f"{name}-{phase}.log", config.timeout_s)
+    source = config.server_source if name == "ragspec" else None
+    server = ServerProcess(name, command, port, ready_path, logdir / f"{name}-{phase}.log", config.timeout_s, source)
     with server:
         if config.warmup:
-            _request_all(server.url, [WARMUP_PROMPT], 1, min(8, config.max_tokens), config.timeout_s)
-        records, wall = _request_all(server.url, texts, clients, config.max_tokens, config.timeout_s)
+            request_all(server.url, [WARMUP_PROMPT], 1, min(8, config.max_tokens), config.timeout_s)
+        if phase == "mixed":
+            records, wall = request_mixed(
+                server.url, texts, short_texts, clients, config.max_tokens, config.mixed, config.timeout_s
+            )
+        else:
+            records, wall = request_all(server.url, texts, clients, config.max_tokens, config.timeout_s)
     return summarize_phase(
         name, phase, clients, records, wall, reference=reference, ready_s=server.ready_s, command=command
     )
@@ -690,14 +579,15 @@ def _engine_phase(
         return time.perf_counter() - t, result, len(ids)
 
     def run_server(text: str) -> RequestRecord:
-        (record,), _ = _request_all(server.url, [text], 1, config.max_tokens, config.timeout_s)
+        (record,), _ = request_all(server.url, [text], 1, config.max_tokens, config.timeout_s)
         return record
 
-    with ServerProcess("ragspec", command, port, "/ready", logdir / "ragspec-engine.log", config.timeout_s) as server:
+    log = logdir / "ragspec-engine.log"
+    with ServerProcess("ragspec", command, port, "/ready", log, config.timeout_s, config.server_source) as server:
         used["ready_s"] = server.ready_s
         if config.warmup:
             run_engine(WARMUP_PROMPT, min(8, config.max_tokens))
-            _request_all(server.url, [WARMUP_PROMPT], 1, min(8, config.max_tokens), config.timeout_s)
+            request_all(server.url, [WARMUP_PROMPT], 1, min(8, config.max_tokens), config.timeout_s)
         for k, (row, text) in enumerate(zip(rows, texts)):
             server_first = k % 2 == 1  # they take turns going first
             if server_first:
@@ -732,22 +622,27 @@ def run_serve_bench(
     llama_skipped: Optional[str] = None,
     on_phase: Optional[Callable[[PhaseResult], None]] = None,
     on_prompt: Optional[Callable[[EngineVsServer], None]] = None,
+    short_rows: Sequence[dict] = (),
 ) -> ServeBenchReport:
     """Run the phases of ``config`` over the Spec-Bench ``rows`` (their first turns), in
-    order: solo on each server, clients on each server, then the engine comparison; one
-    server process at a time (see the module docstring).
+    order: solo on each server, clients on each server, mixed on each server (``short_rows``'
+    first turns the short questions), then the engine comparison; one server process at a
+    time (see the module docstring).
 
     ``llama_skipped``: why llama-server is not run (reported), when ``config.llama_server``
     or ``config.gguf`` is None.
 
     Raises:
-        ConfigError: no rows.
+        ConfigError: no rows; a mixed phase without ``short_rows``.
         BenchServerError: a server did not start or answered an error.
         what loading the model raises (the engine comparison).
     """
     if not rows:
         raise ConfigError("no prompts")
+    if "mixed" in config.phases and not short_rows:
+        raise ConfigError("the mixed phase needs short questions (qa prompts)")
     texts = [str(r["turns"][0]) for r in rows]
+    short_texts = [str(r["turns"][0]) for r in short_rows]
     servers: list[tuple[str, Callable[[int], list[str]], str]] = [
         ("ragspec", lambda port: ragspec_serve_command(config, port), "/ready")
     ]
@@ -774,6 +669,7 @@ def run_serve_bench(
         "threads": config.threads,
         "phases": list(config.phases),
         "warmup": config.warmup,
+        "server_source": config.server_source,
         "llama_server": config.llama_server,
         "gguf": config.gguf,
         "ragspec_server": {
@@ -785,13 +681,20 @@ def run_serve_bench(
     solo: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="ragspec-bench-serve-") as tmp:
         logdir = Path(tmp)
-        for phase in ("solo", "clients"):
+        if "mixed" in config.phases:
+            report.settings["mixed"] = {
+                "short_questions": len(short_texts),
+                "categories": sorted({str(r.get("category", "")) for r in short_rows}),
+                "delay_s": config.mixed.delay_s,
+                "interval_s": config.mixed.interval_s,
+                "max_tokens": config.mixed.max_tokens,
+            }
+        for phase in ("solo", "clients", "mixed"):
             if phase not in config.phases:
                 continue
             for name, make, ready in servers:
-                result = _server_phase(
-                    name, phase, make, ready, texts, config, logdir, solo.get(name) if phase == "clients" else None
-                )
+                reference = solo.get(name) if phase != "solo" else None
+                result = _server_phase(name, phase, make, ready, texts, config, logdir, reference, short_texts)
                 if phase == "solo":
                     solo[name] = [r.text for r in result.records]
                 if name != "ragspec" and "ragspec" in solo:
@@ -806,7 +709,30 @@ def run_serve_bench(
 
 
 # ---------------------------------------------------------------------------- the table
+def _mixed_lines(report: ServeBenchReport) -> list[str]:
+    """One line per mixed phase: its short questions among the long prompts and alone."""
+    load = report.settings.get("mixed", {})
+    out = []
+    for p in report.phases:
+        if p.phase != "mixed":
+            continue
+        same = (
+            ""
+            if p.short_identical is None
+            else f"; equal to their answers alone {p.short_identical}/{p.short_requests}"
+        )
+        out.append(
+            f"# {p.server} mixed: {p.short_requests} short question{'' if p.short_requests == 1 else 's'} (max_tokens {load.get('max_tokens')}, sent "
+            f"{load.get('delay_s')} s after the {p.requests} long prompts, then every {load.get('interval_s')} s): "
+            f"P50 {p.short_latency_p50_s:.2f} s, P95 {p.short_latency_p95_s:.2f} s, TTFT P50 "
+            f"{p.short_ttft_p50_s:.2f} s; alone P50 {p.short_alone_p50_s:.2f} s" + same
+        )
+    return out
+
+
 def _phase_label(p: PhaseResult) -> str:
+    if p.phase == "mixed":
+        return f"{p.clients}+mixed"
     return "solo" if p.phase == "solo" else f"{p.clients} clients"
 
 
@@ -821,14 +747,15 @@ def format_report(report: ServeBenchReport) -> str:
     if report.phases:
         lines.append(
             f"{'server':<13} {'phase':<10} {'reqs':>4} {'tok/s':>7} {'P50 s':>7} {'P95 s':>7} {'TTFT50 s':>9} "
-            f"{'mean tok':>8} {'identical':>9}"
+            f"{'TTFT95 s':>9} {'mean tok':>8} {'identical':>9}"
         )
         for p in report.phases:
             same = "-" if p.identical is None else f"{p.identical}/{p.requests}"
             lines.append(
                 f"{p.server:<13} {_phase_label(p):<10} {p.requests:>4} {p.tok_s:>7.1f} {p.latency_p50_s:>7.2f} "
-                f"{p.latency_p95_s:>7.2f} {p.ttft_p50_s:>9.2f} {p.mean_tokens:>8.1f} {same:>9}"
+                f"{p.latency_p95_s:>7.2f} {p.ttft_p50_s:>9.2f} {p.ttft_p95_s:>9.2f} {p.mean_tokens:>8.1f} {same:>9}"
             )
+        lines += _mixed_lines(report)
         by = {(p.server, p.phase): p for p in report.phases}
         for phase in ("solo", "clients"):
             ours, theirs = by.get(("ragspec", phase)), by.get(("llama-server", phase))
@@ -845,6 +772,12 @@ def format_report(report: ServeBenchReport) -> str:
                     f"P50 latency x{ours.latency_p50_s / theirs.latency_p50_s:.2f} (below 1: ragspec answers sooner)"
                     + same
                 )
+        ours, theirs = by.get(("ragspec", "mixed")), by.get(("llama-server", "mixed"))
+        if ours is not None and theirs is not None and theirs.short_latency_p50_s > 0 and theirs.latency_p50_s > 0:
+            lines.append(
+                f"# mixed: ragspec / llama-server short questions' P50 x{ours.short_latency_p50_s / theirs.short_latency_p50_s:.2f}, "
+                f"long prompts' P50 x{ours.latency_p50_s / theirs.latency_p50_s:.2f}"
+            )
     if report.llama_server:
         lines.append(f"# llama-server not run: {report.llama_server}")
     if report.engine:

@@ -443,7 +443,7 @@ class Stepper:
         self.steps += 1
         self.max_batch = max(self.max_batch, len(plan.indices))
         report = self.engine.last_step
-        self.composer.observe(report.prefill_tokens, report.prefill_s)
+        self.composer.observe(report.prefill_tokens, report.prefill_s, report.verified, report.rows, report.decode_s)
         self._notify(self.on_step, report)
         for job, chunk in zip(list(jobs), chunks):
             if chunk.text or chunk.token_ids or chunk.finish_reason:

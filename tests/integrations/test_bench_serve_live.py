@@ -1,7 +1,8 @@
-"""``ragspec bench --serve`` end to end on a tiny random model: three fresh ``ragspec serve``
-processes on loopback (solo, 2 clients, then the server against the engine loaded in
-process), driven by ``ragspec.cli.main``; llama-server absent (PATH without it). The pure
-parts are tests/unit/test_bench_serve.py."""
+"""``ragspec bench --serve`` end to end on a tiny random model: four fresh ``ragspec serve``
+processes on loopback (solo, 2 clients, 2 clients with a short question arriving among
+them, then the server against the engine loaded in process), driven by
+``ragspec.cli.main``; llama-server absent (PATH without it). The pure parts are
+tests/unit/test_bench_serve.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import json
 import torch
 
 
-def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_folder, tmp_path, monkeypatch, capsys):
+def test_bench_serve_solo_two_clients_mixed_and_engine_against_ragspec_serve(
+    tiny_folder, tmp_path, monkeypatch, capsys
+):
     from ragspec.cli import main
 
     data = tmp_path / "dev.jsonl"
     rows = [
         {"question_id": 1, "category": "rag", "turns": ["Read this: the cat sat on the mat. Where is the cat?"]},
         {"question_id": 2, "category": "summarization", "turns": ["Summarize: the sun is hot, the moon is cold."]},
-        {"question_id": 3, "category": "qa", "turns": ["not selected"]},
+        {"question_id": 3, "category": "qa", "turns": ["Is the sun hot?"]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     empty = tmp_path / "bin"
@@ -58,7 +61,7 @@ def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_fold
     report = json.loads(out.read_text())
     assert report["llama_server_skipped"].startswith("llama-server not found")
     assert report["settings"]["categories"] == ["rag", "summarization"]
-    solo, clients = report["phases"]
+    solo, clients, mixed = report["phases"]
     assert (solo["server"], solo["phase"], solo["clients"], solo["requests"]) == ("ragspec", "solo", 1, 2)
     assert (clients["server"], clients["phase"], clients["clients"], clients["requests"]) == (
         "ragspec",
@@ -72,6 +75,12 @@ def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_fold
         assert phase["mean_tokens"] == 6 and phase["ready_s"] > 0
         assert "--no-response-cache" not in phase["command"]
     assert clients["identical"] == 2  # each concurrent answer equals its solo answer
+    # the mixed phase: the qa question (the only one) sent alone, then among the two long prompts
+    assert (mixed["phase"], mixed["requests"], mixed["short_requests"]) == ("mixed", 2, 1)
+    assert report["settings"]["mixed"]["categories"] == ["qa"]
+    assert mixed["identical"] == 2 and mixed["short_identical"] == 1
+    assert 0 < mixed["short_ttft_p50_s"] <= mixed["short_latency_p50_s"] and mixed["short_alone_p50_s"] > 0
+    assert [r["kind"] for r in mixed["records"]] == ["long", "long", "alone", "short"]
     # the server against the engine in process: the same settings, the same answers
     used = report["settings"]["engine_comparison"]
     assert (used["prefill_chunk_tokens"], used["prefix_cache_tokens"], used["response_cache"]) == (256, 4096, False)
@@ -84,3 +93,4 @@ def test_bench_serve_solo_two_clients_and_engine_against_ragspec_serve(tiny_fold
         assert e["engine_s"] > 0 and e["server_s"] > 0 and e["ratio"] > 0
         assert e["engine_cached_tokens"] == e["server_cached_tokens"] == 0  # each prompt new to both
     assert "llama-server not run" in captured.out and "2 clients" in captured.out
+    assert "# ragspec mixed: 1 short question (max_tokens 6" in captured.out

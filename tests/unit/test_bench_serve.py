@@ -14,6 +14,7 @@ import pytest
 
 from ragspec.bench.serve import (
     EngineVsServer,
+    MixedLoad,
     PhaseResult,
     RequestRecord,
     ServeBenchConfig,
@@ -107,8 +108,10 @@ def test_parse_sse_raises_on_an_error_event_or_bad_json(line, message):
 
 
 # ---------------------------------------------------------------------------- aggregates
-def _rec(prompt, latency, ttft, tokens, text="t"):
-    return RequestRecord(prompt=prompt, sent_s=0.0, latency_s=latency, ttft_s=ttft, completion_tokens=tokens, text=text)
+def _rec(prompt, latency, ttft, tokens, text="t", kind="long"):
+    return RequestRecord(
+        prompt=prompt, sent_s=0.0, latency_s=latency, ttft_s=ttft, completion_tokens=tokens, text=text, kind=kind
+    )
 
 
 def test_summarize_phase_percentiles_tok_s_and_mean_tokens():
@@ -283,6 +286,58 @@ def test_the_report_gives_the_ratios_and_the_engine_comparison():
     assert engine.ratio == pytest.approx(1.5)
     assert "# server / engine, all prompts: x1.50" in text and "same text 1/1" in text
     assert report.to_dict()["engine_vs_server"][0]["ratio"] == pytest.approx(1.5)
+
+
+def test_a_mixed_phase_reports_its_short_questions_apart():
+    """The long prompts give the main figures; the short questions sent among them their
+    own P50 / P95 / TTFT, beside their latency alone and whether their answers stayed."""
+    records = [_rec(0, 10.0, 2.0, 100, "a"), _rec(1, 12.0, 4.0, 100, "b")]
+    records += [_rec(0, 0.8, 0.3, 16, "q0", "short"), _rec(1, 1.2, 0.5, 16, "q1", "short")]
+    records += [_rec(0, 0.2, 0.1, 16, "q0", "alone"), _rec(1, 0.4, 0.1, 16, "other", "alone")]
+    p = summarize_phase("ragspec", "mixed", 2, records, wall_s=16.0, reference=["a", "x"])
+    assert (p.requests, p.latency_p50_s, p.ttft_p50_s, p.identical) == (2, 11.0, 3.0, 1)
+    assert p.completion_tokens == 232 and p.tok_s == pytest.approx(14.5)  # long + short under load
+    assert p.mean_tokens == 100.0 and p.ttft_p95_s == pytest.approx(3.9)
+    assert (p.short_requests, p.short_latency_p50_s, p.short_ttft_p50_s) == (2, 1.0, 0.4)
+    assert p.short_alone_p50_s == pytest.approx(0.3) and p.short_identical == 1
+    assert [r.kind for r in p.records] == ["long", "long", "alone", "alone", "short", "short"]
+    report = ServeBenchReport(
+        settings={"prompts": 2, "categories": ["rag"], "max_tokens": 128, "threads": 2, "mixed": {"max_tokens": 16}},
+        phases=[p],
+    )
+    text = format_report(report)
+    assert "2+mixed" in text and "# ragspec mixed: 2 short questions (max_tokens 16" in text
+    assert "P50 1.00 s" in text and "alone P50 0.30 s" in text and "1/2" in text
+
+
+def test_mixed_load_send_times_and_bounds():
+    assert MixedLoad(1.0, 2.0).send_times(3) == [1.0, 3.0, 5.0]
+    for kwargs in ({"delay_s": -1.0}, {"interval_s": 0.0}, {"max_tokens": 0}):
+        with pytest.raises(ConfigError):
+            MixedLoad(**kwargs)
+
+
+def test_a_mixed_phase_needs_short_questions():
+    from ragspec.bench.serve import run_serve_bench
+
+    with pytest.raises(ConfigError, match="short questions"):
+        run_serve_bench(ServeBenchConfig(phases=("mixed",)), [{"turns": ["x"]}])
+
+
+def test_serve_source_runs_the_server_of_another_tree(tmp_path):
+    """--serve-source: the server processes run in that tree, first on PYTHONPATH."""
+    with pytest.raises(ConfigError, match="no ragspec package"):
+        ServeBenchConfig(server_source=str(tmp_path))
+    (tmp_path / "ragspec").mkdir()
+    (tmp_path / "ragspec" / "__init__.py").write_text("")
+    assert ServeBenchConfig(server_source=str(tmp_path)).server_source == str(tmp_path)
+    out = tmp_path / "seen.txt"
+    code = f"import os, sys; open({str(out)!r}, 'w').write(os.getcwd() + '|' + os.environ['PYTHONPATH']); sys.exit(3)"
+    server = ServerProcess("other", [sys.executable, "-c", code], 9, "/ready", tmp_path / "o.log", 30, str(tmp_path))
+    with pytest.raises(BenchServerError):
+        server.start()
+    cwd, path = out.read_text().split("|")
+    assert cwd == str(tmp_path.resolve()) and path.split(os.pathsep)[0] == str(tmp_path.resolve())
 
 
 # ---------------------------------------------------------------------------- the process

@@ -97,7 +97,27 @@ def test_joins_cheaply_is_the_exchange_rule():
     # latency(q) = 10 + 3q ms: one more 1-row request beside r of them adds 3 ms, worth it
     # while 3 <= 13 / (r + 1), so up to r = 3
     lat = StepComposer(_latency({q: (10 + 3 * q) / 1e3 for q in (1, 2, 4, 8, 16)}))
-    assert [lat.joins_cheaply(1, r, r) for r in range(1, 8)] == [True] * 3 + [False] * 4
+    assert lat.row_s() == pytest.approx(0.003)
+    assert [lat.joins_cheaply(1, r) for r in range(1, 8)] == [True] * 3 + [False] * 4
+    # a prefill to run first delays the running ones: 1 request with 100 steps left, 0.5 s
+    # of prefill: (13 - 5) / 2 = 4 ms >= 3 ms: joins; 1 s of prefill: 1.5 ms: waits
+    assert lat.joins_cheaply(1, 1, prefill_s=0.5, steps_left=100)
+    assert not lat.joins_cheaply(1, 1, prefill_s=1.0, steps_left=100)
+    assert not lat.joins_cheaply(1, 1, prefill_s=0.001, steps_left=0)
+
+
+def test_what_a_request_adds_to_a_step_is_learned_from_observed_steps():
+    """The latency model prices one request's rows; a step of several requests also pays
+    per request. Seen costly, a GPU-like table stops admitting; until then rows alone count."""
+    c = _composer(GPU)
+    assert c.joins_cheaply(1, 2) and c.per_request_s == 0.0
+    c.observe(0, 0.0, requests=1, rows=1, decode_s=2 * c.latency(1))  # this machine: twice the model
+    c.observe(0, 0.0, requests=2, rows=2, decode_s=2 * (c.latency(2) + 0.010))  # 10 ms per extra request
+    assert c.per_request_s == pytest.approx(0.010)
+    assert not c.joins_cheaply(1, 2)
+    frozen = StepComposer(_latency(GPU), prefill_ema=0.0)
+    frozen.observe(256, 1.0, requests=2, rows=2, decode_s=1.0)
+    assert frozen.per_request_s == 0.0 and frozen.prefill_seconds(256) == pytest.approx(frozen.latency(256))
 
 
 def test_tenant_a_tenant_with_nothing_in_flight_starts_at_once():
