@@ -238,16 +238,28 @@ def test_step_metrics_render(tok):
 # LangChain batches through the batched step
 
 
+def _batching(stepper):
+    """Give ``stepper`` a composer that batches whatever the machine (rows nearly free, no
+    timing learned): which requests share a step then does not depend on the load."""
+    from ragspec.scheduling import StepComposer
+
+    flat = LatencyModel({1: 0.010, 64: 0.0105, 1024: 0.02}, ema=0.0)
+    stepper.composer = StepComposer(flat, prefill_ema=0.0)
+    return stepper
+
+
 def test_langchain_batch_and_abatch_equal_solo_and_step_together(tok):
     from ragspec.integrations.langchain import RagspecLLM
 
     eng = _engine(tok, 128)
     llm = RagspecLLM(engine=eng, max_new_tokens=20, chat=False)
+    _batching(llm.stepper)
     prompts = [_text(40 + 150 * i, i) for i in range(4)]
     solo = [eng.generate(p, max_new_tokens=20, chat=False).text for p in prompts]
     assert llm.batch(prompts) == solo
     assert llm.stepper.max_batch == 4
     llm2 = RagspecLLM(engine=eng, max_new_tokens=20, chat=False)
+    _batching(llm2.stepper)
     assert asyncio.run(llm2.abatch(prompts)) == solo
     assert llm2.stepper.max_batch == 4
     assert llm.invoke(prompts[1]) == solo[1]
@@ -263,6 +275,7 @@ def test_chat_batch_steps_concurrent_calls_together():
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     eng = _engine(tok, 128)
     chat = ChatRagspec(engine=eng, max_new_tokens=20)
+    _batching(chat.stepper)
     inputs = [[HumanMessage(_text(60 + 40 * i, i))] for i in range(4)]
     solo = [eng.generate(m[0].content, max_new_tokens=20).text for m in inputs]
     assert [m.content for m in chat.batch(inputs)] == solo
