@@ -53,6 +53,7 @@ from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
+from .processing import ProcessorContext, build_processors
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
@@ -379,9 +380,13 @@ class Engine:
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
         session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
+        processors = build_processors(
+            params, ProcessorContext(tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer)
+        )
         req = Request(
             prompt_ids=prompt_ids,
             params=params,
+            processors=processors,
             state=self.target.new_state(),
             verifier=verifier,
             session=session,
@@ -736,11 +741,13 @@ class Engine:
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
         req, tree = p.request, p.tree
+        chain = req.processors
+        row_fn = chain.rows(tree) if chain else None
         if req.verifier.greedy:
-            res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
+            res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits, row_fn)
         else:
             logits = out.logits if out.logits is not None else out.row_logits.full()
-            res = req.verifier(tree, logits, req.generator)
+            res = req.verifier(tree, logits, req.generator, row_fn)
         if req.want_hidden:
             # features of the positions now kept in the cache: root + accepted path
             rows = [0] + [1 + i for i in res.accepted_nodes]
@@ -750,6 +757,8 @@ class Engine:
         t2 = time.perf_counter()
         committed = res.tokens
         kept = commit_tokens(req, committed, self.eos_token_ids)
+        if chain:
+            chain.commit(committed)
         # 4. feedback
         if tree.num_nodes:
             req.acceptance.observe(tree, res)

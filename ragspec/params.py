@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .config import DecodeConfig, SamplingParams
-from .errors import ConfigError, UnsupportedParameterError
+from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
@@ -32,15 +32,15 @@ UNSUPPORTED_FIELDS = (
     "n",
     "logprobs",
     "top_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "min_tokens",
     "response_format",
 )
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
+
+
+def _number(value: Any) -> bool:
+    """A real number (int or float, not a bool), not NaN."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
 
 
 def _texts(value: Union[None, str, Sequence[str]], name: str) -> tuple[str, ...]:
@@ -117,15 +117,25 @@ class RequestParams:
     top_logprobs: int = 0
     """With ``logprobs``: also the k likeliest tokens' (not implemented: 0 only)."""
     presence_penalty: float = 0.0
-    """OpenAI's presence penalty (not implemented: 0 only)."""
+    """OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every
+    token the output holds (0: off)."""
     frequency_penalty: float = 0.0
-    """OpenAI's frequency penalty (not implemented: 0 only)."""
+    """OpenAI's frequency penalty, in [-2, 2]: subtracted from a token's logit once per
+    time the output holds it (0: off)."""
     repetition_penalty: float = 1.0
-    """transformers' multiplicative repetition penalty (not implemented: 1 only)."""
+    """vLLM's and transformers' multiplicative repetition penalty (> 0) over the prompt's
+    and the output's tokens: a positive logit is divided by it, a negative one multiplied
+    (1: off; above 1 discourages repeats)."""
     logit_bias: Optional[Mapping[int, float]] = None
-    """Token id -> bias added to its logit (not implemented: None or empty only)."""
+    """Token id -> value in [-100, 100] added to its logit in every step (OpenAI's
+    ``logit_bias``; -100 bans the token in practice, and it is never drafted)."""
     min_tokens: int = 0
-    """Tokens generated before EOS or a stop string may end the request (not implemented: 0 only)."""
+    """Tokens generated before an EOS token or a stop string may end the request (EOS
+    tokens are masked until then); at most ``max_new_tokens``."""
+    min_p: float = 0.0
+    """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
+    one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
+    0: off; greedy decoding ignores it)."""
     response_format: Optional[Mapping[str, Any]] = None
     """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
     grammar); None: free text (not implemented: None only)."""
@@ -155,6 +165,7 @@ class RequestParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
+        self._check_processing()
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         # the component settings validate their own ranges (ConfigError)
@@ -173,10 +184,53 @@ class RequestParams:
             self,
             "_sampling",
             SamplingParams(
-                temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p), seed=self.seed
+                temperature=float(self.temperature),
+                top_k=self.top_k,
+                top_p=float(self.top_p),
+                seed=self.seed,
+                min_p=float(self.min_p),
             ),
         )
         self._refuse_unimplemented()
+
+    def _check_processing(self) -> None:
+        """Range checks of the fields that edit logits (:mod:`ragspec.logit_processors`);
+        a ``logit_bias`` is normalised to a dict of ints to floats.
+
+        Raises:
+            InvalidParameterError: a value out of range, naming the field.
+        """
+        for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not _number(value) or not low <= value <= high:
+                raise InvalidParameterError(
+                    f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name
+                )
+        rp = self.repetition_penalty
+        if not _number(rp) or not 0 < rp < math.inf:
+            raise InvalidParameterError(
+                f"repetition_penalty must be a number above 0, got {rp!r}", param="repetition_penalty"
+            )
+        most = self.max_new_tokens if isinstance(self.max_new_tokens, int) else self.min_tokens
+        if self.min_tokens < 0 or self.min_tokens > most:
+            raise InvalidParameterError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
+                param="min_tokens",
+            )
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidParameterError("logit_bias must map token ids to numbers", param="logit_bias")
+        bias: dict[int, float] = {}
+        for k, v in self.logit_bias.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise InvalidParameterError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+            if not _number(v) or not -100 <= v <= 100:
+                raise InvalidParameterError(
+                    f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}", param="logit_bias"
+                )
+            bias[k] = float(v)
+        object.__setattr__(self, "logit_bias", bias or None)
 
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
@@ -185,11 +239,6 @@ class RequestParams:
             ("n", self.n != 1, "only n=1 is supported"),
             ("logprobs", self.logprobs, "logprobs are not supported"),
             ("top_logprobs", self.top_logprobs != 0, "logprobs are not supported"),
-            ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported"),
-            ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported"),
-            ("repetition_penalty", self.repetition_penalty != 1, "repetition_penalty is not supported"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-            ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
             ("response_format", self.response_format is not None, "only free-text output is supported"),
         )
         for name, bad, message in checks:

@@ -4,7 +4,8 @@
 (:func:`prefill_budget`); chunks already in the engine's
 :class:`~ragspec.prefix_cache.PrefixCache` are loaded instead of run
 (:func:`load_cached_prefix`), and whole chunks run are kept there (:func:`store_chunk`).
-The last chunk's last logits give the request's first token.
+The last chunk's last logits give the request's first token (through the request's
+logit processors, row 0 of an empty draft).
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ def prefill(
     # the prefill counts as one forward, also when the prefix cache served all of it
     # (decode steps stay num_forward_passes - 1)
     stats.num_forward_passes += 1
-    res = req.verifier(DraftTree.empty(), logits, req.generator)
+    chain = req.processors
+    res = req.verifier(DraftTree.empty(), logits, req.generator, chain.rows(DraftTree.empty()) if chain else None)
     stats.prefill_s += time.perf_counter() - t0
     stats.time_to_first_token_s = time.perf_counter() - req.started_s
     req.root = res.bonus_token
     commit_tokens(req, [req.root], eos_token_ids)
+    if chain:
+        chain.commit([req.root])
     if req.session is not None:
         req.session.extend([req.root])
     return n

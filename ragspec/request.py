@@ -18,6 +18,7 @@ from .detok import TextAssembler
 from .drafters.base import DraftSession, SessionCapability, session_capabilities
 from .params import RequestParams
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
+from .processors import ProcessorChain
 from .types import DraftTree, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import Verifier
 
@@ -64,6 +65,8 @@ class Request:
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     solo_draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate.solo)
     """The same for its steps alone (:meth:`DraftTimeGate.solo`)."""
+    processors: ProcessorChain = field(default_factory=lambda: ProcessorChain(()))
+    """Its logit processors (:mod:`ragspec.processors`; empty: none, the unprocessed path)."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -145,18 +148,20 @@ class StepReport:
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:
     """Pass committed tokens one by one through the stop conditions (``eos_token_ids``,
-    stop strings, ``max_new_tokens``).
+    stop strings from the request's ``min_tokens``-th token on, ``max_new_tokens``).
 
     Returns how many of ``tokens`` were kept; sets ``req.finish_reason`` when the
     generation ends (EOS, stop string, max_new_tokens)."""
     kept = 0
+    min_tokens = req.params.min_tokens
     for t in tokens:
         kept += 1
         if t in eos_token_ids:
             req.assembler.add(t, with_text=False)
             req.finish_reason = "stop"
             break
-        if req.assembler.add(t):
+        # stop strings count from the min_tokens-th token on (vLLM's rule)
+        if req.assembler.add(t, stop=len(req.assembler.token_ids) + 1 >= min_tokens):
             req.finish_reason = "stop"
             break
         if len(req.assembler.token_ids) >= req.decode.max_new_tokens:

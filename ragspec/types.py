@@ -131,6 +131,13 @@ class LazyLogits(Protocol):
         """Argmax token of ``row``; when not known yet, computed together with the rows in
         ``group`` (one pass over the output layer)."""
 
+    def row(self, row: int, group: Sequence[int] = ()) -> torch.Tensor:
+        """The logits of ``row``, float32 [V]; when not computed yet, computed together
+        with the rows in ``group`` (one pass over the output layer), whose logits are then
+        kept too. For verification rows that are processed (:mod:`ragspec.processors`) or
+        whose log-probabilities are returned: only such requests pay for keeping rows. The
+        tensor returned is the one kept: callers copy it before editing it."""
+
     def full(self) -> torch.Tensor:
         """All rows: float32 [N + 1, V]."""
 
@@ -202,6 +209,10 @@ class GenerationStats:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_invalid_draft_tokens: int = 0
+    num_pruned_draft_tokens: int = 0
+    """Draft nodes the request's logit processors forbade (a token its grammar, its
+    ``min_tokens`` or a ``logit_bias`` of -100 rules out at that node), dropped with their
+    subtrees before verification (:mod:`ragspec.processors`); not in ``num_drafted_tokens``."""
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -281,6 +292,7 @@ class GenerationStats:
             "num_drafted_tokens": self.num_drafted_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_invalid_draft_tokens": self.num_invalid_draft_tokens,
+            "num_pruned_draft_tokens": self.num_pruned_draft_tokens,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "prefill_s": self.prefill_s,
