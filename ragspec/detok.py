@@ -81,6 +81,11 @@ class TextAssembler:
         self._token_text_end.append(len(self.text))
         return self.stopped
 
+    @property
+    def emitted_tokens(self) -> int:
+        """Token ids :meth:`take` has returned so far."""
+        return self._emitted_tokens
+
     def _holdback(self) -> int:
         """Characters at the end of the text that could still start a stop string."""
         if not self._stop:

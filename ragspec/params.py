@@ -25,13 +25,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from .config import DecodeConfig, SamplingParams
 from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
+from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
 UNSUPPORTED_FIELDS = (
     "n",
-    "logprobs",
-    "top_logprobs",
     "response_format",
 )
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
@@ -113,9 +112,16 @@ class RequestParams:
     n: int = 1
     """Completions per request (only 1 is implemented)."""
     logprobs: bool = False
-    """Return each generated token's log-probability (not implemented: False only)."""
+    """Return each generated token's log-probability (``GenerationOutput.logprobs``,
+    ``StreamChunk.logprobs``), from the verification row that chose it: equal to plain
+    decoding's (:mod:`ragspec.logprobs`)."""
     top_logprobs: int = 0
-    """With ``logprobs``: also the k likeliest tokens' (not implemented: 0 only)."""
+    """With ``logprobs``: also the k likeliest tokens of each position, 0 .. 20."""
+    logprobs_mode: str = "raw_logprobs"
+    """What ``logprobs`` returns (vLLM's names): ``raw_logprobs`` (the model's own
+    distribution), ``raw_logits``, ``processed_logprobs`` or ``processed_logits`` (after
+    penalties, bias, temperature, top-k/top-p/min-p: the distribution the token was chosen
+    from)."""
     presence_penalty: float = 0.0
     """OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every
     token the output holds (0: off)."""
@@ -206,6 +212,17 @@ class RequestParams:
                 raise InvalidParameterError(
                     f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name
                 )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameterError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidParameterError("top_logprobs needs logprobs=True", param="top_logprobs")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidParameterError(
+                f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
+                param="logprobs_mode",
+            )
         rp = self.repetition_penalty
         if not _number(rp) or not 0 < rp < math.inf:
             raise InvalidParameterError(
@@ -237,8 +254,6 @@ class RequestParams:
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
         checks = (
             ("n", self.n != 1, "only n=1 is supported"),
-            ("logprobs", self.logprobs, "logprobs are not supported"),
-            ("top_logprobs", self.top_logprobs != 0, "logprobs are not supported"),
             ("response_format", self.response_format is not None, "only free-text output is supported"),
         )
         for name, bad, message in checks:

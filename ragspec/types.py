@@ -11,7 +11,16 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["DraftTree", "LazyLogits", "VerifyResult", "StepStats", "GenerationStats", "GenerationOutput", "StreamChunk"]
+__all__ = [
+    "DraftTree",
+    "LazyLogits",
+    "VerifyResult",
+    "StepStats",
+    "GenerationStats",
+    "GenerationOutput",
+    "StreamChunk",
+    "TokenLogprob",
+]
 
 
 @dataclass(frozen=True)
@@ -312,6 +321,23 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token (:mod:`ragspec.logprobs`).
+
+    Attributes:
+        token_id: the token.
+        logprob: its log-probability (or logit, per the request's ``logprobs_mode``);
+            ``-inf`` for a token the processing ruled out.
+        top: the request's ``top_logprobs`` likeliest tokens of that position as
+            ``(token_id, logprob)``, likeliest first (empty when it asked for none).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationOutput:
     """Result of :meth:`ragspec.Engine.generate`.
@@ -321,11 +347,14 @@ class GenerationOutput:
         token_ids: generated token ids (prompt excluded); when a stop string matched, up to
             and including the token that completed it.
         stats: counters and timings.
+        logprobs: one entry per token of ``token_ids`` when the request asked for
+            ``logprobs``, else empty.
     """
 
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -333,10 +362,12 @@ class StreamChunk:
     """One piece of a streamed generation: new text and the token ids it came from.
 
     ``finish_reason`` is set on the last chunk only ("stop", "length" or "eos"... see
-    :class:`GenerationStats`); ``stats`` too.
+    :class:`GenerationStats`); ``stats`` too. ``logprobs``: one entry per token of
+    ``token_ids`` when the request asked for them, else empty.
     """
 
     text: str
     token_ids: tuple[int, ...] = ()
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -98,6 +98,14 @@ def _engine(model, tok, drafter=None, adaptive=False, eos=(EOS,)):
 
 PROCESSED = {
     "logit_bias": dict(logit_bias={5: 3.0, 20: -100.0, 33: 1.5, EOS: -4.0}),
+    "frequency_penalty": dict(frequency_penalty=1.5),
+    "presence_penalty": dict(presence_penalty=-1.0),
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    # EOS made likely, then masked for 20 tokens
+    "min_tokens": dict(min_tokens=20, logit_bias={EOS: 4.0}),
+    "all": dict(
+        min_tokens=5, logit_bias={EOS: 2.0, 9: 1.0}, frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.3
+    ),
 }
 
 
@@ -107,7 +115,8 @@ def test_greedy_with_a_processor_is_plain_processed_decoding_drafts_on_and_off(s
     params = RequestParams(max_new_tokens=30, **PROCESSED[name])
     prompt = tok(PROMPTS[0])["input_ids"]
     ref = reference(model, prompt, 30, params, eos=EOS)
-    assert ref != reference(model, prompt, 30, RequestParams(max_new_tokens=30), eos=EOS)  # the processor matters
+    unprocessed = params.replace(min_tokens=0) if name == "min_tokens" else RequestParams(max_new_tokens=30)
+    assert ref != reference(model, prompt, 30, unprocessed, eos=EOS)  # the processor matters
     v = model.config.vocab_size
     plain = _engine(model, tok).generate(prompt, params, chat=False)
     assert plain.token_ids == ref
@@ -189,3 +198,15 @@ def test_processor_ranges_are_checked_by_name():
         with pytest.raises(InvalidParameterError) as e:
             RequestParams(**{field: value})
         assert e.value.param == field and isinstance(e.value, ConfigError)
+
+
+def test_stop_strings_wait_for_min_tokens(setup):
+    model, tok = setup
+    prompt = tok(PROMPTS[0])["input_ids"]
+    free = _engine(model, tok).generate(prompt, max_new_tokens=20, chat=False)
+    stop = free.text[2:4]  # appears by the 4th token
+    cut = _engine(model, tok).generate(prompt, max_new_tokens=20, stop=[stop], chat=False)
+    assert len(cut.token_ids) <= 4
+    late = _engine(model, tok).generate(prompt, max_new_tokens=20, stop=[stop], min_tokens=8, chat=False)
+    assert late.token_ids[: len(cut.token_ids)] == free.token_ids[: len(cut.token_ids)]
+    assert len(late.token_ids) >= 8
