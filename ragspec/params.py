@@ -29,10 +29,7 @@ from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
-UNSUPPORTED_FIELDS = (
-    "n",
-    "response_format",
-)
+UNSUPPORTED_FIELDS = ("response_format",)
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
 
@@ -110,7 +107,9 @@ class RequestParams:
     """Keep per-step stats in ``GenerationStats.steps``."""
     # ------------------------------------------------------------------ not implemented yet
     n: int = 1
-    """Completions per request (only 1 is implemented)."""
+    """Choices (completions) of the request, >= 1: each its own generation, sampled with
+    its own generator seeded ``seed + i``, sharing one prefill
+    (:meth:`Engine.start_choices <ragspec.engine.Engine.start_choices>`)."""
     logprobs: bool = False
     """Return each generated token's log-probability (``GenerationOutput.logprobs``,
     ``StreamChunk.logprobs``), from the verification row that chose it: equal to plain
@@ -223,6 +222,8 @@ class RequestParams:
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
                 param="logprobs_mode",
             )
+        if self.n < 1:
+            raise InvalidParameterError(f"n must be at least 1, got {self.n}", param="n")
         rp = self.repetition_penalty
         if not _number(rp) or not 0 < rp < math.inf:
             raise InvalidParameterError(
@@ -252,10 +253,7 @@ class RequestParams:
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
-        checks = (
-            ("n", self.n != 1, "only n=1 is supported"),
-            ("response_format", self.response_format is not None, "only free-text output is supported"),
-        )
+        checks = (("response_format", self.response_format is not None, "only free-text output is supported"),)
         for name, bad, message in checks:
             if bad:
                 raise UnsupportedParameterError(message, param=name)
