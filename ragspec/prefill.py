@@ -65,7 +65,7 @@ def prefill(
         req.prefilled += n
         if req.want_hidden:
             req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
-            _keep_hidden(req, out.hidden)
+            _keep_hidden(req, out.hidden)  # type: ignore[arg-type]
         if cache is not None and start % cache.chunk_tokens == 0:
             if n == cache.chunk_tokens:
                 store_chunk(target, req, cache, start, out.hidden)
