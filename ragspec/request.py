@@ -188,20 +188,20 @@ def take_chunk(req: Request) -> StreamChunk:
     """The chunk of this step: new text and tokens; the last one with the stats (the
     request is then done, and its draft session told how it finished)."""
     if not req.finish_reason:
-        text, toks = req.assembler.take()
-        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks))
+        text, toks, texts = req.assembler.take_tokens()
+        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks), token_texts=texts)
     stats = req.stats
     stats.num_generated_tokens = req.num_generated_tokens
     stats.finish_reason = req.finish_reason
     stats.total_s = time.perf_counter() - req.started_s
-    text, toks = req.assembler.take(final=True)
+    text, toks, texts = req.assembler.take_tokens(final=True)
     logprobs = _logprobs_of(req, toks)
     req.done = True
     session = req.session
     if session is not None and SessionCapability.FINISH in session_capabilities(session):
         tokens = list(req.assembler.token_ids)
         session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
-    return StreamChunk(text, toks, req.finish_reason, stats, logprobs)
+    return StreamChunk(text, toks, req.finish_reason, stats, logprobs, texts)
 
 
 def _logprobs_of(req: Request, toks: Sequence[int]) -> tuple[TokenLogprob, ...]:
