@@ -36,13 +36,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from ragspec.engine import Request as EngineRequest
 from ragspec.errors import CapacityError
 from ragspec.params import RequestParams
 from ragspec.prompts import PreparedPrompt
 from ragspec.types import StreamChunk
 
-from ..stepper import CHUNK, ERROR, GONE, READY, Job, Ticket
+from ..stepper import CHUNK, ERROR, GONE, READY, Job, Ticket, choice_makers
 from .admission import cache_salt
 from .errors import ClientGone, api_error
 from .middleware import read_body, watch_disconnect
@@ -64,21 +63,6 @@ class _ChoiceOutbox:
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
-
-
-def _choice_makers(engine: Any, prepared: PreparedPrompt, params: RequestParams) -> list[Callable[[], EngineRequest]]:
-    """The ``make_request`` of each of the request's ``n`` jobs: the first called makes
-    all ``n`` choices (:meth:`~ragspec.engine.Engine.start_choices`), each job takes its own."""
-    if params.n == 1:
-        return [lambda: engine.start(prepared, params)]
-    made: list[list[EngineRequest]] = []
-
-    def make(i: int) -> EngineRequest:
-        if not made:
-            made.append(engine.start_choices(prepared, params))
-        return made[0][i]
-
-    return [lambda i=i: make(i) for i in range(params.n)]  # type: ignore[misc]
 
 
 class Generation:
@@ -156,7 +140,7 @@ class Generation:
         loop, index = asyncio.get_running_loop(), itertools.count()
         try:
             self.jobs = self._scheduler.submit_many(
-                _choice_makers(self.engine, prepared, params),
+                choice_makers(self.engine, prepared, params),
                 lambda: _ChoiceOutbox(loop, self._items, next(index)),
                 ticket=self._ticket,
             )

@@ -25,10 +25,10 @@ from fastapi.responses import StreamingResponse
 from ragspec.params import RequestParams
 from ragspec.types import GenerationStats, StreamChunk
 
+from ..logprobs import TokenTexts, chat_logprobs, completion_logprobs, shown_entries
 from ..schemas import ChatCompletionRequest, CompletionRequest
 from .errors import APIError
 from .generation import Generation
-from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, shown_entries
 from .prepare import prepare_chat, prepare_completion, request_params
 from .responses import (
     collect_choices_and_close,
