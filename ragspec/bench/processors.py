@@ -76,10 +76,10 @@ def run_processors_bench(
             record.steps[name] = out.stats.num_steps
         reference = outputs[names[0]]
         record.identical = {n: outputs[n] == reference for n in names}
-        for d in (record.tokens, record.seconds, record.steps):  # the variants' order, whatever the run order
-            ordered = {n: d[n] for n in names}
-            d.clear()
-            d.update(ordered)
+        # the variants' order, whatever the run order
+        record.tokens = {n: record.tokens[n] for n in names}
+        record.seconds = {n: record.seconds[n] for n in names}
+        record.steps = {n: record.steps[n] for n in names}
         records.append(record)
         if progress is not None:
             progress(i, record)
