@@ -2,13 +2,15 @@
 
 Everything a request can ask is here (vLLM's ``SamplingParams`` and llama.cpp's slot
 parameters are the models): how tokens are chosen (``temperature``, ``top_k``, ``top_p``,
-``seed``), when generation ends (``max_new_tokens``, ``stop``), how it drafts
-(``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
-reads besides the prompt (``documents``), the tenant partition of the shared caches
-(``cache_salt``), and, named already, what the engine does not do yet (``n``,
-``logprobs``/``top_logprobs``, penalties, ``logit_bias``, ``min_tokens``,
-``response_format``): setting one of those to anything but its neutral value raises
-:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored.
+``min_p``, ``seed``, the penalties, ``logit_bias``, ``min_tokens``: the processing of
+:mod:`ragspec.logit_processors`), what comes back (``n`` choices, ``logprobs`` /
+``top_logprobs`` in ``logprobs_mode``), when generation ends (``max_new_tokens``,
+``stop``), how it drafts (``speculative``, ``max_draft_tokens``, ``datastore``,
+``draft_documents``), what the model reads besides the prompt (``documents``), the tenant
+partition of the shared caches (``cache_salt``), and, named already, what the engine does
+not do yet (``response_format``): setting it to anything but its neutral value raises
+:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored. A
+value out of range raises :class:`~ragspec.errors.InvalidParameterError` naming its field.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
 body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
@@ -105,7 +107,7 @@ class RequestParams:
     # ------------------------------------------------------------------ reporting
     return_steps: bool = False
     """Keep per-step stats in ``GenerationStats.steps``."""
-    # ------------------------------------------------------------------ not implemented yet
+    # ------------------------------------------------------------------ choices and outputs
     n: int = 1
     """Choices (completions) of the request, >= 1: each its own generation, sampled with
     its own generator seeded ``seed + i``, sharing one prefill
@@ -121,6 +123,7 @@ class RequestParams:
     distribution), ``raw_logits``, ``processed_logprobs`` or ``processed_logits`` (after
     penalties, bias, temperature, top-k/top-p/min-p: the distribution the token was chosen
     from)."""
+    # ------------------------------------------------------------------ processing
     presence_penalty: float = 0.0
     """OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every
     token the output holds (0: off)."""
@@ -141,6 +144,7 @@ class RequestParams:
     """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
     one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
     0: off; greedy decoding ignores it)."""
+    # ------------------------------------------------------------------ not implemented yet
     response_format: Optional[Mapping[str, Any]] = None
     """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
     grammar); None: free text (not implemented: None only)."""
