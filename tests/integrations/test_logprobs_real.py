@@ -13,6 +13,8 @@ import httpx
 import pytest
 from _integ_helpers import LiveServer
 
+from ragspec_testing import ForceTokens
+
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specbench-dev.jsonl"
@@ -39,30 +41,6 @@ def _dump(out):
     return [(e.token_id, e.logprob, e.top) for e in out.logprobs]
 
 
-class _Force:
-    """Forces ``tokens`` (every other logit -inf): plain decoding then returns the raw
-    logprobs of exactly that sequence."""
-
-    def __init__(self, tokens):
-        self.tokens, self.generated = list(tokens), 0
-
-    def prune(self, tree):
-        return [True] * tree.num_nodes
-
-    def rows(self, tree):
-        def fn(row, logits):
-            keep = self.tokens[self.generated]  # plain decoding: row 0 only
-            value = logits[keep].clone()
-            logits.fill_(float("-inf"))
-            logits[keep] = value
-            return logits
-
-        return fn
-
-    def commit(self, tokens):
-        self.generated += len(tokens)
-
-
 @pytest.mark.parametrize("fields", [{}, {"frequency_penalty": 0.5}], ids=["plain", "penalty"])
 def test_greedy_logprobs_drafts_on_equal_drafts_off(engine, prompts, fields):
     for ids in prompts:
@@ -82,7 +60,7 @@ def test_seeded_sampling_logprobs_are_plain_decodings(engine, prompts):
         sampled = engine.generate(ids, params, chat=False)
         plain = RequestParams(max_new_tokens=len(sampled.token_ids), speculative=False, logprobs=True, top_logprobs=5)
         req = engine.start(ids, plain, chat=False)
-        req.processors = ProcessorChain([_Force(sampled.token_ids)])
+        req.processors = ProcessorChain([ForceTokens(sampled.token_ids)])
         forced = [(e.token_id, e.logprob, e.top) for c in engine.iterate(req) for e in c.logprobs]
         assert forced == _dump(sampled)
 

@@ -21,14 +21,17 @@ from ragspec.errors import ConfigError, InvalidParameterError
 from ragspec.logit_processors import LogitBias, MinTokens, Penalties
 from ragspec.processing import ProcessorContext, build_processors
 from ragspec.processors import row_paths
-from ragspec_testing import ScriptedDrafter, make_tiny_llama, make_tree, oracle_plan, wrong_plan
+from ragspec_testing import (
+    PROCESSOR_PROMPTS,
+    ScriptedDrafter,
+    greedy_reference,
+    make_tiny_llama,
+    make_tree,
+    oracle_plan,
+    wrong_plan,
+)
 
-PROMPTS = [
-    "the cat sat on the mat. the cat sat on the hat.",
-    "a dog ran to the park. a dog ran to the ",
-    "one two three one two three one",
-    "red blue red blue red",
-]
+PROMPTS = PROCESSOR_PROMPTS
 EOS = 2
 
 
@@ -66,18 +69,7 @@ def reference(model, prompt_ids, max_new_tokens, params: RequestParams, eos=None
         procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.frequency_penalty or params.presence_penalty:
         procs.append(_FreqPresence(len(prompt_ids), params.frequency_penalty, params.presence_penalty))
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-            logits_processor=procs,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=eos, logits_processor=procs)
 
 
 @pytest.fixture(scope="module")
