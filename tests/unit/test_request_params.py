@@ -76,9 +76,6 @@ def test_request_params_validate_once_and_normalise():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 2),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("response_format", {"type": "json_object"}),
     ],
 )
