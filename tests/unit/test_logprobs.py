@@ -71,9 +71,18 @@ def test_greedy_logprobs_drafts_on_equal_drafts_off_bit_for_bit(exact, top):
         assert all(e.top[0] == (e.token_id, e.logprob) for e in plain.logprobs)
 
 
-def test_logprobs_of_four_batched_requests_equal_their_solo_ones(exact):
+def test_four_processed_requests_batched_in_one_forward_equal_their_solo_runs(exact):
+    # every processor but min_tokens (no EOS here), 4 requests verified in one forward
     make, tok = exact
-    params = RequestParams(max_new_tokens=20, logprobs=True, top_logprobs=3, frequency_penalty=0.5)
+    params = RequestParams(
+        max_new_tokens=20,
+        logprobs=True,
+        top_logprobs=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={5: 2.0, 9: -100.0},
+    )
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     solo = [make().generate(p, params, chat=False) for p in prompts]
     engine = make(PromptLookupDrafter(), adaptive=True)

@@ -202,3 +202,25 @@ def test_stop_strings_wait_for_min_tokens(setup):
     late = _engine(model, tok).generate(prompt, max_new_tokens=20, stop=[stop], min_tokens=8, chat=False)
     assert late.token_ids[: len(cut.token_ids)] == free.token_ids[: len(cut.token_ids)]
     assert len(late.token_ids) >= 8
+
+
+def test_a_pruned_sampled_draft_is_verified_as_a_deterministic_one(setup):
+    """Pruning by token biases a sampled draft's siblings: the kept tree drops its draft
+    probabilities (the deterministic rule is lossless for any choice of nodes)."""
+    from ragspec.draft_choice import draft_for_step
+    from ragspec_testing import FixedDrafter
+
+    model, tok = setup
+    v = model.config.vocab_size
+    tree = make_tree([7, 8, 9], [-1, -1, 0], draft_probs=[[1.0 / v] * v] * 3, source="sampled")
+    engine = _engine(model, tok, FixedDrafter(tree))
+    params = RequestParams(max_new_tokens=8, temperature=1.0, seed=1, logit_bias={8: -100.0})
+    req = engine.start(PROMPTS[0], params, chat=False)
+    engine.step([req])  # the prefill
+    pending = draft_for_step(engine.target, engine.policy, 0, req, lazy_rows=False, on_invalid=None)
+    assert pending.tree.tokens.tolist() == [7, 9] and pending.tree.draft_probs is None
+    assert req.stats.num_pruned_draft_tokens == 1
+    unpruned = engine.start(PROMPTS[0], params.replace(logit_bias=None), chat=False)
+    engine.step([unpruned])
+    kept = draft_for_step(engine.target, engine.policy, 0, unpruned, lazy_rows=False, on_invalid=None)
+    assert kept.tree.draft_probs is not None  # nothing pruned: drawn as the drafter drew it
