@@ -23,6 +23,7 @@ __all__ = [
     "follow_path",
     "merge_trees",
     "drop_invalid_nodes",
+    "select_nodes",
 ]
 
 
@@ -282,11 +283,25 @@ def drop_invalid_nodes(tree: DraftTree, vocab_size: int) -> tuple[DraftTree, int
         if ok:
             new_index[i] = len(kept)
             kept.append(i)
+    return select_nodes(tree, [new_index[i] >= 0 for i in range(n)])
+
+
+def select_nodes(tree: DraftTree, kept_mask: Sequence[bool]) -> tuple[DraftTree, int]:
+    """The nodes of ``tree`` whose ``kept_mask`` is True, in their order, parents
+    re-indexed: the mask must be parent-closed (a kept node's parent is kept).
+
+    Returns:
+        (the kept tree, nodes dropped); ``tree`` itself (same object) when nothing is dropped.
+    """
+    n = tree.num_nodes
+    kept = [i for i in range(n) if kept_mask[i]]
     dropped = n - len(kept)
     if dropped == 0:
         return tree, 0
     if not kept:
         return DraftTree.empty(), dropped
+    new_index = {old: new for new, old in enumerate(kept)}
+    parents = tree.parents.tolist()
     idx = torch.tensor(kept, dtype=torch.long)  # [K]
     return (
         DraftTree(
