@@ -131,10 +131,14 @@ def exact_cpu_target(model):
 
     if not (_cpu_supported() and shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
         return None
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(load_skinny_linear())
-    assert target.use_attention_kernel(load_few_query_attention())
+    target = CPUTarget(
+        model,
+        pack_linears=True,
+        skinny=load_skinny_linear(),
+        attention_kernel=load_few_query_attention(),
+        route_attention=True,
+    )
+    assert target.attention_routed
     return target
 
 
