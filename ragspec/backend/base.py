@@ -32,6 +32,7 @@ __all__ = [
     "Embeddings",
     "FastLinear",
     "ForwardOutput",
+    "StepCounts",
     "Target",
     "VerifyItem",
 ]
@@ -56,6 +57,9 @@ class Capability:
     * ``PREFIX_KV`` (value: True): ``export_kv(state, start, stop)`` copies a state's KV
       entries and ``import_kv(state, blocks)`` appends such copies to a state, bit for bit
       (an engine's prefix cache, :mod:`ragspec.prefix_cache`).
+    * ``STEP_COUNTS`` (value: :class:`StepCounts`, read when asked): forwards replayed from
+      a CUDA graph and forwards run eagerly so far, and the graphs captured, for a backend
+      that replays its step from graphs (the CUDA backend).
     """
 
     HIDDEN_STATES = "hidden_states"
@@ -65,6 +69,25 @@ class Capability:
     FAST_LINEAR = "fast_linear"
     CONFIG = "config"
     PREFIX_KV = "prefix_kv"
+    STEP_COUNTS = "step_counts"
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """A graph-replaying backend's counters (``Capability.STEP_COUNTS``).
+
+    Attributes:
+        graph_steps: forwards replayed from a captured graph so far.
+        eager_steps: forwards run eagerly so far (larger than every graph, a failed capture,
+            graphs off).
+        captured: the row counts whose graph is captured.
+        failed: the row counts whose capture failed (they run eagerly).
+    """
+
+    graph_steps: int
+    eager_steps: int
+    captured: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 from ...config import NUMERICS
 from ...errors import ConfigError, MissingDependencyError
 from ...types import DraftTree
-from ..base import Capability, DecoderLayout, Embeddings, ForwardOutput, VerifyItem
+from ..base import Capability, DecoderLayout, Embeddings, ForwardOutput, StepCounts, VerifyItem
 from . import kernels as K
 from .batch import FlatBatch, RequestRows
 from .graphs import DEFAULT_BUCKETS, EagerRunner, GraphRunner
@@ -326,12 +326,12 @@ class CudaTarget:
             for it in items
         ]
         hidden, logits, top, cu = self._run(reqs, all_rows=True, hidden=any(it.hidden for it in items))
-        return [
-            ForwardOutput(
-                logits[a:b], hidden[a:b] if it.hidden and hidden is not None else None, _RowArgmax(top[a:b], logits[a:b])
-            )
-            for it, a, b in zip(items, cu[:-1], cu[1:])
-        ]
+        outs = []
+        for it, a, b in zip(items, cu[:-1], cu[1:]):
+            rows = logits[a:b]
+            hid = hidden[a:b] if it.hidden and hidden is not None else None
+            outs.append(ForwardOutput(rows, hid, _RowArgmax(top[a:b], rows)))
+        return outs
 
     def verify_one(
         self, state: PoolState, root_token: int, tree: DraftTree, *, return_hidden: bool = False, lazy_logits: bool = False
@@ -359,10 +359,19 @@ class CudaTarget:
         self.pool.import_(state.slot, blocks)
 
     def capability(self, name: str) -> Any:
-        """Hidden states, prefix KV, the config, the embeddings and the decoder layout (for
-        a draft head built like the target); no lazy rows and no fast linear kernels."""
+        """Hidden states, prefix KV, the step counts (graphed / eager), the config, the
+        embeddings and the decoder layout (for a draft head built like the target); no
+        lazy rows and no fast linear kernels."""
         if name in (Capability.HIDDEN_STATES, Capability.PREFIX_KV):
             return True
+        if name == Capability.STEP_COUNTS:
+            runner = self.graphs
+            return StepCounts(
+                self._runner.graph_steps,
+                self._runner.eager_steps,
+                tuple(sorted(runner.captured)) if runner else (),
+                tuple(sorted(runner.failed)) if runner else (),
+            )
         if name == Capability.CONFIG:
             return self.config
         decoder = self.model.get_decoder()
