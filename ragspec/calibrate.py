@@ -171,7 +171,7 @@ def measure_latency(
     with torch.inference_mode():
         for context in contexts:
             prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
-            samples: dict[tuple[int, bool], list[float]] = {}
+            samples: dict[tuple[int, bool, bool], list[float]] = {}
             states = []
             for ids in prompts:
                 states.append(target.new_state())

@@ -39,7 +39,7 @@ __all__ = [
     "sample_tree",
 ]
 
-DEFAULT_SHAPES = dict(
+DEFAULT_SHAPES: dict[str, Any] = dict(
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,
@@ -63,7 +63,9 @@ def default_shapes_model(layers: Optional[int] = None, dtype: torch.dtype = torc
     cfg = LlamaConfig(**shapes)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval()
+    for p in model.parameters():  # (the model's own .to() is typed for other uses)
+        p.data = p.data.to(dtype)
+    return model.eval()
 
 
 def sample_tree(nodes: int):
@@ -71,7 +73,8 @@ def sample_tree(nodes: int):
     below each (a tree, not a chain: its rows attend through a path)."""
     from ..types import DraftTree
 
-    parents, depth = [], []
+    parents: list[int] = []
+    depth: list[int] = []
     for j in range(nodes):
         p = -1 if j < 3 else j - 3
         parents.append(p)
@@ -132,7 +135,7 @@ def record_launches(torch_ops: bool = True) -> Iterator[_Recorder]:
             return func(*args, **(kwargs or {}))
 
     saved = launch.launcher
-    launch.launcher = lambda kernel, device: _Grid(kernel)  # type: ignore[assignment]
+    launch.launcher = lambda kernel, device: _Grid(kernel)
     try:
         with _Ops() if torch_ops else contextlib.nullcontext():
             yield rec
@@ -257,7 +260,7 @@ def compile_for_hopper(
     keys_by_rows: dict[int, set] = {}
     touched: set = set()
     saved = driver._active
-    driver.set_active(hopper)  # type: ignore[arg-type]
+    driver.set_active(hopper)
     try:
         for dtype in dtypes:
             for n in rows:
@@ -275,9 +278,11 @@ def compile_for_hopper(
                             info.update(_ptxas_report(compiled.asm["ptx"], ptxas))
                             results[key] = info
                     except Exception as e:  # a compile error is a result here
-                        key = (name, str(dtype), "error", str(e)[:200])
+                        key = (name, str(dtype), f"error: {str(e)[:200]}")
                         seen.add(key)
-                        results.setdefault(key, {"name": name, "dtype": str(dtype), "error": f"{type(e).__name__}: {e}"})
+                        results.setdefault(
+                            key, {"name": name, "dtype": str(dtype), "error": f"{type(e).__name__}: {e}"}
+                        )
     finally:
         driver._active = saved
         for kernel in touched:  # nothing compiled for the faked device stays in the kernels' caches

@@ -145,7 +145,9 @@ def test_capture_all_captures_every_bucket_on_padding_rows_only():
 
 def test_run_packs_into_the_bucket_and_cuts_the_padding():
     eager, graphed = FakeModel(), FakeModel()
-    runner = GraphRunner(graphed.step, scratch_slot=3, device="cpu", buckets=(4, 8), path_width=6, capture=fake_capture([]))
+    runner = GraphRunner(
+        graphed.step, scratch_slot=3, device="cpu", buckets=(4, 8), path_width=6, capture=fake_capture([])
+    )
     tree = make_tree([5, 6, 7, 8], [-1, -1, 0, 2])
     reqs = [RequestRows(0, 0, [2, *tree.tokens.tolist()], tree=tree), RequestRows(1, 0, [7, 9])]
     out, cu = runner.run(reqs)

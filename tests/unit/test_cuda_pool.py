@@ -236,3 +236,26 @@ def test_packing_into_a_bucket_staging_buffer_equals_padding_the_loose_batch():
     assert torch.equal(packed.path[:, : loose.path_width], padded.path) and not packed.path[:, loose.path_width :].any()
     with pytest.raises(ConfigError):
         pack_rows(reqs, rows=8, out=staging)  # 13 rows do not fit a bucket of 8
+
+
+def test_auto_drafting_on_cuda_reads_the_choice_the_gpu_check_recorded(tmp_path, monkeypatch):
+    """--drafting auto on CUDA is what the GPU check measured faster on that GPU model (the
+    head merged with retrieval, or retrieval alone), "merged" where nothing is recorded; a
+    CPU keeps retrieval."""
+    from ragspec import loading
+    from ragspec.backend.cuda.drafting import record_drafting, recorded_drafting
+
+    monkeypatch.setenv("RAGSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert loading.resolve_drafting("auto", torch.device("cuda")) == "merged"
+    measured = {"auto": {"tok_s": 300.0}, "retrieval": {"tok_s": 340.0}}
+    record_drafting("NVIDIA H100 80GB HBM3", "retrieval", measured, tmp_path)
+    assert recorded_drafting("NVIDIA H100 80GB HBM3", tmp_path) == "retrieval"
+    assert recorded_drafting("NVIDIA H200", tmp_path) is None
+    assert loading.resolve_drafting("auto", torch.device("cuda")) == "retrieval"
+    assert loading.resolve_drafting("merged", torch.device("cuda")) == "merged"
+    assert loading.resolve_drafting("auto", torch.device("cpu")) == "retrieval"
+    with pytest.raises(ConfigError):
+        record_drafting("x", "fastest", measured, tmp_path)
+    (tmp_path / "calibration" / "cuda-drafting.json").write_text("{not json")
+    assert recorded_drafting("NVIDIA H100 80GB HBM3", tmp_path) is None  # a damaged record: ignored

@@ -122,7 +122,9 @@ class FlatBatch:
         if self.buffer is not None:
             if self.buffer.device == device:
                 return self
-            return batch_views(self.buffer.to(device, non_blocking=non_blocking), self.rows, self.path_width, self.cu_rows)
+            return batch_views(
+                self.buffer.to(device, non_blocking=non_blocking), self.rows, self.path_width, self.cu_rows
+            )
         names = (*FIELDS, "path")
         return replace(self, **{n: getattr(self, n).to(device) for n in names})
 

@@ -187,7 +187,11 @@ class GraphRunner:
             return self(batch), batch.cu_rows
         try:
             batch = pack_rows(
-                requests, path_width=self.path_width, rows=bucket, scratch_slot=self.scratch_slot, out=self.staging(bucket)
+                requests,
+                path_width=self.path_width,
+                rows=bucket,
+                scratch_slot=self.scratch_slot,
+                out=self.staging(bucket),
             )
         except ConfigError:  # a path wider than the static buffers: eager
             batch = pack_rows(requests)
@@ -229,8 +233,9 @@ class GraphRunner:
             if bucket in self._replays or bucket in self.failed:
                 continue
             static = self._static(bucket)
-            assert static.buffer is not None
-            static.buffer.copy_(pack_rows([], path_width=self.path_width, rows=bucket, scratch_slot=self.scratch_slot).buffer)
+            padding = pack_rows([], path_width=self.path_width, rows=bucket, scratch_slot=self.scratch_slot)
+            assert static.buffer is not None and padding.buffer is not None  # (packed flat)
+            static.buffer.copy_(padding.buffer)
             self._capture_bucket(bucket)
         return list(self.failed)
 

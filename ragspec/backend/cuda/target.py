@@ -230,7 +230,10 @@ class CudaTarget:
         request's last row's [n, V], argmax of every row, row offsets); each slot advanced."""
         for req in requests:
             self.pool.check_room(req.slot, len(req.tokens))
-        hs, lgs, tops, cu = [], [], [], [0]
+        hs: list[torch.Tensor] = []
+        lgs: list[torch.Tensor] = []
+        tops: list[int] = []
+        cu = [0]
         for group in self._groups(requests):
             (h, lg, top), offs = self._runner.run(group)
             tops.extend(top.tolist())  # the one host synchronisation of a step
@@ -334,7 +337,13 @@ class CudaTarget:
         return outs
 
     def verify_one(
-        self, state: PoolState, root_token: int, tree: DraftTree, *, return_hidden: bool = False, lazy_logits: bool = False
+        self,
+        state: PoolState,
+        root_token: int,
+        tree: DraftTree,
+        *,
+        return_hidden: bool = False,
+        lazy_logits: bool = False,
     ) -> ForwardOutput:
         """One request's :meth:`verify` (``lazy_logits`` is accepted and ignored: every row's
         logits are computed, and their argmax)."""
