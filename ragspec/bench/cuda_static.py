@@ -248,11 +248,18 @@ def compile_for_hopper(
         distinct compiled kernels; ``row_dependent`` lists the kernels whose compiled
         specialisation differs between row counts (there must be none).
 
+    Where triton was imported in interpreter mode (``TRITON_INTERPRET=1``: its kernels are
+    interpreted functions, which do not compile), the compile runs in a fresh interpreter.
+
     Raises:
         ImportError: triton (with its NVIDIA backend) is not installed.
+        RuntimeError: the fresh interpreter failed.
     """
     from triton import knobs
     from triton.runtime.driver import driver
+
+    if knobs.runtime.interpret:
+        return _compile_in_a_fresh_interpreter(rows, dtypes)
 
     ptxas = knobs.nvidia.ptxas.path
     hopper = _Hopper()
@@ -297,6 +304,26 @@ def compile_for_hopper(
         "kernels": kernels,
         "row_dependent": row_dependent,
     }
+
+
+def _compile_in_a_fresh_interpreter(rows: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
+    import json
+    import os
+    import sys
+
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    code = (
+        "import json, torch\n"
+        "from ragspec.bench.cuda_static import compile_for_hopper\n"
+        f"res = compile_for_hopper({tuple(rows)!r}, tuple(getattr(torch, n) for n in {names!r}))\n"
+        "print(json.dumps(res))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"the sm_90 compile failed in a fresh interpreter: {res.stderr.strip()[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def host_pack_ms(rows: int, repeats: int = 200, past: int = 700) -> float:
