@@ -69,8 +69,17 @@ if [ "$MODE" = rehearse ]; then
   "$PY" scripts/gpu_check.py plan --left "${BUDGET_LEFT_S:-720}" || exit 1
   eval "$("$PY" scripts/gpu_check.py plan --left "${BUDGET_LEFT_S:-720}" --shell)"
   rm -rf "$STASH"
+  # each call carries only its own part of the wheel: the other one waits aside meanwhile
+  AWAY=$WORK/away
+  mkdir -p "$AWAY"
+  back() { for d in "$AWAY"/p*; do [ -d "$d" ] && mv "$d" "$REPO/.gpu/"; done; }
+  trap back EXIT
+  [ -d "$REPO/.gpu/p2" ] && mv "$REPO/.gpu/p2" "$AWAY/"
   DEADLINE_S=$PLAN_FIRST_S bash "$0" first; rc1=$?
+  back
+  [ -d "$REPO/.gpu/p1" ] && mv "$REPO/.gpu/p1" "$AWAY/"
   DEADLINE_S=$PLAN_FINAL_S bash "$0" final; rc2=$?
+  back
   echo "rehearsal: first rc=$rc1, final rc=$rc2"
   [ "$rc1" = 0 ] && [ "$rc2" = 0 ]
   exit $?

@@ -13,8 +13,9 @@
 
 ``python scripts/cuda_static_check.py --json`` prints the three. The model is the default
 model's shapes (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 key-value heads of 64, MLP
-1536, vocabulary 49152) with no weights read. This module imports torch, transformers and
-triton only; it runs on a CPU machine.
+1536, vocabulary 49152: :mod:`ragspec.backend.cuda.shapes`) with no weights read. This
+module imports torch and triton (and transformers through the backend); it runs on a CPU
+machine.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import re
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
+
+from ..backend.cuda.shapes import DEFAULT_SHAPES, default_shapes_model
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -38,34 +41,6 @@ __all__ = [
     "record_launches",
     "sample_tree",
 ]
-
-DEFAULT_SHAPES: dict[str, Any] = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
-"""The default model's decoder shapes (SmolLM2-135M-Instruct's config)."""
-
-
-def default_shapes_model(layers: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, device: str = "meta"):
-    """A transformers Llama of the default model's shapes (``layers`` decoder layers, default
-    30), on ``device`` (``meta``: no memory, no arithmetic; the weights are not read)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shapes = dict(DEFAULT_SHAPES, num_hidden_layers=int(layers or DEFAULT_SHAPES["num_hidden_layers"]))
-    cfg = LlamaConfig(**shapes)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    for p in model.parameters():  # (the model's own .to() is typed for other uses)
-        p.data = p.data.to(dtype)
-    return model.eval()
 
 
 def sample_tree(nodes: int):

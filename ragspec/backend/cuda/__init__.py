@@ -10,7 +10,10 @@
 * :mod:`~ragspec.backend.cuda.graphs`: the step as CUDA graphs over row-count buckets;
 * :mod:`~ragspec.backend.cuda.weights`: the decoder's weights read from transformers;
 * :mod:`~ragspec.backend.cuda.target`: :class:`CudaTarget`, the ``Target``;
-* :mod:`~ragspec.backend.cuda.drafting`: GPU-sized draft budgets from its latency table.
+* :mod:`~ragspec.backend.cuda.drafting`: GPU-sized draft budgets from its latency table, and
+  the drafting measured faster per GPU;
+* :mod:`~ragspec.backend.cuda.shapes`: the default model's shapes without its weights (for
+  counting and compiling the step without a GPU).
 
 Imports torch (and triton, transformers where present) only: it loads on a CPU machine
 without CUDA, and the modules import none of the server or datastore dependencies.
