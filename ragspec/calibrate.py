@@ -20,6 +20,7 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .policy import LatencyModel, LatencyTable
 from .progress import step
+from .tree import interleaved_tree
 from .types import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -213,21 +214,11 @@ def measure_latency(
 
 
 def _draft(tokens: list[int], wide: bool) -> DraftTree:
-    """A chain of ``tokens``, or (``wide``) a tree of them: four branches below the root,
-    each node after the first four below the node four before it."""
+    """A chain of ``tokens``, or (``wide``) a tree of them: four interleaved branches below
+    the root (:func:`ragspec.tree.interleaved_tree`)."""
     if not tokens:
         return DraftTree.empty()
-    if not wide:
-        return DraftTree.chain(tokens)
-    parents = [-1 if j < 4 else j - 4 for j in range(len(tokens))]
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    n = len(tokens)
-    return DraftTree(
-        tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
-        sources=("calibration",) * n, scores=torch.ones(n),
-    )  # fmt: skip
+    return interleaved_tree(tokens, 4, "calibration") if wide else DraftTree.chain(tokens)
 
 
 def _slowest(samples: dict, q: int, lazy: bool, shapes: tuple[bool, ...]) -> float:

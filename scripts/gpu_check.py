@@ -111,26 +111,9 @@ def cmd_random_model(args) -> int:
 # ---------------------------------------------------------------------------- micro
 def _branchy_tree(nodes: int, branches: int):
     """``branches`` chains below the root sharing the nodes (a tree, not a chain)."""
-    from ragspec.types import DraftTree
+    from ragspec.tree import interleaved_tree
 
-    per = max(1, nodes // branches)
-    tokens, parents = [], []
-    for b in range(branches):
-        prev = -1
-        for d in range(per):
-            if len(tokens) == nodes:
-                break
-            tokens.append(100 + 7 * len(tokens))
-            parents.append(prev)
-            prev = len(tokens) - 1
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    n = len(tokens)
-    return DraftTree(
-        tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
-        sources=("micro",) * n, scores=torch.ones(n),
-    )  # fmt: skip
+    return interleaved_tree([100 + 7 * j for j in range(nodes)], branches, "micro")
 
 
 def cmd_micro(args) -> int:
@@ -328,8 +311,10 @@ def cmd_concurrent(args) -> int:
         return 1
     cats = [c for c in args.categories.split(",") if c]
     rows = load_prompts(args.data, cats, args.limit)
+    os.environ["RAGSPEC_CUDA_BACKEND"] = "0"  # the base lends its model, tokenizer and drafter only
     base = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=False,
                        policy=PolicyConfig(max_draft_tokens=args.budget or 8))  # fmt: skip
+    os.environ.pop("RAGSPEC_CUDA_BACKEND")
     prompts = [base.encode_prompt(r["turns"][0], chat=True) for r in rows]
     context = max(len(p) for p in prompts) + args.max_new_tokens + (args.budget or 64) + 8
     results = {"env": _env(), "model": base.model_name, "in_flight": args.in_flight, "prompts": len(prompts),

@@ -44,23 +44,11 @@ __all__ = [
 
 
 def sample_tree(nodes: int):
-    """A branching draft tree of ``nodes`` nodes: three children of the root, then chains
-    below each (a tree, not a chain: its rows attend through a path)."""
-    from ..types import DraftTree
+    """A branching draft tree of ``nodes`` nodes: three chains below the root, interleaved (a
+    tree, not a chain: its rows attend through a path)."""
+    from ..tree import interleaved_tree
 
-    parents: list[int] = []
-    depth: list[int] = []
-    for j in range(nodes):
-        p = -1 if j < 3 else j - 3
-        parents.append(p)
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return DraftTree(
-        tokens=torch.arange(100, 100 + nodes),
-        parents=torch.tensor(parents),
-        depth=torch.tensor(depth),
-        sources=("sample",) * nodes,
-        scores=torch.ones(nodes),
-    )
+    return interleaved_tree(range(100, 100 + nodes), 3, "sample")
 
 
 @dataclass

@@ -251,6 +251,7 @@ def _long_pool(dtype, cap=1100, seed=13):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_attention_at_contexts_1_255_256_257_and_1000(dtype):
     """Contexts on both sides of the 256-key chunk boundary (and several chunks): close to
@@ -270,6 +271,7 @@ def test_chunked_attention_at_contexts_1_255_256_257_and_1000(dtype):
             assert torch.equal(one, out[i : i + 1]), (window, i)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("past", [250, 255, 510], ids=["path-crosses-256", "root-at-255", "context-across-chunks"])
 def test_tree_rows_equal_one_row_steps_across_chunk_boundaries(dtype, past):

@@ -229,6 +229,7 @@ def _graphed(model, buckets):
     return t
 
 
+@pytest.mark.slow
 def test_more_rows_than_the_largest_bucket_run_as_several_graphed_steps(model):
     """A prefill longer than the largest bucket runs in pieces and a verification of more
     rows in groups of requests, each piece a graph replay: the same logits as one eager
