@@ -561,6 +561,11 @@ def _fmt(x, width=8, digits=1):
     return f"{x:>{width}.{digits}f}" if isinstance(x, (int, float)) and not math.isnan(x) else f"{'-':>{width}}"
 
 
+def _width(name: str) -> int:
+    """A column wide enough for ``name`` and " tok/s", at least 17."""
+    return max(17, len(name) + 8)
+
+
 def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     """The CUDA backend's part of the table: tokens/s per numerics mode against
     transformers' generate (bf16), identity to transformers greedy (bf16 share, fp32) and
@@ -569,7 +574,7 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     names = sorted({n for rs in gb.values() for r in rs for n in r.get("variants", {}) if "@" not in n})
     if names:
         head = f"{'category':<14}" + "".join(
-            f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names
+            f"{n + ' tok/s':>{_width(n)}}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names
         )
         lines += [f"CUDA backend (draft budgets {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
                   "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16). Columns: cuda-MODE: ragspec's "
@@ -586,9 +591,7 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
                 same32 = f"{sum(bool(m['identical']) for m in fs)}/{len(fs)}" if fs else "-"
                 plain = [m for m in ms if "plain_identical" in m]
                 sp = f"{sum(bool(m['plain_identical']) for m in plain)}/{len(plain)}" if plain else "-"
-                cells += (
-                    f"{_fmt(tps, 17)}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
-                )
+                cells += f"{_fmt(tps, _width(n))}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
             lines.append(f"{g:<14}{cells}")
     conc = _load(dirs, "concurrent-bf16.json")
     for mode, r in (conc or {}).get("modes", {}).items():
@@ -753,8 +756,12 @@ def cmd_table(args) -> int:
         passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
         lines.append(f"{label}: {passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped"
                      + (f"; FAILED: {', '.join(failed[:12])}" if failed else ""))  # fmt: skip
+    seen = set()
     for d in dirs:
         for p in sorted(Path(d).glob("stages*.tsv")):
+            if p.name in seen:  # (the first call's, in this call's results and on the machine)
+                continue
+            seen.add(p.name)
             stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
             lines.append(
                 f"stages ({p}): "
