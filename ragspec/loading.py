@@ -78,6 +78,8 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
         device = torch.device(device)
         if device.type != "cuda":
             return "retrieval"
+        if not torch.cuda.is_available():  # (a CUDA device named on a machine without one)
+            return "merged"
         from .backend.cuda.drafting import recorded_drafting
         from .models import cache_dir
 

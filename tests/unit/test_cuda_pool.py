@@ -246,6 +246,7 @@ def test_auto_drafting_on_cuda_reads_the_choice_the_gpu_check_recorded(tmp_path,
     from ragspec.backend.cuda.drafting import record_drafting, recorded_drafting
 
     monkeypatch.setenv("RAGSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert loading.resolve_drafting("auto", torch.device("cuda")) == "merged"
     measured = {"auto": {"tok_s": 300.0}, "retrieval": {"tok_s": 340.0}}
