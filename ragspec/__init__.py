@@ -7,15 +7,20 @@ from .errors import (
     ConfigError,
     DatastoreError,
     DatastoreFormatError,
+    DatastoreNotFoundError,
     EagleHeadMismatchError,
     EmptyCorpusError,
+    IsolationError,
     ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
     RagspecError,
     TokenizerMismatchError,
+    UnsupportedParameterError,
 )
 from .loading import load_engine
+from .params import RequestParams
+from .prompts import PreparedPrompt
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
 
 __version__ = "0.1.0"
@@ -24,6 +29,8 @@ __all__ = [
     "Engine",
     "Request",
     "load_engine",
+    "RequestParams",
+    "PreparedPrompt",
     "DecodeConfig",
     "PLDConfig",
     "PolicyConfig",
@@ -44,4 +51,7 @@ __all__ = [
     "CapacityError",
     "PromptTooLongError",
     "EagleHeadMismatchError",
+    "UnsupportedParameterError",
+    "DatastoreNotFoundError",
+    "IsolationError",
 ]

@@ -154,7 +154,7 @@ def measure_latency(
         raise ValueError("no q to time")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    limit = getattr(target, "max_length", None)
+    limit = target.max_length
     if limit:
         contexts = tuple(min(int(c), limit - qs[-1] - 2) for c in contexts)
     contexts = tuple(sorted({c for c in contexts if c >= 1}))
@@ -206,7 +206,7 @@ def measure_latency(
             if early:
                 first[context] = _monotone({q: _slowest(samples, q, True, shapes) for q in qs})
             del states
-    name = model_name or str(getattr(getattr(target, "config", None), "_name_or_path", "") or "")
+    name = model_name or str(getattr(target.capability(Capability.CONFIG), "_name_or_path", "") or "")
     table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
     for c in contexts:
         logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})

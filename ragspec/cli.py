@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .bench.cli import add_bench_command
 from .cli_common import (
@@ -24,10 +24,40 @@ from .cli_common import (
     show_progress,
 )
 from .errors import ConfigError, RagspecError
+from .params import RequestParams
+from .prompts import grounded_text
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 logger = logging.getLogger("ragspec")
 
 SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
+
+
+def request_params_from_args(
+    args: argparse.Namespace, documents: Sequence[str] = (), draft_documents: Sequence[str] = ()
+) -> RequestParams:
+    """The CLI's builder of a request's :class:`~ragspec.params.RequestParams`: the
+    generation options of ``ragspec generate`` / ``summarize`` (stop strings unescaped),
+    ``documents`` the model reads (``--docs``), ``draft_documents`` only the drafter reads
+    (``--draft-docs``).
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+    return RequestParams(
+        max_new_tokens=args.max_new_tokens,
+        stop=[_unescape(x) for x in args.stop] if args.stop else (),
+        documents=documents,
+        draft_documents=draft_documents,
+        speculative=not args.no_speculation,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        return_steps=args.json,
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -126,65 +156,54 @@ def _unescape(s: str) -> str:
     return "".join(out)
 
 
-def _generate_and_print(engine, prompt, args, documents=None, compare=False) -> int:
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        stop=[_unescape(x) for x in args.stop] if args.stop else None,
-        documents=documents,
-        speculative=not args.no_speculation,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        return_steps=args.json,
-    )
+def _generate_and_print(engine: "Engine", prompt: str, args, params: RequestParams, compare: bool = False) -> int:
+    """Generate ``prompt`` with ``params`` (:meth:`Engine.prepare`, then :meth:`Engine.start`
+    stepped to the end), streaming the text to stdout, or print it as JSON with ``--json``;
+    the statistics (and with ``compare`` plain greedy's) to stderr."""
+    from .types import GenerationOutput
+
+    prepared = engine.prepare(prompt, params)  # the token ids the model reads, documents laid in
+    chunks = []
+    stats = None
+    for chunk in engine.iterate(engine.start(prepared, params)):
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        chunks.append(chunk)
+        stats = chunk.stats or stats
+    assert stats is not None, "a stream's last chunk carries the request's statistics"
+    out = GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stats)
+    drafting = "off" if args.no_speculation else engine.drafting
+    numerics = engine.target.numerics
     if args.json:
-        out = engine.generate(prompt, **kw)
         rec = {
             "text": out.text,
             "token_ids": out.token_ids,
-            "drafting": "off" if args.no_speculation else engine.drafting,
-            "numerics": getattr(engine.target, "numerics", "exact"),
+            "drafting": drafting,
+            "numerics": numerics,
             "stats": out.stats.to_dict(with_steps=True),
         }
         if compare:
-            rec["baseline"] = _baseline(engine, prompt, args)
+            rec["baseline"] = _baseline(engine, list(prepared.prompt_ids), args)
         print(json.dumps(rec, indent=1))
         return 0
-    chunks = []
-    stats = None
-    for chunk in engine.stream(prompt, **kw):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        chunks.append(chunk)
-        stats = chunk.stats or stats
     sys.stdout.write("\n")
-    from .types import GenerationOutput
-
-    assert stats is not None, "a stream's last chunk carries the request's statistics"
-    out = GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stats)
     base = None
     if compare:
-        b = _baseline(engine, prompt, args)
+        b = _baseline(engine, list(prepared.prompt_ids), args)
         base = (b["token_ids"], b["seconds"])
-    _print_stats(
-        out,
-        base,
-        fast=getattr(engine.target, "numerics", "exact") == "fast",
-        drafting="off" if args.no_speculation else engine.drafting,
-    )
+    _print_stats(out, base, fast=numerics == "fast", drafting=drafting)
     return 0
 
 
-def _baseline(engine, prompt, args) -> dict:
-    """Plain transformers ``model.generate`` greedy on the same prompt, timed."""
+def _baseline(engine: "Engine", prompt_ids: list[int], args) -> dict:
+    """Plain transformers ``model.generate`` greedy on the same prompt token ids, timed."""
     import time
 
     from .bench.runner import hf_generate
 
-    ids = engine.encode_prompt(prompt)
     t0 = time.perf_counter()
-    toks = hf_generate(engine.model, ids, args.max_new_tokens, engine.eos_token_ids, do_sample=False)
+    toks = hf_generate(engine.model, prompt_ids, args.max_new_tokens, engine.eos_token_ids, do_sample=False)
     return {"token_ids": toks, "seconds": time.perf_counter() - t0}
 
 
@@ -230,8 +249,10 @@ def cmd_generate(args) -> int:
     else:
         raise ConfigError("give a prompt, --prompt-file FILE, or - for stdin")
     docs = [_read_text(d) for d in (args.docs or [])]
+    draft_docs = [_read_text(d) for d in (args.draft_docs or [])]
+    params = request_params_from_args(args, docs, draft_docs)
     engine = engine_from_args(args)
-    return _generate_and_print(engine, prompt, args, documents=docs or None, compare=args.compare)
+    return _generate_and_print(engine, prompt, args, params, compare=args.compare)
 
 
 def _specbench_documents(path: str, category: str, index: int) -> tuple[list[str], str]:
@@ -265,17 +286,33 @@ def cmd_summarize(args) -> int:
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise ConfigError("the documents are empty")
-    prompt = (
-        "\n\n".join(f"Document {i + 1}:\n{d.strip()}" for i, d in enumerate(docs))
-        + "\n\n"
-        + (args.instruction or SUMMARY_INSTRUCTION)
-    )
+    # the documents are the prompt's input, in the default layout (as /v1/summarize lays
+    # them): prompt lookup copies from them already
+    prompt = grounded_text(docs, args.instruction or SUMMARY_INSTRUCTION)
+    params = request_params_from_args(args)
     engine = engine_from_args(args)
-    # the documents are in the prompt: prompt lookup copies from them already
-    return _generate_and_print(engine, prompt, args, documents=None, compare=args.compare)
+    return _generate_and_print(engine, prompt, args, params, compare=args.compare)
 
 
 # ---------------------------------------------------------------------- parser
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``ragspec generate``'s prompt and its documents."""
+    p.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
+    p.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file instead")
+    p.add_argument(
+        "--docs",
+        nargs="*",
+        help="document files the model reads as grounding (the chat template's documents, else 'Document 1:' ... "
+        "before the prompt) and the drafter copies from",
+    )
+    p.add_argument(
+        "--draft-docs",
+        nargs="*",
+        help="document files only the drafter copies from (the model does not read them: e.g. text the prompt "
+        "already holds)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ragspec",
@@ -324,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     g = sub.add_parser("generate", help="generate from a prompt")
-    g.add_argument("prompt", nargs="?", help="prompt text, or - for stdin")
-    g.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file instead")
-    g.add_argument("--docs", nargs="*", help="document files the drafter may copy from")
+    _add_prompt_args(g)
     add_gen_args(g)
     g.set_defaults(func=cmd_generate)
 

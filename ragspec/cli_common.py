@@ -116,7 +116,13 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
     p.add_argument(
         "--dtype", default=os.environ.get("RAGSPEC_DTYPE"), help="fp32, bf16, fp16 (default: bf16 on cuda, fp32 on cpu)"
     )
-    p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens verified per step")
+    p.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=8,
+        help="most draft tokens verified per step (default 8; on CUDA, unless given, sized from the measured "
+        "forward latency)",
+    )
     p.add_argument(
         "--numerics",
         choices=("exact", "fast"),
@@ -157,19 +163,33 @@ def add_model_args(p: argparse.ArgumentParser, datastore: bool = True) -> None:
 def engine_from_args(args: argparse.Namespace, calibrate: bool = True) -> "Engine":
     """The engine :func:`add_model_args`' options describe, through
     :func:`ragspec.loading.load_engine` (``--prefix-cache-tokens`` too where the command has
-    it); ``calibrate`` times the target's forwards at start-up.
+    it), after :func:`ragspec.serving.check_config` checked them (a bad path fails before
+    the model loads); ``calibrate`` times the target's forwards at start-up.
 
     Raises:
         RagspecError: the model, datastore or head cannot be loaded (typed subclasses).
     """
     from .config import PolicyConfig
     from .loading import load_engine
+    from .serving import ServingConfig, check_config
 
+    datastore = getattr(args, "datastore", None)
+    # every path and option checked in seconds, before the model loads
+    check_config(
+        ServingConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            eagle=getattr(args, "eagle", None),
+            numerics=getattr(args, "numerics", None) or "exact",
+            datastores=((datastore, datastore),) if datastore else (),
+        )
+    )
     return load_engine(
         args.model,
         device=args.device,
         dtype=args.dtype,
-        datastore=getattr(args, "datastore", None),
+        datastore=datastore,
         eagle=getattr(args, "eagle", None),
         policy=PolicyConfig(
             max_draft_tokens=args.max_draft_tokens,

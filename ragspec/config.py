@@ -22,14 +22,14 @@ NUMERICS = ("exact", "fast")
 """The target's arithmetic (``--numerics``): ``exact`` (default) float32 over the model's
 weights, greedy output token-identical to transformers'; ``fast`` (opt-in, CPU with AVX-512
 VNNI) int8 activations in the GGUF-block linears, speculative == plain decoding bit for bit
-within the mode (see :meth:`ragspec.backend.cpu.target.CPUTarget.use_gguf_weights`)."""
+within the mode (see :func:`ragspec.backend.cpu.build.read_gguf_blocks`)."""
 
 DRAFTING_MODES = ("merged", "select", "retrieval")
 """How retrieval and an EAGLE head share a step (``--drafting``; the default ``"auto"`` picks
 one from the device: :func:`ragspec.loading.resolve_drafting`): ``"merged"``, one tree from
 all sources, retrieval's copies also hung under the head's tokens
 (:class:`~ragspec.drafters.merged.MergedDrafter`); ``"select"``, one source wins the step
-(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before issue 22);
+(:class:`~ragspec.drafters.selecting.SelectingDrafter`, the behaviour before merged trees);
 ``"retrieval"``, retrieval's drafts only, a loaded head left unused (the target then
 returns no hidden states for it either)."""
 

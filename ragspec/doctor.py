@@ -65,14 +65,19 @@ def _cuda_facts(model: Optional[torch.nn.Module], target: Optional["Target"] = N
 
     device = torch.cuda.is_available()
     reason: Optional[str] = None
+    # the first thing to fix first: the device and torch's build before triton and the model
     if os.environ.get("RAGSPEC_CUDA_BACKEND", "1") == "0":
         reason = "switched off: RAGSPEC_CUDA_BACKEND=0"
+    elif torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch (see docs/gpu.md)"
+    elif not device:
+        reason = (
+            f"no CUDA device visible (torch.cuda.is_available() is False; torch built for CUDA {torch.version.cuda})"
+        )
     elif not cuda_kernels.triton_available():
-        reason = "triton is not installed"
+        reason = "triton is not installed (pip install triton)"
     elif model is not None:
         reason = unsupported_reason(model)
-    if reason is None and not device:
-        reason = "no CUDA device (torch.cuda.is_available() is False)"
     counts = target.capability(Capability.STEP_COUNTS) if target is not None else None
     return {
         "device_present": device,
@@ -125,6 +130,7 @@ def kernel_report(
     Raises:
         RagspecError: ``model`` cannot be loaded, or a bad device / numerics / drafting.
     """
+    from .backend.base import Capability
     from .backend.cpu import kernels
     from .backend.cpu.native import native_step_enabled
     from .errors import ConfigError
@@ -146,8 +152,13 @@ def kernel_report(
 
     native: dict[str, Any] = {"enabled": native_step_enabled(), "in_library": status.decoder_step}
     if target is not None:
-        # only the CPU backend has a native step (CPUTarget.native_step_off says why not)
-        off = getattr(target, "native_step_off", f"the native step is the CPU backend's; the model is on {run_device}")
+        # only the CPU backend has a native step (its speed-ups say why not)
+        speed_ups = target.capability(Capability.SPEED_UPS)
+        off = (
+            speed_ups.native_step_off
+            if speed_ups is not None
+            else f"the native step is the CPU backend's; the model is on {run_device}"
+        )
         native.update(runs=off is None, reason=off)
     else:
         native.update(runs=None, reason="give --model to load a model and check its native step")

@@ -30,34 +30,41 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .backend.base import Capability, Target, VerifyItem
+from .composition import DrafterParts, DraftSources
 from .config import DecodeConfig, PolicyConfig, SamplingParams
+from .deprecation import warn_deprecated
 from .detok import TextAssembler
 from .draft_choice import Pending, draft_for_step, observe_gates, per_request_drafts
-from .drafters.base import Drafter, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
+from .drafters.base import (
+    Drafter,
+    DraftSession,
+    SessionCapability,
+    reproducible_drafter,
+    salted_drafter,
+    session_capabilities,
+)
 from .errors import ConfigError, PromptTooLongError
+from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
-from .prompts import Prompt, encode_documents, encode_messages, encode_prompt
+from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
 if TYPE_CHECKING:
-    from .config import PLDConfig
     from .datastore import Datastore
-    from .drafters.response_cache import ResponseCache
-    from .eagle import EagleDrafter, EagleHead
+    from .eagle import EagleHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Request", "DrafterParts", "StepReport"]
+__all__ = ["Engine", "Request", "RequestParams", "PreparedPrompt", "DrafterParts", "StepReport"]
 
 # Default latency table (seconds per forward of q new tokens) measured on the reference
 # 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md). Used
@@ -75,31 +82,6 @@ _DEFAULT_LATENCY = {
 }
 
 
-@dataclass(frozen=True)
-class DrafterParts:
-    """What an engine's drafter was composed of (:mod:`ragspec.loading` composes it), so
-    that an engine for another datastore can be composed the same way.
-
-    Attributes:
-        pld: prompt-lookup settings of the retrieval drafter (None: no prompt lookup).
-        datastore: the datastore drafted from, or None.
-        eagle: the EAGLE head's drafter, or None.
-        eagle_path: folder the head was loaded from, or None.
-        response_cache: the cache of this model's earlier responses drafted from
-            (:mod:`ragspec.drafters.response_cache`), or None.
-        drafting: how retrieval and the head share a step (``ragspec.loading.DRAFTING_MODES``:
-            "merged", one tree from all sources; "select", one source per step; "retrieval",
-            retrieval only).
-    """
-
-    pld: Optional["PLDConfig"] = None
-    datastore: Optional["Datastore"] = None
-    eagle: Optional["EagleDrafter"] = None
-    eagle_path: Optional[str] = None
-    response_cache: Optional["ResponseCache"] = None
-    drafting: str = "merged"
-
-
 class Engine:
     """Lossless speculative decoding over a :class:`~ragspec.backend.base.Target`.
 
@@ -112,9 +94,23 @@ class Engine:
         eos_token_ids: ids that end a generation (all EOS ids of the generation config).
         model_name: reported in stats and by the servers.
         parts: what ``drafter`` was composed of (see :class:`DrafterParts`).
+        prefix_cache: another engine's prefix cache over the same target, shared where it
+            fits this one's policy (None: a new one).
+        datastores: name -> datastore a request may name
+            (:attr:`RequestParams.datastore <ragspec.params.RequestParams.datastore>`), each
+            drafted from by a drafter composed from ``parts``
+            (:class:`~ragspec.composition.DraftSources`); ``parts.datastore``, the default,
+            is one of them.
 
     Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
+
+    Raises:
+        ConfigError: named datastores with a drafter not composed from ``parts``.
     """
+
+    from_pretrained: ClassVar[Callable[..., "Engine"]]
+    """Deprecated alias of :func:`ragspec.load_engine` (the same arguments), for one release:
+    it warns. Set by :mod:`ragspec.loading`, which builds engines."""
 
     def __init__(
         self,
@@ -128,15 +124,15 @@ class Engine:
         model_name: str = "",
         parts: DrafterParts = DrafterParts(),
         prefix_cache: Optional[PrefixCache] = None,
+        datastores: Optional[Mapping[str, "Datastore"]] = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
-        self.drafter = drafter
+        self._sources = DraftSources(drafter, parts, datastores)
         self.policy = policy
         self.latency = latency if latency is not None else LatencyModel(dict(_DEFAULT_LATENCY))
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self.model_name = model_name
-        self.parts = parts
         self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
         self._lazy_rows = bool(target.capability(Capability.LAZY_ROWS))
         self._invalid_draft_sources: set[str] = set()  # sources already warned about (logging only)
@@ -159,17 +155,61 @@ class Engine:
         if self.drafter is None:
             return "off"
         parts = self.parts
-        if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
+        if not parts.composed:
             return "custom"
         return "retrieval" if parts.eagle is None else parts.drafting
 
+    # ------------------------------------------------------------------ drafting sources
+    @property
+    def drafter(self) -> Optional[Drafter]:
+        """The drafter of requests naming no datastore (None: plain decoding only)."""
+        return self._sources.drafter
+
+    @property
+    def parts(self) -> DrafterParts:
+        """What :attr:`drafter` was composed of (see :class:`DrafterParts`)."""
+        return self._sources.parts
+
+    @property
+    def datastores(self) -> Mapping[str, "Datastore"]:
+        """The datastores a request may name (``RequestParams.datastore``), name ->
+        datastore as served now, in order (read-only)."""
+        return self._sources.datastores
+
+    @property
+    def default_datastore(self) -> Optional[str]:
+        """The name of the datastore requests naming none draft from (None: not a named one)."""
+        return self._sources.default_name
+
+    def swap_datastore(self, name: str, datastore: "Datastore") -> None:
+        """Serve ``datastore`` (e.g. the same folder reopened after documents were added)
+        under ``name`` from now on: requests started later draft from it, requests already
+        started keep drafting from the one they started with. One reference swap: safe
+        while another thread starts requests.
+
+        Raises:
+            DatastoreNotFoundError: this engine has no datastore of that name.
+        """
+        self._sources = self._sources.replacing(name, datastore)
+
     # ------------------------------------------------------------------ other engines
     def with_drafter(
-        self, drafter: Optional[Drafter], parts: Optional[DrafterParts] = None, *, policy: Optional[PolicyConfig] = None
+        self,
+        drafter: Optional[Drafter],
+        parts: Optional[DrafterParts] = None,
+        *,
+        policy: Optional[PolicyConfig] = None,
+        datastores: Optional[Mapping[str, "Datastore"]] = None,
     ) -> "Engine":
-        """An engine sharing this one's target, tokenizer and latency model, drafting with
-        ``drafter`` (``parts``: what it was composed of; ``policy``: other draft-size
-        settings, default this one's). No I/O."""
+        """An engine sharing this one's target, tokenizer, latency model and prefix cache,
+        drafting with ``drafter`` (``parts``: what it was composed of, default this one's;
+        ``policy``: other draft-size settings, default this one's), for comparisons (the
+        bench's budgets and drafting modes) and :func:`ragspec.loading.engine_over`. Its
+        named datastores: ``datastores``, else this one's when ``parts`` compose (none when
+        they compose nothing), drafted from as ``parts`` compose. No I/O."""
+        parts = parts if parts is not None else self.parts
+        if datastores is None:
+            datastores = self.datastores if parts.composed else None
         return Engine(
             self.target,
             self.tokenizer,
@@ -178,8 +218,9 @@ class Engine:
             latency=self.latency,
             eos_token_ids=self.eos_token_ids,
             model_name=self.model_name,
-            parts=parts if parts is not None else self.parts,
+            parts=parts,
             prefix_cache=self.prefix_cache,  # kept where the new policy's chunks and budget are the same
+            datastores=datastores,
         )
 
     def _new_prefix_cache(self) -> Optional[PrefixCache]:
@@ -205,11 +246,11 @@ class Engine:
     @property
     def model(self) -> Any:
         """The backend's underlying model (the transformers model for ``HFTarget`` and ``CPUTarget``)."""
-        return getattr(self.target, "model", None)
+        return self.target.model
 
     @property
     def datastore(self) -> Optional["Datastore"]:
-        """The datastore this engine drafts from, or None."""
+        """The datastore requests naming none draft from, or None."""
         return self.parts.datastore
 
     @property
@@ -223,22 +264,25 @@ class Engine:
         return self.parts.eagle_path
 
     # ------------------------------------------------------------------ prompts
-    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, documents: Sequence[str] = ()) -> list[int]:
         """Token ids of a prompt: text goes through the chat template when ``chat`` (and the
-        tokenizer has one); a list of ids is taken as is.
+        tokenizer has one); a list of ids is taken as is; ``documents`` laid in for the
+        model to read (:func:`ragspec.prompts.encode_prompt`).
 
         Raises:
-            ConfigError: the prompt is empty, or not valid Unicode text (a lone surrogate).
+            ConfigError: the prompt is empty, or not valid Unicode text (a lone surrogate);
+                documents with a prompt of token ids.
         """
-        return encode_prompt(self.tokenizer, prompt, chat)
+        return encode_prompt(self.tokenizer, prompt, chat, documents)
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) through the chat template.
+    def encode_messages(self, messages: Messages, documents: Sequence[str] = ()) -> list[int]:
+        """Token ids of a chat (list of {"role", "content"}) through the chat template,
+        ``documents`` laid in for the model to read (:func:`ragspec.prompts.encode_messages`).
 
         Raises:
             ConfigError: a message's content is not valid Unicode text (a lone surrogate).
         """
-        return encode_messages(self.tokenizer, messages)
+        return encode_messages(self.tokenizer, messages, documents)
 
     def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
         """Token ids of each document (no special tokens).
@@ -249,67 +293,99 @@ class Engine:
         return encode_documents(self.tokenizer, documents)
 
     # ------------------------------------------------------------------ requests
+    def prepare(
+        self, prompt: Union[Prompt, Messages], params: Optional[RequestParams] = None, *, chat: bool = True
+    ) -> PreparedPrompt:
+        """The token ids a request reads (no forward; a front end may run it on another
+        thread than the one that steps): the prompt with ``params.documents`` laid in for
+        the model (:mod:`ragspec.prompts`: the chat template's documents where it takes
+        them, else the default layout), and, when the request drafts, the token ids of its
+        ``documents`` and ``draft_documents`` for the drafter.
+
+        Args:
+            prompt: text (chat-templated when ``chat``), token ids, or a chat
+                (``{"role", "content"}`` messages, always chat-templated).
+            params: the request's parameters (None: the defaults).
+            chat: apply the chat template to a text prompt.
+
+        Raises:
+            ConfigError: an empty prompt, text that is not valid Unicode, a non-string
+                document, documents with a prompt of token ids.
+        """
+        params = params if params is not None else RequestParams()
+        if _is_messages(prompt):
+            ids = self.encode_messages(prompt, params.documents)  # type: ignore[arg-type]
+        else:
+            ids = self.encode_prompt(prompt, chat=chat, documents=params.documents)  # type: ignore[arg-type]
+        docs = self.encode_documents([*params.documents, *params.draft_documents]) if params.drafts else []
+        return PreparedPrompt(tuple(ids), tuple(tuple(d) for d in docs))
+
     def start(
         self,
-        prompt: Prompt,
-        decode: DecodeConfig = DecodeConfig(),
-        sampling: SamplingParams = SamplingParams(),
+        prompt: Union[Prompt, Messages, PreparedPrompt],
+        params: Union[RequestParams, DecodeConfig, None] = None,
+        sampling: Optional[SamplingParams] = None,
         *,
-        documents: Optional[Sequence[str]] = None,
-        document_ids: Optional[Sequence[Sequence[int]]] = None,
         chat: bool = True,
-        cache_salt: str = "",
+        **deprecated: Any,
     ) -> Request:
         """A new request, ready for :meth:`step` (no forward runs here).
 
         Args:
-            prompt: text (chat-templated when ``chat``) or token ids.
-            decode: limits and whether to speculate.
-            sampling: temperature 0 = greedy; else seeded or fresh sampling.
-            documents: extra texts the drafter may copy from.
-            document_ids: the same, already tokenized.
-            cache_salt: the request's partition of the prefix cache and the response
-                cache (vLLM's ``cache_salt``): it reuses only what requests of the same
-                salt stored, so tenants of other salts cannot observe its prompts through
-                hits, timing or ``num_cached_prompt_tokens`` ("": the shared partition).
+            prompt: text (chat-templated when ``chat``), token ids, a chat, or a prompt
+                already prepared (:meth:`prepare`).
+            params: what the request asks for (:class:`~ragspec.params.RequestParams`; None:
+                the defaults). Its ``datastore`` picks the drafter
+                (:attr:`datastores`); its ``cache_salt`` is its partition of the prefix
+                cache and of drafters that read other requests' tokens (vLLM's
+                ``cache_salt``): it reuses only what requests of the same salt stored, so
+                tenants of other salts cannot observe its prompts through hits, timing or
+                ``num_cached_prompt_tokens`` ("": the shared partition).
+            sampling: deprecated (with ``params`` a ``DecodeConfig``, and the keywords
+                ``decode``, ``sampling``, ``documents``, ``document_ids``, ``cache_salt``):
+                the parameters as the component settings (``documents`` there are the
+                drafter's alone, as before); give a ``RequestParams``.
+            chat: apply the chat template to a text prompt.
 
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the context length.
             ConfigError: an empty prompt, a non-string document.
+            DatastoreNotFoundError: ``params.datastore`` names no datastore of this engine.
+            IsolationError: a salted request that drafts, on a drafter that does not declare
+                whether it reads other requests' tokens.
         """
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        extra_ids: Sequence[Sequence[int]] = ()
+        if sampling is not None or deprecated or isinstance(params, DecodeConfig):
+            params, extra_ids = _deprecated_start(params, sampling, deprecated)
+        params = params if params is not None else RequestParams()
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare(prompt, params, chat=chat)
+        prompt_ids = list(prompt.prompt_ids)
         limit = self.target.max_length
-        if limit is not None and len(prompt_ids) + decode.max_new_tokens > limit:
+        if limit is not None and len(prompt_ids) + params.max_new_tokens > limit:
             raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {decode.max_new_tokens} exceeds the "
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the "
                 f"context length of {limit} tokens"
             )
-        doc_ids = [list(d) for d in (document_ids or ())] + self.encode_documents(documents or ())
-        if sampling.greedy:
+        drafter = self._sources.drafter_for(params.datastore)
+        if params.greedy:
             verifier: Verifier = GreedyVerifier()
             generator = None
         else:
             from .sampling import SamplingVerifier
 
-            verifier = SamplingVerifier(sampling)
+            verifier = SamplingVerifier(params.sampling)
             generator = torch.Generator(device="cpu")
-            if sampling.seed is not None:
-                generator.manual_seed(int(sampling.seed))
+            if params.seed is not None:
+                generator.manual_seed(int(params.seed))
             else:
                 generator.seed()
-        seeded = not sampling.greedy and sampling.seed is not None
-        session = None
-        if decode.speculative and decode.max_draft_tokens != 0 and self.drafter is not None:
-            # a seeded sampled request drafts only from its own tokens: same seed, same output
-            drafter = reproducible_drafter(self.drafter) if seeded else self.drafter
-            if cache_salt:
-                drafter = salted_drafter(drafter, cache_salt)
-            if drafter is not None:
-                session = drafter.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        seeded = not params.greedy and params.seed is not None
+        doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
+        session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
         req = Request(
             prompt_ids=prompt_ids,
-            decode=decode,
-            sampling=sampling,
+            params=params,
             state=self.target.new_state(),
             verifier=verifier,
             session=session,
@@ -320,7 +396,7 @@ class Engine:
             # samples) depend neither on timing noise, other requests, nor on the latency
             # measured at this process's start: same seed, same output, in any process
             latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
-            assembler=TextAssembler(self.tokenizer, decode.stop, prompt_ids[-4:]),
+            assembler=TextAssembler(self.tokenizer, params.stop, prompt_ids[-4:]),
             want_hidden=(
                 session is not None
                 and self._hidden_states
@@ -328,12 +404,31 @@ class Engine:
             ),
             prefill_chunk=int(self.policy.prefill_chunk_tokens),
             batch_independent=seeded,
-            cache_salt=cache_salt,
         )
         req.stats.num_prompt_tokens = len(prompt_ids)
-        if decode.max_new_tokens == 0:
+        if params.max_new_tokens == 0:
             req.finish_reason = "length"
         return req
+
+    def _session(
+        self,
+        drafter: Optional[Drafter],
+        params: RequestParams,
+        prompt_ids: Sequence[int],
+        doc_ids: Sequence[Sequence[int]],
+        seeded: bool,
+    ) -> Optional[DraftSession]:
+        """The request's draft session (None: it does not draft): a seeded sampled request
+        drafts only from its own tokens (same seed, same output); a salted one from its
+        salt's partition (:func:`~ragspec.drafters.base.salted_drafter`, which refuses a
+        drafter that does not declare its isolation)."""
+        if not params.drafts or drafter is None:
+            return None
+        chosen = reproducible_drafter(drafter) if seeded else drafter
+        chosen = salted_drafter(chosen, params.cache_salt)
+        if chosen is None:
+            return None
+        return chosen.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
 
     def step_tokens(self, req: Request) -> int:
         """Most tokens ``req`` puts through the model in its next step: its next prefill
@@ -459,22 +554,13 @@ class Engine:
     # ------------------------------------------------------------------ thin loops
     def stream(
         self,
-        prompt: Prompt,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
         *,
-        max_new_tokens: int = 128,
-        stop: Optional[Union[str, Sequence[str]]] = None,
-        documents: Optional[Sequence[str]] = None,
-        speculative: bool = True,
         chat: bool = True,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: Optional[int] = None,
-        return_steps: bool = False,
-        document_ids: Optional[Sequence[Sequence[int]]] = None,
         should_cancel: Optional[Callable[[], bool]] = None,
-        max_draft_tokens: Optional[int] = None,
-        cache_salt: Optional[str] = None,
+        document_ids: Optional[Sequence[Sequence[int]]] = None,
+        **fields: Any,
     ) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
 
@@ -483,69 +569,41 @@ class Engine:
         iterator, or ``should_cancel()`` returning True, ends the generation within one step.
 
         Raises (at the call, before any forward):
-            PromptTooLongError, ConfigError: as :meth:`start`.
+            TypeError: an unknown keyword.
+            PromptTooLongError, ConfigError, DatastoreNotFoundError, IsolationError: as :meth:`start`.
         """
-        req = self.request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            documents=documents,
-            speculative=speculative,
-            chat=chat,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            return_steps=return_steps,
-            document_ids=document_ids,
-            max_draft_tokens=max_draft_tokens,
-            cache_salt=cache_salt,
-        )
+        req = self.request(prompt, params, chat=chat, document_ids=document_ids, **fields)
         return self.iterate(req, should_cancel)
 
     def request(
         self,
-        prompt: Prompt,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
         *,
-        max_new_tokens: int = 128,
-        stop: Optional[Union[str, Sequence[str]]] = None,
-        documents: Optional[Sequence[str]] = None,
-        speculative: bool = True,
         chat: bool = True,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: Optional[int] = None,
-        return_steps: bool = False,
         document_ids: Optional[Sequence[Sequence[int]]] = None,
-        max_draft_tokens: Optional[int] = None,
-        cache_salt: Optional[str] = None,
+        **fields: Any,
     ) -> Request:
-        """:meth:`start` with :meth:`generate`'s keyword arguments (the typed configs built
-        from them); no forward runs.
+        """:meth:`start` with the request's parameters as ``params`` and/or keywords, the
+        fields of :class:`~ragspec.params.RequestParams` (``max_new_tokens``, ``stop``,
+        ``temperature`` ...; built in one place, :func:`ragspec.params.request_params`); no
+        forward runs. ``document_ids`` (deprecated): token ids only the drafter reads; give
+        texts as ``draft_documents``.
 
         Raises:
-            PromptTooLongError, ConfigError: as :meth:`start`.
+            TypeError: an unknown keyword.
+            PromptTooLongError, ConfigError, DatastoreNotFoundError, IsolationError: as :meth:`start`.
         """
-        if isinstance(stop, str):
-            stop = [stop]
-        decode = DecodeConfig(
-            max_new_tokens=max_new_tokens,
-            stop=tuple(stop or ()),
-            speculative=speculative,
-            return_steps=return_steps,
-            max_draft_tokens=max_draft_tokens,
+        params = request_params(params, **fields)
+        if document_ids is None:
+            return self.start(prompt, params, chat=chat)
+        warn_deprecated(
+            "Engine.request/stream/generate(document_ids=)",
+            "draft_documents= (texts the drafter alone reads), or a PreparedPrompt to Engine.start",
         )
-        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
-        return self.start(
-            prompt,
-            decode,
-            sampling,
-            documents=documents,
-            document_ids=document_ids,
-            chat=chat,
-            cache_salt=cache_salt or "",
-        )
+        prepared = self.prepare(prompt, params, chat=chat)
+        extra = tuple(tuple(int(t) for t in d) for d in document_ids) if params.drafts else ()
+        return self.start(PreparedPrompt(prepared.prompt_ids, prepared.document_ids + extra), params)
 
     def run_requests(
         self, starts: Sequence[Callable[[], Request]], in_flight: int
@@ -586,34 +644,49 @@ class Engine:
             if chunk.finish_reason:
                 return
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationOutput:
+    def generate(
+        self, prompt: Union[Prompt, Messages], params: Optional[RequestParams] = None, **kwargs: Any
+    ) -> GenerationOutput:
         """Generate a completion.
 
         Args:
-            prompt: text (chat-templated when ``chat=True``) or token ids.
+            prompt: text (chat-templated when ``chat=True``), token ids, or a chat
+                (``{"role", "content"}`` messages).
+            params: the request's parameters (:class:`~ragspec.params.RequestParams`); the
+                keywords below, its fields, build one or replace its values:
             max_new_tokens: most tokens generated (default 128).
             stop: stop strings; the text from the first match on is dropped.
-            documents: extra texts the drafter may copy from.
+            documents: texts the model reads as grounding (the chat template's documents,
+                else laid before the prompt: :mod:`ragspec.prompts`) and the drafter copies
+                from.
+            draft_documents: texts only the drafter copies from (e.g. passages the prompt
+                already holds in another form).
+            datastore: the name of the datastore to draft from (:attr:`datastores`; None:
+                the default).
             speculative: False for plain decoding (no drafts).
             max_draft_tokens: this request's draft budget per step, under the engine's
                 (None: the engine's; 0: plain decoding, as ``speculative=False``).
-            chat: apply the chat template to a text prompt.
             temperature, top_k, top_p, seed: sampling settings (temperature 0 = greedy).
             return_steps: keep per-step stats in ``stats.steps``.
             cache_salt: the request's partition of the prefix and response caches (see
                 :meth:`start`; None: the shared one).
+            chat: apply the chat template to a text prompt.
+            should_cancel: asked before each step; True ends the generation.
 
         Returns:
             GenerationOutput with ``.text``, ``.token_ids`` (generated only) and ``.stats``.
 
         Raises:
+            TypeError: an unknown keyword.
             PromptTooLongError: prompt + max_new_tokens exceed the context length.
-            ConfigError: invalid settings.
+            ConfigError: invalid settings; UnsupportedParameterError: a field the engine
+                does not implement yet (``n``, ``logprobs`` ...).
+            DatastoreNotFoundError, IsolationError: as :meth:`start`.
         """
         text_parts: list[str] = []
         tokens: list[int] = []
         stats = None
-        for chunk in self.stream(prompt, **kwargs):
+        for chunk in self.stream(prompt, params, **kwargs):
             text_parts.append(chunk.text)
             tokens.extend(chunk.token_ids)
             if chunk.stats is not None:
@@ -697,3 +770,37 @@ class Engine:
         req.root = committed[-1]
         record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
         return res
+
+
+def _is_messages(prompt: Any) -> bool:
+    """Whether ``prompt`` is a chat (a non-empty sequence of mappings), not text or token ids."""
+    return not isinstance(prompt, str) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+
+
+def _deprecated_start(
+    params: Union[RequestParams, DecodeConfig, None], sampling: Optional[SamplingParams], kwargs: dict[str, Any]
+) -> tuple[RequestParams, Sequence[Sequence[int]]]:
+    """The parameters of :meth:`Engine.start` 's old signature (``start(prompt, decode,
+    sampling, *, documents, document_ids, cache_salt)``) as a ``RequestParams`` (its
+    ``documents``, the drafter's alone there, as ``draft_documents``) and the drafter-only
+    token ids, with a DeprecationWarning.
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+    unknown = sorted(set(kwargs) - {"decode", "sampling", "documents", "document_ids", "cache_salt"})
+    if unknown:
+        raise TypeError(f"Engine.start() got unexpected keyword argument(s) {unknown}")
+    warn_deprecated(
+        "Engine.start(prompt, decode, sampling, documents=, document_ids=, cache_salt=)",
+        "Engine.start(prompt, RequestParams(...)) (ragspec.RequestParams: one value for the request)",
+        stacklevel=4,
+    )
+    if isinstance(params, RequestParams):
+        raise TypeError("Engine.start(): give a RequestParams alone, not with decode/sampling settings")
+    decode = kwargs.pop("decode", params)
+    sampling = kwargs.pop("sampling", sampling)
+    document_ids = kwargs.pop("document_ids", None) or ()
+    # the old signature's documents were the drafter's alone: they keep that meaning here
+    fields = {"draft_documents" if k == "documents" else k: v for k, v in kwargs.items() if v is not None}
+    return RequestParams.from_configs(decode, sampling, **fields), document_ids

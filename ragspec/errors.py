@@ -9,6 +9,9 @@ from __future__ import annotations
 __all__ = [
     "RagspecError",
     "ConfigError",
+    "UnsupportedParameterError",
+    "DatastoreNotFoundError",
+    "IsolationError",
     "ModelNotFoundError",
     "ModelLoadError",
     "DatastoreError",
@@ -16,12 +19,16 @@ __all__ = [
     "EmptyCorpusError",
     "DatastoreInputError",
     "TokenizerMismatchError",
+    "DatastoreBusyError",
+    "IdempotencyKeyError",
     "CapacityError",
     "PromptTooLongError",
     "EagleHeadMismatchError",
     "MissingDependencyError",
     "ResponseLogError",
+    "ResponseLogHeldError",
     "BenchServerError",
+    "UnsupportedError",
 ]
 
 
@@ -31,6 +38,34 @@ class RagspecError(Exception):
 
 class ConfigError(RagspecError, ValueError):
     """A setting is out of range or inconsistent (raised at construction)."""
+
+
+class UnsupportedParameterError(ConfigError):
+    """A request asks for something the engine does not do yet (``n > 1``, log-probabilities,
+    penalties, ``logit_bias``, ``min_tokens``, a structured ``response_format``): refused,
+    never silently ignored. ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class DatastoreNotFoundError(ConfigError):
+    """A request names a datastore the engine was not built with (datastores are named,
+    never paths). ``name``: the name asked for; ``available``: the engine's names."""
+
+    def __init__(self, name: str, available: tuple[str, ...] = ()) -> None:
+        have = list(available) if available else "none"
+        super().__init__(f"unknown datastore {name!r}: this engine has {have} (datastores are named, never paths)")
+        self.name = name
+        self.available = available
+
+
+class IsolationError(RagspecError):
+    """A request with a ``cache_salt`` was started on a drafter that does not declare
+    whether it reads other requests' tokens (``Drafter.isolation``), or declares it
+    partitions by salt without a ``salted`` method: it could share drafts across tenants,
+    so the request is refused (fails closed)."""
 
 
 class ModelNotFoundError(RagspecError, FileNotFoundError):
@@ -65,6 +100,16 @@ class TokenizerMismatchError(DatastoreError):
     """A datastore (or draft head) was built with another tokenizer than the target's."""
 
 
+class DatastoreBusyError(DatastoreError):
+    """An addition to a datastore must wait: it holds as many shards as it may
+    (:data:`ragspec.datastore.shards.MAX_SHARDS`) until the merging running in the
+    background finishes. Nothing was written; retry shortly."""
+
+
+class IdempotencyKeyError(DatastoreError, ValueError):
+    """An addition's idempotency key was already used by an addition of other documents."""
+
+
 class CapacityError(RagspecError):
     """The request does not fit: queue full, or more tokens than the context holds."""
 
@@ -88,6 +133,17 @@ class ResponseLogError(RagspecError):
     (or, read strictly, a line that is not a valid record)."""
 
 
+class ResponseLogHeldError(ResponseLogError):
+    """Another live process writes this response log (one writer per log: its lock file,
+    ``<log>.lock``, is held)."""
+
+
 class BenchServerError(RagspecError):
     """A server the bench started or talks to failed (``ragspec bench --serve``): it exited
     or did not become ready in time, or answered a request with an error."""
+
+
+class UnsupportedError(RagspecError, NotImplementedError):
+    """A call ragspec does not support (yet), e.g. LangChain's ``bind_tools``: the message
+    names what is unsupported and where to look. A ``NotImplementedError`` too, as
+    LangChain's own unsupported calls raise."""

@@ -7,11 +7,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Type
+from typing import Any, BinaryIO, Iterator, Optional, Type
 
 from .errors import ConfigError, RagspecError
 
-__all__ = ["iter_jsonl", "check_log_path"]
+__all__ = ["iter_jsonl", "iter_bounded_lines", "check_log_path"]
+
+_SKIP_BLOCK = 1 << 16
 
 
 def iter_jsonl(path: str | Path, error: Type[RagspecError] = ConfigError) -> Iterator[tuple[int, Any]]:
@@ -34,6 +36,30 @@ def iter_jsonl(path: str | Path, error: Type[RagspecError] = ConfigError) -> Ite
                     raise error(f"{p}:{i}: not valid JSON ({e.msg})") from None
         except UnicodeDecodeError as e:
             raise error(f"{p}: not UTF-8 ({e})") from None
+
+
+def iter_bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, Optional[bytes]]]:
+    """``(line number, raw line)`` of each line of the binary stream ``f`` (the newline
+    kept; the last line may lack one), holding at most ``max_bytes`` of a line in memory: a
+    longer line is read past in blocks and given as ``(line number, None)``.
+
+    Args:
+        max_bytes: longest line given whole, its newline included (at least 1).
+    """
+    lineno = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= max_bytes:
+            yield lineno, raw
+            continue
+        while not raw.endswith(b"\n"):  # the rest of the long line, block by block
+            raw = f.readline(_SKIP_BLOCK)
+            if not raw:
+                break
+        yield lineno, None
 
 
 def check_log_path(path: str | os.PathLike, error: Type[RagspecError] = ConfigError, what: str = "log") -> Path:

@@ -1,11 +1,12 @@
-"""The one builder of engines: model, backend and its speed-ups, datastore, EAGLE head,
+"""The one builder of engines: model, backend built with its speed-ups, datastore, EAGLE head,
 drafter composition, latency calibration, EOS ids.
 
 Front ends (the CLI, the server, LangChain, ``ragspec eagle``, the examples) build engines
 only through :func:`load_engine` (over a model they already hold: :func:`select_target`,
-:func:`engine_for_target`, :func:`engine_with_drafter`); an engine for another datastore over
-the same model comes from :func:`with_datastore` (no reload). Nothing is set on an engine
-after construction.
+:func:`engine_for_target`, :func:`engine_with_drafter`). One engine
+serves every datastore it is built with: a request names the one it drafts from
+(``RequestParams.datastore``); :func:`engine_over` gives a server's engine over a model
+already loaded (its datastores, its response cache). Nothing is set on an engine after construction.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .calibrate import measure_latency_model
+from .composition import DrafterParts, compose_drafter
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS, PLDConfig, PolicyConfig, check_drafting
+from .deprecation import warn_deprecated
 from .drafters.base import CompositeDrafter, Drafter
-from .drafters.merged import MergedDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
 from .drafters.response_cache import ResponseCache, ResponseCacheDrafter
-from .drafters.selecting import SelectingDrafter
-from .engine import DrafterParts, Engine
+from .engine import Engine
 from .errors import ConfigError
 from .policy import LatencyModel
 from .progress import step
@@ -46,7 +46,10 @@ __all__ = [
     "load_target",
     "select_target",
     "load_eagle",
+    "open_datastores",
+    "datastore_name",
     "compose_drafter",
+    "engine_over",
     "with_datastore",
     "with_response_cache",
     "with_drafting",
@@ -66,7 +69,7 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     Xeon, 3 dev prompts x 6 categories, 128 tokens, interleaved in one ``ragspec bench
     --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
     drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
-    as fast or faster in every category (``docs/bench/issue22-retrieval-vs-merged-run{1,2}.json``).
+    as fast or faster in every category (``docs/bench/drafting-retrieval-vs-merged-run{1,2}.json``).
     On CUDA ``"auto"`` is what the GPU check measured faster on this GPU model, the head
     merged with retrieval or retrieval alone
     (:func:`ragspec.backend.cuda.drafting.recorded_drafting`), else ``"merged"``.
@@ -116,16 +119,21 @@ def select_target(
     cuda_slots: int = CUDA_SLOTS,
 ) -> "Target":
     """The backend for a loaded transformers model, chosen once, here, from its device (read
-    from its parameters; its dtype decides which speed-ups apply), with its speed-ups
-    installed.
+    from its parameters; its dtype decides which speed-ups apply), built whole with its
+    speed-ups (one choice, made here: nothing is installed on the target afterwards).
 
-    * CPU: :class:`~ragspec.backend.cpu.target.CPUTarget` and
-      :meth:`~ragspec.backend.cpu.target.CPUTarget.speed_up` (compiled few-row linear and
-      attention kernels for float32, the GGUF file's blocks, the fused decoder step;
-      pre-packed oneDNN weights for bfloat16);
+    * CPU: :func:`~ragspec.backend.cpu.build.load_cpu_target` with the
+      :class:`~ragspec.backend.cpu.build.CPUSpeedUps` chosen from the arguments and the
+      environment (``RAGSPEC_CPU_KERNELS``, ``RAGSPEC_NATIVE_STEP``): the fused C++ step's
+      target (:class:`~ragspec.backend.cpu.native_target.NativeTarget`) for a float32 Llama
+      with the compiled kernels, else the kernel-routed transformers target
+      (:class:`~ragspec.backend.cpu.target.CPUTarget`: compiled few-row linear and
+      attention kernels for float32, the GGUF file's blocks; pre-packed oneDNN weights for
+      bfloat16);
+    * CUDA: ragspec's CUDA backend (:func:`ragspec.backend.cuda.load_cuda_target`) for the
+      models it serves;
     * any other device: the device-neutral :class:`~ragspec.backend.hf.HFTarget`, its
-      attention routed through ragspec's function
-      (:meth:`~ragspec.backend.hf.HFTarget.route_gqa_attention`).
+      attention routed through ragspec's function (``route_attention``).
 
     Args:
         model: a loaded ``PreTrainedModel`` for causal LM (eval mode, on its device).
@@ -134,8 +142,8 @@ def select_target(
         cache: ragspec's cache folder (the compiled kernels live in it).
         gguf: the GGUF file the model was loaded from, or None.
         numerics: ``"exact"`` or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
-        speed_ups: False: the backend for the device without its speed-ups installed (the
-            EAGLE trainer, which trains through the model's own forward).
+        speed_ups: False: the backend for the device without its speed-ups (the EAGLE
+            trainer, which trains through the model's own forward).
         use_cuda_backend: on CUDA, ragspec's CUDA backend
             (:func:`ragspec.backend.cuda.load_cuda_target`) for the models it serves (None: on
             unless ``RAGSPEC_CUDA_BACKEND=0``); off, or a model it cannot run: the
@@ -154,12 +162,20 @@ def select_target(
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     device = next(model.parameters()).device
     if device.type == "cpu":
-        from .backend.cpu.target import CPUTarget
+        from .backend.cpu.build import CPUSpeedUps, load_cpu_target
+        from .backend.cpu.kernels import cpu_kernels_enabled
+        from .backend.cpu.native import native_step_enabled
 
-        cpu_target = CPUTarget(model)
+        choice = None
         if speed_ups:
-            cpu_target.speed_up(cpu_kernels, cache=cache, gguf=gguf, numerics=numerics)
-        return cpu_target
+            choice = CPUSpeedUps(
+                compiled_kernels=cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled(),
+                native_step=native_step_enabled(),
+                gguf=Path(gguf) if gguf else None,
+                numerics=numerics,
+                cache=Path(cache) if cache else None,
+            )
+        return load_cpu_target(model, choice)
     if device.type == "cuda" and speed_ups:
         # ragspec/backend/cuda/: a static KV pool, the flat batch of every request's rows,
         # CUDA graphs, row-invariant Triton kernels (numerics "exact") or cuBLAS ("fast")
@@ -174,10 +190,7 @@ def select_target(
         raise ConfigError(
             "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
         )
-    target = HFTarget(model)
-    if speed_ups:
-        target.route_gqa_attention()
-    return target
+    return HFTarget(model, route_attention=speed_ups)
 
 
 def load_target(
@@ -190,7 +203,7 @@ def load_target(
     numerics: str = "exact",
 ) -> tuple["Target", Any, "ModelSpec"]:
     """Load a model (registry name, GGUF file or HF folder; None = the default model) into
-    the backend for its device, with its speed-ups installed (:func:`select_target`).
+    the backend for its device, built with its speed-ups (:func:`select_target`).
 
     ``numerics``: ``"exact"`` (default) or ``"fast"`` (:data:`ragspec.config.NUMERICS`).
 
@@ -237,44 +250,29 @@ def load_eagle(
     return EagleDrafter(head, target, tree or EagleTreeConfig()), str(path)
 
 
-def compose_drafter(
-    pld: Optional[PLDConfig],
-    datastores: Sequence["Datastore"] = (),
-    eagle: Optional["EagleDrafter"] = None,
-    response_cache: Optional[ResponseCache] = None,
-    drafting: str = "merged",
-) -> Optional[Drafter]:
-    """Retrieval (prompt lookup, then each datastore, then the response cache: the longest
-    suffix match wins) and, with a head, retrieval and the head together as ``drafting``
-    says (:data:`DRAFTING_MODES`). None when there is nothing to draft with.
+def open_datastores(datastores: Sequence[tuple[str, Union[str, Path]]], tokenizer: Any) -> dict[str, "Datastore"]:
+    """The named datastores ``(name, folder)`` opened for ``tokenizer`` (memory maps,
+    warmed), in order.
 
     Raises:
-        ConfigError: an unknown ``drafting``.
+        ConfigError: a name given twice, or empty.
+        DatastoreError: a folder is not a datastore, or was built with another tokenizer.
     """
-    if drafting not in DRAFTING_MODES:
-        raise ConfigError(f"unknown drafting mode {drafting!r}: use one of {', '.join(DRAFTING_MODES)}")
-    retrieval: list[Drafter] = [PromptLookupDrafter(pld)] if pld is not None else []
-    if datastores:
-        from .datastore import DatastoreDrafter
+    from .datastore import Datastore
 
-        retrieval.extend(DatastoreDrafter(ds) for ds in datastores)
-    if response_cache is not None:
-        retrieval.append(ResponseCacheDrafter(response_cache))
-    base: Optional[Drafter] = None
-    if len(retrieval) == 1:
-        base = retrieval[0]
-    elif retrieval:
-        base = CompositeDrafter(retrieval)
-    if eagle is None or drafting == "retrieval":
-        return base
-    if base is None:
-        return eagle
-    if drafting == "select":
-        # retrieval when its match is worth more than the head's draft (calibrated per
-        # request), the head otherwise
-        return SelectingDrafter(base, eagle)
-    # one tree: retrieval's, the head's, and retrieval's copies after the head's tokens
-    return MergedDrafter(base, eagle)
+    out: dict[str, Datastore] = {}
+    for name, folder in datastores:
+        if not name or name in out:
+            raise ConfigError(f"datastore names must be unique and non-empty, got {name!r} twice or empty")
+        with step(f"opening the datastore {name} ({folder})"):
+            out[name] = Datastore.open(folder, tokenizer=tokenizer, warm=True)
+        logger.info("datastore %r: %s", name, folder)
+    return out
+
+
+def datastore_name(folder: Union[str, Path]) -> str:
+    """The name a datastore given by its folder alone is served under: the folder's name."""
+    return Path(folder).resolve().name or "datastore"
 
 
 def load_engine(
@@ -283,6 +281,7 @@ def load_engine(
     dtype: Optional[str] = None,
     *,
     datastore: Optional[Union[str, Path]] = None,
+    datastores: Sequence[tuple[str, Union[str, Path]]] = (),
     eagle: Optional[Union[str, Path]] = "auto",
     pld: PLDConfig = PLDConfig(),
     policy: PolicyConfig = PolicyConfig(),
@@ -293,15 +292,18 @@ def load_engine(
     numerics: str = "exact",
     recalibrate: Optional[bool] = None,
 ) -> Engine:
-    """Load a model and build an engine with prompt-lookup drafting, plus a datastore and
-    an EAGLE head when given.
+    """Load a model and build an engine with prompt-lookup drafting, plus datastores and an
+    EAGLE head when given.
 
     Args:
         model: registry name (``smollm2-135m-instruct``, ``gemma3-270m``), a GGUF file or
             a local HF folder; None = the default model.
         device: ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when present).
         dtype: ``fp32``, ``bf16``, ``fp16`` (default: bf16 on CUDA, fp32 on CPU).
-        datastore: a datastore folder (``ragspec datastore build``).
+        datastore: a datastore folder (``ragspec datastore build``), the default of requests
+            naming none, served under its folder's name (:func:`datastore_name`).
+        datastores: ``(name, folder)`` of more datastores requests may name
+            (``RequestParams.datastore``); without ``datastore`` the first is the default.
         eagle: a head folder; ``"auto"`` (default) the head shipped with ragspec for this
             model when there is one and its fingerprint matches (one ships for the default
             model), else none; None, ``""`` or ``"none"``: no head.
@@ -330,57 +332,76 @@ def load_engine(
     Raises:
         ModelNotFoundError: the model is not fetched / the path does not exist.
         ModelLoadError: the file is broken.
-        DatastoreError: the datastore cannot be opened for this tokenizer.
+        DatastoreError: a datastore cannot be opened for this tokenizer.
         EagleHeadMismatchError: the head was trained for another model.
         ConfigError: an unknown ``drafting`` or ``numerics``, or ``numerics="fast"``
-            where it cannot be served.
+            where it cannot be served; datastore names given twice.
     """
     from .models import eos_token_ids
 
     check_drafting(drafting)  # an unknown mode fails before any load
+    named = ([(datastore_name(datastore), datastore)] if datastore else []) + list(datastores)
     target, tokenizer, spec = load_target(model, device, dtype, cache=cache, cpu_kernels=cpu_kernels, numerics=numerics)
-    stores = []
-    if datastore:
-        from .datastore import Datastore
-
-        with step(f"opening the datastore {datastore}"):
-            stores.append(Datastore.open(datastore, tokenizer=tokenizer, warm=True))
+    stores = open_datastores(named, tokenizer)
     eagle_drafter, eagle_path = load_eagle(eagle, target, spec)
-    if eagle_drafter is None and drafting in ("merged", "select"):
+    _warn_headless(eagle_drafter, drafting, spec)
+    drafting = resolve_drafting(drafting, target.device)
+    latency = _calibrated(target, spec, cache, cpu_kernels, numerics, recalibrate) if calibrate else None
+    policy = _device_policy(target, latency, policy)
+    parts = DrafterParts(
+        pld=pld,
+        datastore=next(iter(stores.values()), None),
+        eagle=eagle_drafter,
+        eagle_path=eagle_path,
+        drafting=drafting,
+    )
+    return Engine(
+        target,
+        tokenizer,
+        drafter=parts.drafter_with(parts.datastore),
+        policy=policy,
+        latency=latency,
+        eos_token_ids=eos_token_ids(target.model, tokenizer),
+        model_name=spec.name,
+        parts=parts,
+        datastores=stores,
+    )
+
+
+def _warn_headless(eagle: Optional["EagleDrafter"], drafting: str, spec: "ModelSpec") -> None:
+    """Say so where a drafting mode that needs a head (merged, select) has none."""
+    if eagle is None and drafting in ("merged", "select"):
         logger.warning(
             "--drafting %s needs an EAGLE head, and none is loaded (--eagle none, or no head shipped for %s): "
             "drafts come from retrieval alone",
             drafting,
             spec.name,
         )
-    drafting = resolve_drafting(drafting, target.device)
-    latency = _calibrated(target, spec, cache, cpu_kernels, numerics, recalibrate) if calibrate else None
-    if (
-        latency is not None
-        and target.device.type == "cuda"
-        and policy.max_draft_tokens == PolicyConfig().max_draft_tokens
-    ):
-        # verification rows are nearly free on a GPU: the draft budget (16-64 nodes) from the
-        # measured latency table, unless the caller chose one
-        from .backend.cuda import gpu_draft_policy
 
-        policy = gpu_draft_policy(latency.table, policy)
-    return Engine(
-        target,
-        tokenizer,
-        drafter=compose_drafter(pld, stores, eagle_drafter, drafting=drafting),
-        policy=policy,
-        latency=latency,
-        eos_token_ids=eos_token_ids(target.model, tokenizer),
-        model_name=spec.name,
-        parts=DrafterParts(
-            pld=pld,
-            datastore=stores[0] if stores else None,
-            eagle=eagle_drafter,
-            eagle_path=eagle_path,
-            drafting=drafting,
-        ),
-    )
+
+def _device_policy(target: "Target", latency: Optional[LatencyModel], policy: PolicyConfig) -> PolicyConfig:
+    """``policy``, with the draft budget from the measured latency table on a GPU (16-64
+    nodes: verification rows are nearly free there) unless the caller chose one."""
+    if latency is None or target.device.type != "cuda" or policy.max_draft_tokens != PolicyConfig().max_draft_tokens:
+        return policy
+    from .backend.cuda import gpu_draft_policy
+
+    return gpu_draft_policy(latency.table, policy)
+
+
+def _from_pretrained(
+    cls: type[Engine], model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, **kwargs
+) -> Engine:
+    """Deprecated alias of :func:`load_engine` (the same arguments), kept one release: it
+    warns and names ``ragspec.load_engine``."""
+    warn_deprecated("Engine.from_pretrained", "ragspec.load_engine(...) (the same arguments)")
+    return load_engine(model, device, dtype, **kwargs)
+
+
+# Engine.from_pretrained was removed without a deprecation period; it is back for one release
+# as the alias above. Set here, where engines are built: the engine module imports nothing of
+# this one (no import cycle), and ragspec's __init__ imports this module, so every Engine has it.
+Engine.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]  # a classmethod is callable
 
 
 def _calibrated(
@@ -474,36 +495,75 @@ def engine_with_drafter(
     )
 
 
-def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
-    """An engine over the same model and backend as ``engine`` whose drafter is composed
-    the same way, with ``datastore`` instead of ``engine``'s (None: without one). No
-    model is loaded."""
-    parts = engine.parts
-    drafter = compose_drafter(
-        parts.pld, [datastore] if datastore is not None else [], parts.eagle, parts.response_cache, parts.drafting
-    )
-    return engine.with_drafter(drafter, dataclasses.replace(parts, datastore=datastore))
+def engine_over(
+    engine: Engine,
+    datastores: Optional[Mapping[str, "Datastore"]] = None,
+    response_cache: Optional[ResponseCache] = None,
+) -> Engine:
+    """The engine a server serves over ``engine``'s model, backend, head, policy and latency
+    model (no model loaded, no I/O): drafting from exactly the named ``datastores`` (the
+    first the default of requests naming none; None: none) and ``response_cache`` (None:
+    none), composed as ``engine``'s drafter was (for an engine whose drafter was not
+    composed here: the datastores and the cache alone). Without datastores, an engine whose
+    drafter was not composed here keeps it, with the cache beside it.
 
-
-def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
-    """An engine over the same model and backend as ``engine`` that also drafts from
-    ``cache`` and caches each finished response in it (None: without a cache). No model is
-    loaded. See :mod:`ragspec.drafters.response_cache`."""
+    Raises:
+        ConfigError: another response cache for an engine whose drafter was not composed
+            here and has one already.
+    """
     parts = engine.parts
+    named = dict(datastores or {})
     drafter: Optional[Drafter]
-    if parts.pld is None and parts.eagle is None and parts.datastore is None:
+    custom = parts.pld is None and parts.eagle is None and parts.datastore is None
+    if named or not custom:
+        parts = dataclasses.replace(parts, datastore=next(iter(named.values()), None), response_cache=response_cache)
+        drafter = parts.drafter_with(parts.datastore)
+    elif parts.response_cache is not None and response_cache is not parts.response_cache:
+        raise ConfigError("this engine's drafter was not composed by ragspec.loading and already has a response cache")
+    elif parts.response_cache is not None:
+        drafter = engine.drafter  # the same cache beside the same drafter
+    else:
         # an engine whose drafter was not composed here: the cache beside that drafter
-        if parts.response_cache is not None:
-            raise ConfigError("this engine already drafts from a response cache")
-        own = ResponseCacheDrafter(cache) if cache is not None else None
+        own = ResponseCacheDrafter(response_cache) if response_cache is not None else None
         if engine.drafter is None or own is None:
             drafter = engine.drafter or own
         else:
             drafter = CompositeDrafter([engine.drafter, own])
-    else:
-        stores = [parts.datastore] if parts.datastore is not None else []
-        drafter = compose_drafter(parts.pld, stores, parts.eagle, cache, parts.drafting)
-    return engine.with_drafter(drafter, dataclasses.replace(parts, response_cache=cache))
+        parts = dataclasses.replace(parts, response_cache=response_cache)
+    return engine.with_drafter(drafter, parts, datastores=named)
+
+
+def _named_datastores(engine: Engine) -> dict[str, "Datastore"]:
+    """``engine``'s named datastores; its default alone, named by its folder, when it has
+    none named."""
+    if engine.datastores:
+        return dict(engine.datastores)
+    ds = engine.parts.datastore
+    return {datastore_name(ds.path): ds} if ds is not None else {}
+
+
+def with_datastore(engine: Engine, datastore: Optional["Datastore"]) -> Engine:
+    """Deprecated: one engine serves every datastore, and a request names the one it drafts
+    from (``RequestParams.datastore``); build the engine with its datastores
+    (:func:`load_engine`'s ``datastores``, :func:`engine_over`). This returns
+    ``engine_over(engine, {name: datastore})`` (no model loaded)."""
+    warn_deprecated(
+        "ragspec.loading.with_datastore",
+        "one engine with every datastore (load_engine(datastores=...), engine_over), each request naming "
+        "its own (RequestParams.datastore)",
+    )
+    named = {datastore_name(datastore.path): datastore} if datastore is not None else {}
+    return engine_over(engine, named, engine.parts.response_cache)
+
+
+def with_response_cache(engine: Engine, cache: Optional[ResponseCache]) -> Engine:
+    """Deprecated: give the response cache when the engine is built (:func:`engine_over`). This returns ``engine_over(engine, its datastores, cache)``.
+
+    Raises:
+        ConfigError: an engine whose drafter was not composed here, and already has a cache.
+    """
+    warn_deprecated("ragspec.loading.with_response_cache", "engine_over(engine, engine.datastores, cache)")
+    return engine_over(engine, _named_datastores(engine), cache)
 
 
 def with_drafting(engine: Engine, drafting: str) -> Engine:
@@ -517,9 +577,7 @@ def with_drafting(engine: Engine, drafting: str) -> Engine:
             here.
     """
     parts = engine.parts
-    if parts.pld is None and parts.eagle is None and parts.datastore is None and parts.response_cache is None:
+    if not parts.composed:
         raise ConfigError("this engine's drafter was not composed by ragspec.loading: no parts to recompose")
-    drafting = resolve_drafting(drafting, getattr(engine.target, "device", torch.device("cpu")))
-    stores = [parts.datastore] if parts.datastore is not None else []
-    drafter = compose_drafter(parts.pld, stores, parts.eagle, parts.response_cache, drafting)
-    return engine.with_drafter(drafter, dataclasses.replace(parts, drafting=drafting))
+    parts = dataclasses.replace(parts, drafting=resolve_drafting(drafting, engine.target.device))
+    return engine.with_drafter(parts.drafter_with(parts.datastore), parts)

@@ -16,6 +16,7 @@ import torch
 from .config import DecodeConfig, SamplingParams
 from .detok import TextAssembler
 from .drafters.base import DraftSession, SessionCapability, session_capabilities
+from .params import RequestParams
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .types import DraftTree, GenerationStats, StepStats, StreamChunk, VerifyResult
 from .verify import Verifier
@@ -31,10 +32,9 @@ class Request:
     prefill; it is finished once a step returned its final chunk (``finish_reason`` set).
 
     Attributes:
-        prompt_ids: the prompt's token ids.
-        decode: limits (``max_new_tokens``, stop strings, speculation on/off, its own draft
-            budget ``max_draft_tokens``).
-        sampling: how tokens are chosen (temperature 0 = greedy).
+        prompt_ids: the prompt's token ids (documents laid in).
+        params: what the request asked for (:class:`~ragspec.params.RequestParams`; its
+            ``decode`` limits and ``sampling`` are read from it).
         state: the backend's KV state of this request.
         session: the drafter's per-request session, or None (plain decoding).
         generator: the request's random generator (None when greedy).
@@ -45,8 +45,7 @@ class Request:
     """
 
     prompt_ids: list[int]
-    decode: DecodeConfig
-    sampling: SamplingParams
+    params: RequestParams
     state: Any
     verifier: Verifier
     session: Optional[DraftSession]
@@ -61,9 +60,6 @@ class Request:
     """Prompt tokens already in ``state`` (chunked prefill progress)."""
     batch_independent: bool = False
     """Its drafts never depend on the other requests of a step (seeded sampling)."""
-    cache_salt: str = ""
-    """Its partition of the caches shared across requests (prefix cache, response cache):
-    hits only among requests of the same salt ("" : the shared partition)."""
     draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate)
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     solo_draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate.solo)
@@ -78,6 +74,23 @@ class Request:
     """``time.perf_counter()`` at its first step (0 before)."""
     created_s: float = field(default_factory=time.perf_counter)
     """``time.perf_counter()`` when :meth:`Engine.start` made it."""
+
+    @property
+    def decode(self) -> DecodeConfig:
+        """Its limits (``max_new_tokens``, stop strings, speculation on/off, its own draft
+        budget ``max_draft_tokens``)."""
+        return self.params.decode
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """How its tokens are chosen (temperature 0 = greedy)."""
+        return self.params.sampling
+
+    @property
+    def cache_salt(self) -> str:
+        """Its partition of the caches shared across requests (prefix cache, response
+        cache): hits only among requests of the same salt ("": the shared partition)."""
+        return self.params.cache_salt
 
     def cancel(self) -> None:
         """Ask the engine to end this request at its next step (with ``finish_reason``

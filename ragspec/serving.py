@@ -1,26 +1,29 @@
-"""Serving's engine assembly: the engine a server serves, one engine per named datastore
-over the same model, and the cache of the server's own responses.
+"""Serving's engine assembly: the engine a server serves (one engine for every named
+datastore over the same model, and the cache of the server's own responses), and the
+datastore additions it serves from.
 
 The REST service (``ragspec serve``, :func:`ragspec.integrations.server.create_app`) and
 each Ray Serve replica (:mod:`ragspec.integrations.ray`) build what they serve here, from a
 :class:`ServingConfig` (:meth:`ragspec.integrations.settings.ServerSettings.serving_config`
 makes one from the service's settings). Engines come from :mod:`ragspec.loading`, the one
-builder of engines; nothing here loads a model twice: the datastore engines and the
-response cache reuse the loaded model and backend.
+builder of engines: a request names the datastore it drafts from
+(``RequestParams.datastore``); documents added to a datastore are served through
+:func:`serve_datastore`, the one place a datastore is swapped in.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from .config import AUTO_DRAFTING, PolicyConfig
 from .datastore import Datastore, DatastoreInfo, add_texts_to_datastore
+from .deprecation import warn_deprecated
 from .drafters.response_cache import ResponseCache
 from .engine import Engine
-from .errors import ConfigError
-from .loading import load_engine, with_datastore
+from .errors import ConfigError, DatastoreError, DatastoreNotFoundError, ResponseLogHeldError
+from .loading import engine_over, load_engine, open_datastores
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +31,15 @@ __all__ = [
     "ServingConfig",
     "ServingEngines",
     "load_serving_engine",
-    "datastore_engines",
-    "add_documents",
+    "serve_engine",
+    "add_to_datastore",
+    "serve_datastore",
     "open_response_cache",
     "close_response_log",
     "load_serving",
+    "datastore_engines",
+    "add_documents",
+    "check_config",
 ]
 
 
@@ -67,32 +74,78 @@ class ServingConfig:
     """Tokens of earlier responses kept to draft from (0: no response cache)."""
     response_log: Optional[str] = None
     """JSON-lines file the response cache is loaded from at start, when it exists."""
+    response_log_spread: bool = False
+    """Several processes of one service share ``response_log`` (Ray Serve replicas): each
+    journals to the first of ``LOG``, ``LOG.1``, ``LOG.2``, ... that no live process holds
+    (one writer per log)."""
 
 
 @dataclass(frozen=True)
 class ServingEngines:
-    """What a serving process serves: the engine, the named datastores' engines (same model
-    and backend), the response cache (None: none). The engines do not draft from the
-    cache yet: the server adds it (:func:`ragspec.loading.with_response_cache`) when it serves them."""
+    """What a serving process serves: the engine (every named datastore, the response
+    cache among its drafters) and the response cache (None: none), which the server
+    journals and saves."""
 
     engine: Engine
-    datastore_engines: dict[str, Engine]
     response_cache: Optional[ResponseCache]
+
+    @property
+    def datastore_engines(self) -> dict[str, Engine]:
+        """Deprecated: one engine serves every datastore (a request names it); this maps
+        each datastore's name to that one engine."""
+        warn_deprecated("ServingEngines.datastore_engines", "engine.datastores (one engine serves every datastore)")
+        return {name: self.engine for name in self.engine.datastores}
+
+
+def check_config(config: ServingConfig) -> None:
+    """Check, in seconds and before any model loads, what :func:`load_serving` would only
+    find wrong after the load: the model names something loadable, the device and dtype
+    parse (and CUDA is there when asked for), ``numerics="fast"`` has a GGUF model where it
+    needs one, an EAGLE head folder is a head folder, every datastore opens (sizes and the
+    manifest; the tokenizer is checked at load). Nothing is loaded or kept open.
+
+    Raises:
+        ModelNotFoundError: the model is not fetched, or no such path.
+        ConfigError: a bad device or dtype, or ``numerics="fast"`` on a CPU without a GGUF model.
+        ModelLoadError: ``eagle`` names a folder that is not an EAGLE head.
+        DatastoreError: a datastore directory is missing or not a datastore (the message
+            names the datastore).
+    """
+    from .eagle.head import read_head_config
+    from .models import resolve_device, resolve_dtype, resolve_model
+
+    spec = resolve_model(config.model)
+    device = resolve_device(config.device)
+    resolve_dtype(config.dtype, device)
+    if config.numerics == "fast" and device.type == "cpu" and spec.kind != "gguf":
+        raise ConfigError(f"--numerics fast needs a GGUF model on a CPU; {spec.path} is a transformers folder")
+    if config.eagle and str(config.eagle).lower() not in ("auto", "none"):
+        read_head_config(config.eagle)
+    for name, directory in config.datastores:
+        try:
+            Datastore.open(directory).close()
+        except DatastoreError as e:
+            if name == directory:  # a datastore named by its folder: the message names it
+                raise
+            raise type(e)(f"datastore {name!r}: {e}") from e
 
 
 def load_serving_engine(config: ServingConfig) -> Engine:
     """The served engine: ``config``'s model with its EAGLE head, drafting, policy and
-    calibration, through :func:`ragspec.loading.load_engine` (no datastore: those are
-    :func:`datastore_engines`).
+    calibration and its named datastores (the first the default of requests naming none),
+    through :func:`ragspec.loading.load_engine`, drafting from its response cache too
+    (:func:`open_response_cache`; no second load: :func:`serve_engine`).
 
     Raises:
-        ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, ConfigError: as
-            :func:`ragspec.loading.load_engine`.
+        ModelNotFoundError, ModelLoadError, EagleHeadMismatchError, DatastoreError,
+            ConfigError: as :func:`ragspec.loading.load_engine`.
+        ResponseLogHeldError, ResponseLogError: as :func:`open_response_cache`.
     """
-    return load_engine(
+    engine = load_engine(
         config.model,
         config.device,
         config.dtype,
+        datastores=config.datastores,
         eagle=config.eagle,
         policy=config.policy,
         calibrate=config.calibrate,
@@ -100,70 +153,130 @@ def load_serving_engine(config: ServingConfig) -> Engine:
         numerics=config.numerics,
         drafting=config.drafting,
     )
+    cache = open_response_cache(
+        engine, config.response_cache_tokens, config.response_log, spread=config.response_log_spread
+    )
+    return serve_engine(engine, engine.datastores, cache)
 
 
-def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
-    """One engine per named datastore ``(name, directory)``: the same model, backend and
-    latency model as ``engine``, the drafter composed as :mod:`ragspec.loading` composes
-    it, with that datastore (:func:`ragspec.loading.with_datastore`; no model loaded).
+def serve_engine(
+    engine: Engine, datastores: Mapping[str, Datastore], response_cache: Optional[ResponseCache]
+) -> Engine:
+    """A ready ``engine`` (built by the caller) as a server serves it: ``engine`` itself
+    when it already drafts from ``datastores`` (none given: its own) and
+    ``response_cache``, else the engine over its model drafting from them
+    (:func:`ragspec.loading.engine_over`; no model loaded).
 
     Raises:
-        DatastoreError: a directory is not a datastore, or was built with another tokenizer.
+        ConfigError: as :func:`ragspec.loading.engine_over`.
     """
-    out: dict[str, Engine] = {}
-    for name, directory in datastores:
-        ds = Datastore.open(directory, tokenizer=engine.tokenizer)
-        out[name] = with_datastore(engine, ds)
-        logger.info("datastore %r: %s", name, directory)
-    return out
+    named = dict(datastores) or dict(engine.datastores)
+    if named == dict(engine.datastores) and response_cache is engine.parts.response_cache:
+        return engine
+    return engine_over(engine, named, response_cache)
 
 
-def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>") -> tuple[Engine, DatastoreInfo]:
-    """Add ``texts`` (one document each) to the datastore ``engine`` drafts from, on disk
-    and atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
-    manifest replaced; a crash leaves the datastore as it was), and return an engine
-    drafting from the datastore reopened with them (same model, backend, lookup settings
-    and drafter composition, response cache included: :func:`ragspec.loading.with_datastore`;
-    no model loaded) and the datastore's new info. ``engine`` is left as it is: the requests
-    that hold it keep drafting from the datastore as it was. ``source``: the new shard's
-    source record.
+def add_to_datastore(engine: Engine, name: str, texts: Sequence[str], source: str = "<texts>") -> DatastoreInfo:
+    """Add ``texts`` (one document each) to ``engine``'s datastore ``name``, on disk and
+    atomically (:func:`ragspec.datastore.add_texts_to_datastore`: a new shard, then the
+    manifest replaced; a crash leaves the datastore as it was), then serve it reopened (the
+    shards it held shared, the new one opened: :func:`serve_datastore`). Requests already
+    started keep drafting from it as it was. ``source``: the new shard's source record.
+    Returns the datastore's new info. (The server adds through the datastore's writer,
+    :class:`ragspec.datastore.live.DatastoreWriter`, which serves each copy the same way.)
 
     Raises:
-        ConfigError: ``engine`` drafts from no datastore.
+        DatastoreNotFoundError: ``engine`` has no datastore of that name.
         EmptyCorpusError, DatastoreInputError: no text, or a bad one (empty, binary, not
             valid Unicode); nothing is written.
         DatastoreError: the datastore is damaged or gone.
     """
-    old = engine.datastore
-    if old is None:
-        raise ConfigError("this engine drafts from no datastore")
+    if name not in engine.datastores:
+        raise DatastoreNotFoundError(name, tuple(engine.datastores))
+    old = engine.datastores[name]
     add_texts_to_datastore(old.path, texts, engine.tokenizer, source=source)
-    new = Datastore.open(
-        old.path,
-        tokenizer=engine.tokenizer,
-        min_match=old.min_match,
-        max_match=old.max_match,
-        max_samples=old.max_samples,
-    )
+    new = old.reopen()  # the shards ``old`` holds are shared, only the new one is opened
+    serve_datastore(engine, name, new)
     logger.info("datastore %s: %d documents added, now %d", old.path, len(texts), new.num_documents)
-    return with_datastore(engine, new), new.info()
+    return new.info()
 
 
-def open_response_cache(engine: Engine, max_tokens: int, log: Optional[str] = None) -> Optional[ResponseCache]:
-    """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
-    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
-    responses are appended to that log as they finish (``ResponseCache.open_journal``: bad
-    lines skipped with a warning, the log compacted; closed by ``close_response_log``).
+def serve_datastore(engine: Engine, name: str, datastore: Datastore) -> None:
+    """Serve ``datastore`` (a new copy of ``engine``'s datastore ``name``: reopened after an
+    addition, merged) from now on: the one place a served datastore is replaced
+    (:meth:`Engine.swap_datastore`: its drafter composed again, no model loaded; requests
+    already started keep the copy they drafted from).
 
     Raises:
+        DatastoreNotFoundError: ``engine`` has no datastore of that name.
+    """
+    engine.swap_datastore(name, datastore)
+
+
+def datastore_engines(engine: Engine, datastores: Sequence[tuple[str, str]]) -> dict[str, Engine]:
+    """Deprecated: one engine serves every datastore (a request names it:
+    ``RequestParams.datastore``); build it with :func:`ragspec.loading.load_engine`'s
+    ``datastores`` or :func:`serve_engine`. This returns one engine per named datastore
+    ``(name, directory)`` over ``engine``'s model (no model loaded).
+
+    Raises:
+        DatastoreError: a directory is not a datastore, or was built with another tokenizer.
+    """
+    warn_deprecated(
+        "ragspec.serving.datastore_engines",
+        "one engine with every datastore (load_engine(datastores=...), serve_engine), each request naming "
+        "its own (RequestParams.datastore)",
+    )
+    opened = open_datastores(datastores, engine.tokenizer)
+    cache = engine.parts.response_cache
+    return {name: engine_over(engine, {name: ds}, cache) for name, ds in opened.items()}
+
+
+def add_documents(engine: Engine, texts: Sequence[str], source: str = "<texts>") -> tuple[Engine, DatastoreInfo]:
+    """Deprecated: :func:`add_to_datastore` (by the datastore's name). Adds ``texts`` to the
+    default datastore of ``engine`` and serves it reopened there; returns ``engine`` and the
+    datastore's new info.
+
+    Raises:
+        ConfigError: ``engine`` drafts from no datastore.
+        EmptyCorpusError, DatastoreInputError, DatastoreError: as :func:`add_to_datastore`.
+    """
+    warn_deprecated("ragspec.serving.add_documents", "ragspec.serving.add_to_datastore(engine, name, texts)")
+    name = engine.default_datastore
+    if name is None:
+        raise ConfigError("this engine drafts from no named datastore")
+    return engine, add_to_datastore(engine, name, texts, source)
+
+
+def open_response_cache(
+    engine: Engine, max_tokens: int, log: Optional[str] = None, *, spread: bool = False
+) -> Optional[ResponseCache]:
+    """The cache of a server's own responses, holding up to ``max_tokens`` tokens (None when
+    ``max_tokens`` is 0 or less), with the responses of the JSON-lines file ``log``; new
+    responses are appended to that log as they finish (``ResponseCache.open_journal``: the
+    log locked to this process, bad lines skipped with a warning, the log compacted; closed
+    by ``close_response_log``). ``spread``: take the first of ``log``, ``log.1``, ...,
+    ``log.63`` that no live process holds (replicas of one service).
+
+    Raises:
+        ResponseLogHeldError: another live process writes ``log`` (with ``spread``: all 64).
         ResponseLogError: the log path is unusable, or the log holds another model's responses.
     """
     if max_tokens <= 0:
         return None
     cache = ResponseCache(max_tokens, model=engine.model_name or "")
     if log:
-        n = cache.open_journal(log, vocab_size=getattr(engine.target, "vocab_size", None))
-        logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, log)
+        vocab = engine.target.vocab_size
+        for i in range(64 if spread else 1):
+            path = log if i == 0 else f"{log}.{i}"
+            try:
+                n = cache.open_journal(path, vocab_size=vocab)
+            except ResponseLogHeldError:
+                if not spread or i == 63:
+                    raise
+                continue
+            logger.info("response cache: %d responses (%d tokens) from %s", n, cache.num_tokens, path)
+            break
     return cache
 
 
@@ -174,14 +287,11 @@ def close_response_log(cache: ResponseCache, path: str) -> int:
 
 
 def load_serving(config: ServingConfig) -> ServingEngines:
-    """The engine, the datastores' engines and the response cache ``config`` names, loaded
-    in that order (:func:`load_serving_engine`, :func:`datastore_engines`,
-    :func:`open_response_cache`).
+    """The engine ``config`` names, with its datastores and response cache
+    (:func:`load_serving_engine`), and that cache.
 
     Raises:
-        what those raise (a model, head, datastore or response log that does not load).
+        what :func:`load_serving_engine` raises.
     """
     engine = load_serving_engine(config)
-    variants = datastore_engines(engine, config.datastores)
-    cache = open_response_cache(engine, config.response_cache_tokens, config.response_log)
-    return ServingEngines(engine=engine, datastore_engines=variants, response_cache=cache)
+    return ServingEngines(engine=engine, response_cache=engine.parts.response_cache)

@@ -29,7 +29,7 @@ import torch
 from ragspec.bench.data import category_group, load_prompts
 from ragspec.bench.runner import hf_generate
 from ragspec.datastore import Datastore, build_datastore
-from ragspec.loading import load_engine, with_datastore
+from ragspec.loading import engine_over, load_engine
 
 
 def main(argv=None) -> int:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             info = build_datastore([corpus], Path(work) / group, base.tokenizer, progress=False)
             stores[group] = {"prompts": len(others), "documents": info.num_documents, "tokens": info.num_tokens}
             ds = Datastore.open(Path(work) / group, tokenizer=base.tokenizer, warm=True)
-            with_ds = with_datastore(base, ds)  # prompt lookup, then the datastore
+            with_ds = engine_over(base, {group: ds})  # prompt lookup, then the datastore
             for i, row in enumerate(bench_rows):
                 ids = base.encode_prompt(row["turns"][0], chat=True)
                 res = {}

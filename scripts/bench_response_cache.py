@@ -43,7 +43,7 @@ import torch
 from ragspec.bench.data import category_group, load_prompts
 from ragspec.config import PolicyConfig
 from ragspec.drafters.response_cache import ResponseCache
-from ragspec.loading import load_engine, with_response_cache
+from ragspec.loading import engine_over, load_engine
 
 REWORD = "Please answer the following request.\n\n"
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         ap.error(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
     engine = load_engine(args.model, policy=PolicyConfig(prefix_cache_tokens=args.prefix_cache_tokens))
     cache = ResponseCache(model=engine.model_name or "")
-    cached = with_response_cache(engine, cache)
+    cached = engine_over(engine, engine.datastores, cache)
     engines = {"off": engine, "ragspec": engine, "cached": cached}
     for b in extra_budgets:
         # the same model, drafters and cache; only the most draft nodes per step differ

@@ -39,7 +39,7 @@ first divergence if not).
 Usage::
 
     python scripts/bench_torch_compile.py \\
-        --json docs/bench/issue18-torch-compile-run1.json
+        --json docs/bench/fused-step-vs-torch-compile.json
 """
 
 from __future__ import annotations
@@ -207,10 +207,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from ragspec import models
+    from ragspec.backend.base import Capability
     from ragspec.loading import load_target
 
     target, tok, spec = load_target(device="cpu", dtype="fp32")
-    logger.info("ragspec target: %s (native step: %s)", spec.name, target.native_step is not None)
+    fused = target.capability(Capability.FUSED_STEP) is not None
+    logger.info("ragspec target: %s (native step: %s)", spec.name, fused)
     hf_dir = models.converted_model_dir(spec.path) if spec.kind == "gguf" else spec.path
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
     logger.info("plain transformers model from %s (attention %s)", hf_dir, hf_model.config._attn_implementation)
@@ -221,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         m32 = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
         native_f32 = select_target(m32)
-        logger.info("native step over float32 weights: %s", native_f32.native_step is not None)
+        logger.info("native step over float32 weights: %s", native_f32.capability(Capability.FUSED_STEP) is not None)
 
     texts = first_prompts(args.data, ("rag", "writing"))
     prompts = {cat: chat_ids(tok, text) for cat, text in texts.items()}

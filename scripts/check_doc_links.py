@@ -1,11 +1,17 @@
-"""Check that every relative link of README.md and docs/*.md resolves in the tree.
+"""Check that every relative link of README.md and docs/*.md resolves in the tree, and that
+no page cites this project's tracker.
 
 A link ``[text](path#anchor)`` must name a file or folder that exists, relative to the page
 it is on; an anchor into a Markdown page must name one of its headings (GitHub's slugs:
 lower case, punctuation dropped, spaces as hyphens). Web links (``http:``, ``https:``,
 ``mailto:``) are not followed. Links inside code blocks and inline code are ignored.
 
-    python scripts/check_doc_links.py            # exit 1 and one line per broken link
+The docs speak to users, who do not read the tracker: ``issue 42``, ``issues 41 and 42``,
+``#42`` and record names after issues (``bench/issue22-ceiling.json``) fail, in prose and
+code alike; a link to another project's tracker (``https://github.com/o/r/issues/42``) is
+fine. Records are named by what they measure.
+
+    python scripts/check_doc_links.py            # exit 1 and one line per broken link or tracker number
 
 ``PENDING`` lists pages that other work is writing; links to them are reported, not failed.
 """
@@ -24,6 +30,13 @@ _FENCE = re.compile(r"^(```|~~~)")
 _INLINE_CODE = re.compile(r"`[^`]*`")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+_TRACKER = re.compile(
+    r"\b(?:issues?|tickets?|bugs?|PRs?|pull requests?)\s*#?\d+"  # issue 42, issues 41, PR #7
+    r"|(?<![\w&/#])#\d+\b"  # #42 (not &#42; nor a URL's fragment)
+    r"|\bissue\d+",  # a record named after an issue: issue22-ceiling.json
+    re.IGNORECASE,
+)
+_WEB_LINK = re.compile(r"https?://\S+")
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -91,13 +104,27 @@ def broken_links(root: Path = ROOT) -> tuple[list[str], list[str]]:
     return broken, pending
 
 
+def tracker_numbers(root: Path = ROOT) -> list[str]:
+    """Citations of this project's tracker in README.md and docs/ (prose and code blocks;
+    web addresses skipped), each as ``page:line: text``."""
+    found = []
+    for page in pages(root):
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for m in _TRACKER.finditer(_WEB_LINK.sub("", line)):
+                found.append(f"{page.relative_to(root)}:{number}: {m.group(0)}")
+    return found
+
+
 def main() -> int:
     broken, pending = broken_links()
+    tracker = tracker_numbers()
     for line in pending:
         print(f"pending: {line}")
     for line in broken:
         print(f"broken: {line}")
-    return 1 if broken else 0
+    for line in tracker:
+        print(f"tracker number: {line} (the docs speak to users: say what changed or what a record measures)")
+    return 1 if broken or tracker else 0
 
 
 if __name__ == "__main__":

@@ -20,12 +20,25 @@ every second from /proc: start, at the first minute (half the phase when shorter
 start again with the same cache folder (a warm calibration cache), and the seconds from the
 spawn to ``/health`` 200 and to ``/ready`` 200.
 
+With ``--keys N`` (issue 51) the server has N tenant API keys (client i sends key i mod N)
+and one ``--admin-key``, serves a datastore (``--datastore DIR``, else one built at start from
+``--seed-docs`` summarization articles of the dev data, in a temporary folder) that requests
+draft from by default, and an adder thread, the admin tenant, adds 1-3 documents (chunks of
+the dev data's rag passages and articles) every ``--add-interval`` seconds throughout both
+phases, each with an ``Idempotency-Key`` and retried with it (up to 3 times) after a transport
+error or a 500. Every addition is either visible or refused: the documents the server lists
+(``GET /v1/datastores``) and those on disk after the stop equal the start's plus those of the
+additions answered 200 (a replayed answer counted once); 503 ``datastore_busy`` and other
+4xx are refusals. The server's open files (``/proc/PID/fd``) are sampled with its RSS:
+"flat" = the end within 10% + 16 of the first-minute value.
+
 The server runs with ``--no-response-cache`` unless ``--response-cache`` is given: the soak
 repeats 200 prompts, and answers from the response cache would measure nothing. Every loop is
 bounded in time; Ctrl-C stops every thread, closes every socket and stops the server. Only
 loopback addresses. Usage::
 
     python scripts/soak_server.py --minutes 10 --json soak.json
+    python scripts/soak_server.py --minutes 10 --keys 4 --json soak-keys.json
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import os
 import random
 import select
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -45,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -55,6 +70,8 @@ HOST = "127.0.0.1"
 MIB = 1 << 20
 # request kinds and their shares of a client's requests
 KINDS = (("completion", 0.4), ("chat_stream", 0.4), ("summary", 0.2))
+ADMIN_KEY = "soak-admin"
+ADD_CHUNK_CHARS = 600  # the documents an adder sends: chunks of the dev data's texts
 REQUEST_TIMEOUT_S = 120.0  # one normal request, at most
 START_TIMEOUT_S = 900.0  # a server start, at most (a loaded machine calibrates for minutes)
 
@@ -97,6 +114,36 @@ def load_prompts(path: Path, max_chars: int) -> dict[str, list[str]]:
     return out
 
 
+def load_add_texts(path: Path, chunk_chars: int = ADD_CHUNK_CHARS) -> list[str]:
+    """Documents to add: the dev data's rag passages and summarization articles, in chunks
+    of about ``chunk_chars`` characters cut at word boundaries."""
+    out: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["category"] not in ("rag", "summarization"):
+                continue
+            text = row["turns"][0].removeprefix("Summarize:").strip()
+            while text:
+                piece = _truncate(text, chunk_chars)
+                if not piece.strip():
+                    break
+                out.append(piece)
+                text = text[len(piece) :].strip()
+    return out
+
+
+def seed_articles(path: Path, n: int) -> list[str]:
+    """The first ``n`` summarization articles of the dev data (the datastore built at start)."""
+    out: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["category"] == "summarization" and len(out) < n:
+                out.append(row["turns"][0].removeprefix("Summarize:").strip())
+    return out
+
+
 # ---------------------------------------------------------------------------- the server
 
 
@@ -104,6 +151,14 @@ def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def open_files(pid: int) -> Optional[int]:
+    """How many files a process holds open (None once it is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
 
 
 def rss_bytes(pid: int) -> Optional[int]:
@@ -134,8 +189,13 @@ class Server:
         if a.threads:
             cmd += ["--threads", str(a.threads)]
         cmd += ["serve", "--host", HOST, "--port", str(self.port), "--max-active", "8", "--max-queue", "32"]
+        if a.model:
+            cmd += ["--model", a.model]
         if not a.response_cache:
             cmd.append("--no-response-cache")
+        if a.keys:
+            cmd += ["--api-key", ",".join(tenant_keys(a.keys)), "--admin-key", ADMIN_KEY]
+            cmd += ["--datastore", f"kb={a.datastore}"]
         return cmd + shlex.split(a.server_args)
 
     def start(self) -> dict:
@@ -187,22 +247,50 @@ class Server:
         return {"stop_s": stop_s, "returncode": self.proc.returncode, "graceful": graceful}
 
 
+def tenant_keys(n: int) -> list[str]:
+    return [f"soak-tenant-{i}" for i in range(n)]
+
+
+def build_seed_datastore(args: argparse.Namespace, folder: Path) -> Path:
+    """A datastore of ``--seed-docs`` dev articles, built with the served model's tokenizer."""
+    corpus = folder / "seed.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in seed_articles(args.data, args.seed_docs)))
+    out = folder / "kb"
+    cmd = [sys.executable, "-m", "ragspec", "-q", "datastore", "build", str(corpus), "-o", str(out)]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = args.pythonpath
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def documents_on_disk(datastore: Path) -> int:
+    """The documents a datastore's manifest lists."""
+    return int(json.loads((datastore / "manifest.json").read_text())["num_documents"])
+
+
 class RssSampler:
-    """The server's RSS every ``interval`` s, as ``(monotonic time, bytes)``."""
+    """The server's RSS and open files every ``interval`` s, as ``(monotonic time, bytes)``
+    and ``(monotonic time, files)``."""
 
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.pid = pid
         self.interval = interval
         self.samples: list[tuple[float, int]] = []
+        self.files: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            rss = rss_bytes(self.pid)
+            rss, files = rss_bytes(self.pid), open_files(self.pid)
             if rss is not None:
                 self.samples.append((time.monotonic(), rss))
+            if files is not None:
+                self.files.append((time.monotonic(), files))
             self._stop.wait(self.interval)
 
     def close(self) -> None:
@@ -228,6 +316,23 @@ class RssSampler:
             "flat": abs(end - base) <= 0.15 * base + 50 * MIB,
         }
 
+    def files_summary(self, t0: float, t1: float) -> dict:
+        """Open files over ``[t0, t1]``, as :meth:`summary`; flat = the end within 10% + 16
+        of the first-minute value."""
+        span = [(t, n) for t, n in self.files if t0 <= t <= t1]
+        if not span:
+            return {}
+        base_at = min(60.0, (t1 - t0) / 2)
+        base = next((n for t, n in span if t >= t0 + base_at), span[-1][1])
+        end = span[-1][1]
+        return {
+            "start": span[0][1],
+            "baseline": base,
+            "end": end,
+            "max": max(n for _, n in span),
+            "flat": end - base <= 0.1 * base + 16,
+        }
+
 
 # ---------------------------------------------------------------------------- clients
 
@@ -238,13 +343,16 @@ class Clients:
 
     def __init__(self, url: str, prompts: dict[str, list[str]], args: argparse.Namespace, until: float, seed: int):
         self.url = url
+        self.keys = tenant_keys(args.keys) if args.keys else []
         self.prompts = prompts
         self.args = args
         self.until = until
         self.results: list[dict] = []
         self._stop = threading.Event()
         self.threads = [
-            threading.Thread(target=self._run, args=(random.Random(seed * 1000 + i),), name=f"client-{i}", daemon=True)
+            threading.Thread(
+                target=self._run, args=(random.Random(seed * 1000 + i), i), name=f"client-{i}", daemon=True
+            )
             for i in range(args.clients)
         ]
         for t in self.threads:
@@ -258,11 +366,12 @@ class Clients:
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def _run(self, rng: random.Random) -> None:
+    def _run(self, rng: random.Random, i: int) -> None:
         kinds, weights = zip(*KINDS)
         lo, hi = self.args.max_tokens
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-        with httpx.Client(base_url=self.url, timeout=timeout) as client:
+        headers = {"Authorization": f"Bearer {self.keys[i % len(self.keys)]}"} if self.keys else None
+        with httpx.Client(base_url=self.url, timeout=timeout, headers=headers) as client:
             while not self._stop.is_set() and time.monotonic() < self.until:
                 kind = rng.choices(kinds, weights)[0]
                 max_tokens = rng.randint(lo, hi)
@@ -292,7 +401,7 @@ class Clients:
         cut_at = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < self.args.disconnect else None
         with contextlib.ExitStack() as stack:
             if cut_at is not None:
-                client = stack.enter_context(httpx.Client(base_url=self.url, timeout=timeout))
+                client = stack.enter_context(httpx.Client(base_url=self.url, timeout=timeout, headers=client.headers))
             r = stack.enter_context(client.stream("POST", "/v1/chat/completions", json=body))
             if r.status_code != 200:
                 r.read()
@@ -315,14 +424,15 @@ class SlowSockets:
     ``body_bytes``, then one body byte every ``interval`` s, and opening again once the
     server answers or closes; each end is a dict in :attr:`cuts`."""
 
-    def __init__(self, port: int, n: int, body_bytes: int, interval: float) -> None:
+    def __init__(self, port: int, n: int, body_bytes: int, interval: float, key: Optional[str] = None) -> None:
         self.port = port
         self.interval = interval
-        # a valid request, should one ever arrive whole
+        # a valid request, should one ever arrive whole (with a tenant's key: the server reads it)
         prefix = b'{"prompt": "hi", "max_tokens": 1}'
         self.body = prefix + b" " * max(0, body_bytes - len(prefix))
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
         self.head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+            f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n{auth}"
             f"Content-Length: {len(self.body)}\r\n\r\n"
         ).encode()
         self.cuts: list[dict] = []
@@ -385,6 +495,93 @@ class SlowSockets:
         return None
 
 
+class Adder:
+    """The admin tenant: adds 1-3 documents every ``interval`` s until :meth:`stop`, each
+    addition with an ``Idempotency-Key`` and retried with it (up to 3 tries) after a
+    transport error or a 500; checks after each one answered 200 that the server lists at
+    least the documents added so far."""
+
+    def __init__(self, url: str, texts: list[str], interval: float, seed: int) -> None:
+        self.url = url
+        self.texts = texts
+        self.interval = interval
+        self.rng = random.Random(seed)
+        self.results: list[dict] = []
+        self.added = 0
+        """Documents of the additions answered 200 (each key once)."""
+        self.not_visible = 0
+        """Additions answered 200 whose documents the listing right after did not count."""
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="adder", daemon=True)
+
+    def start(self, base: int) -> None:
+        self.base = base
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(REQUEST_TIMEOUT_S * 3 + 30)
+
+    def listed(self, client: httpx.Client) -> int:
+        return int(client.get("/v1/datastores").json()["data"][0]["num_documents"])
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+        with httpx.Client(base_url=self.url, timeout=timeout, headers=headers) as client:
+            while not self._stop.wait(self.interval):
+                docs = self.rng.sample(self.texts, self.rng.randint(1, 3))
+                self.results.append(self._add(client, docs))
+
+    def _add(self, client: httpx.Client, docs: list[str]) -> dict:
+        key = uuid.uuid4().hex
+        out: dict = {"documents": len(docs), "tries": 0, "statuses": []}
+        t0 = time.monotonic()
+        for _ in range(3):
+            out["tries"] += 1
+            try:
+                r = client.post(
+                    "/v1/datastores/kb/documents", json={"documents": docs}, headers={"Idempotency-Key": key}
+                )
+            except httpx.HTTPError as e:
+                out["statuses"].append(type(e).__name__)
+                continue
+            out["statuses"].append(r.status_code)
+            if r.status_code == 200:
+                out["replayed"] = r.headers.get("idempotent-replayed") == "true"
+                self.added += len(docs)
+                try:
+                    if self.listed(client) < self.base + self.added:
+                        self.not_visible += 1
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                break
+            if r.status_code != 500:  # refused (4xx, 503 datastore_busy): not retried
+                with contextlib.suppress(ValueError, KeyError):
+                    out["code"] = r.json()["error"]["code"]
+                break
+        out["status"] = out["statuses"][-1]
+        out["latency_s"] = time.monotonic() - t0
+        return out
+
+    def summary(self) -> dict:
+        status: dict[str, int] = {}
+        for r in self.results:
+            status[str(r["status"])] = status.get(str(r["status"]), 0) + 1
+        ok = [r["latency_s"] for r in self.results if r["status"] == 200]
+        return {
+            "additions": len(self.results),
+            "status": status,
+            "retried": sum(1 for r in self.results if r["tries"] > 1),
+            "replayed": sum(1 for r in self.results if r.get("replayed")),
+            "documents_added": self.added,
+            "not_visible_at_once": self.not_visible,
+            "failures": sum(1 for r in self.results if not str(r["status"]).isdigit() or r["status"] == 500),
+            "p50_s": _quantile(ok, 0.5),
+            "p95_s": _quantile(ok, 0.95),
+        }
+
+
 # ---------------------------------------------------------------------------- phases
 
 
@@ -400,7 +597,8 @@ def run_phase(
     name: str, server: Server, rss: RssSampler, prompts: dict, args: argparse.Namespace, slow: int, seed: int
 ) -> dict:
     print(f"phase {name}: {args.clients} clients, {slow} slow sockets, {args.minutes:g} min", flush=True)
-    sockets = SlowSockets(server.port, slow, args.slow_body_bytes, args.slow_interval) if slow else None
+    key = tenant_keys(args.keys)[-1] if args.keys else None
+    sockets = SlowSockets(server.port, slow, args.slow_body_bytes, args.slow_interval, key) if slow else None
     clients = None
     try:
         if sockets is not None:
@@ -438,6 +636,7 @@ def run_phase(
         "p95_s": _quantile(lat, 0.95),
         "by_kind": by_kind,
         "rss": rss.summary(t0, t1),
+        "open_files": rss.files_summary(t0, t1),
     }
     if sockets is not None:
         cuts: dict[str, list[float]] = {}
@@ -460,6 +659,12 @@ def _rss(r: dict) -> str:
         return "-"
     mib = [r[k] / MIB for k in ("start_bytes", "baseline_bytes", "end_bytes", "max_bytes")]
     return " / ".join(f"{x:.0f}" for x in mib) + (", flat" if r["flat"] else ", NOT flat")
+
+
+def _files(r: dict) -> str:
+    if not r:
+        return "-"
+    return f"{r['start']} / {r['baseline']} / {r['end']} / {r['max']}" + (", flat" if r["flat"] else ", NOT flat")
 
 
 def print_table(res: dict) -> None:
@@ -489,6 +694,7 @@ def print_table(res: dict) -> None:
     rows.append(("slow sockets cut", "-", slow or "none"))
     base_at = a["rss"].get("baseline_at_s", 60) if a["rss"] else 60
     rows.append((f"RSS MiB start/{base_at:.0f}s/end/max", _rss(a["rss"]), _rss(b["rss"])))
+    rows.append((f"open files start/{base_at:.0f}s/end/max", _files(a["open_files"]), _files(b["open_files"])))
     w0 = max(len(str(r[0])) for r in rows)
     w1 = max(len(str(r[1])) for r in rows)
     print(f"{'':<{w0}}  {'A: no slow sockets':<{w1}}  B: slow sockets")
@@ -498,7 +704,18 @@ def print_table(res: dict) -> None:
     ratio = "-" if v["p95_ratio"] is None else f"{v['p95_ratio']:.2f}x"
     print(
         f"P95 B/A {ratio} (<= 2x: {v['p95_within_2x']}); no 5xx/transport failures: {v['no_failures']}; RSS flat: {v['rss_flat']}"
+        f"; open files flat: {v['open_files_flat']}"
     )
+    adds = res.get("adds")
+    if adds:
+        print(
+            f"additions (admin key, both phases): {adds['additions']} {json.dumps(adds['status'])}, retried "
+            f"{adds['retried']}, replayed {adds['replayed']}, P50 / P95 {_s(adds['p50_s'])} / {_s(adds['p95_s'])} s; "
+            f"documents: {adds['base']} at start + {adds['documents_added']} added = {adds['expected']}; listed at the "
+            f"end {adds['listed_end']}, on disk {adds['on_disk']}, listed after the restart "
+            f"{adds['listed_after_restart']}; not listed right after their 200: {adds['not_visible_at_once']}"
+        )
+        print(f"every addition visible or refused: {v['adds_visible_or_refused']}")
     for key in ("first_start", "restart"):
         s = res[key]
         print(
@@ -514,11 +731,37 @@ def print_table(res: dict) -> None:
     print(f"warm restart healthy (ready) in under 30 s: {v['restart_under_30s']}")
 
 
+def verdict(res: dict) -> dict:
+    """What the soak must show: no failures, phase B's P95 within 2x of A's, flat RSS and open
+    files, a warm restart under 30 s, every addition visible or refused."""
+    a, b = res["phases"]["A"], res["phases"]["B"]
+    ratio = b["p95_s"] / a["p95_s"] if a["p95_s"] and b["p95_s"] is not None else None
+    adds = res.get("adds")
+    return {
+        "no_failures": a["failures"] == 0 and b["failures"] == 0 and (adds is None or adds["failures"] == 0),
+        "p95_ratio": ratio,
+        "p95_within_2x": ratio is not None and ratio <= 2.0,
+        "rss_flat": bool(a["rss"].get("flat")) and bool(b["rss"].get("flat")),
+        "open_files_flat": bool(a["open_files"].get("flat")) and bool(b["open_files"].get("flat")),
+        "restart_under_30s": res["restart"]["ready_s"] < 30.0,
+        "adds_visible_or_refused": adds is None
+        or (
+            adds["expected"] == adds["listed_end"] == adds["on_disk"] == adds["listed_after_restart"]
+            and adds["not_visible_at_once"] == 0
+        ),
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pythonpath", default=None, help="PYTHONPATH of the served checkout (default: inherited)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server")
     ap.add_argument("--server-args", default="", help="more `ragspec serve` options, one shell-quoted string")
+    ap.add_argument("--model", default=None, help="the served model (and the seed datastore's tokenizer)")
+    ap.add_argument("--keys", type=int, default=0, help="tenant API keys (0: none); with keys, an admin tenant adds")
+    ap.add_argument("--datastore", type=Path, default=None, help="with --keys: the datastore served and added to")
+    ap.add_argument("--seed-docs", type=int, default=20, help="articles of the datastore built when none is given")
+    ap.add_argument("--add-interval", type=float, default=2.0, help="seconds between additions (with --keys)")
     ap.add_argument("--response-cache", action="store_true", help="keep the server's response cache on")
     ap.add_argument("--data", type=Path, default=DEV_DATA, help="Spec-Bench dev JSONL (default: %(default)s)")
     ap.add_argument("--prompt-chars", type=int, default=1600, help="prompts cut to this many characters (~400 tokens)")
@@ -538,12 +781,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     lo, hi = args.max_tokens
     if not 1 <= lo <= hi or args.minutes <= 0 or args.clients < 1 or args.slow_interval <= 0:
         ap.error("need 1 <= LO <= HI, --minutes > 0, --clients >= 1, --slow-interval > 0")
+    if args.keys < 0 or args.add_interval <= 0 or (args.datastore is not None and not args.keys):
+        ap.error("need --keys >= 0, --add-interval > 0, and --datastore only with --keys")
     prompts = load_prompts(args.data, args.prompt_chars)
     log = args.server_log or Path(tempfile.mkstemp(prefix="ragspec-soak-", suffix=".log")[1])
     print(f"server log: {log}", flush=True)
+    built = None
+    if args.keys and args.datastore is None:
+        built = Path(tempfile.mkdtemp(prefix="ragspec-soak-ds-"))
+        args.datastore = build_seed_datastore(args, built)
+        print(f"datastore: {args.datastore} ({documents_on_disk(args.datastore)} documents)", flush=True)
 
     server = Server(args, log)
-    rss = None
+    rss = adder = None
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     res: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     try:
         res["first_start"] = server.start()
@@ -551,31 +802,46 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"server ready at {server.url} (pid {server.proc.pid}) in {res['first_start']['ready_s']:.1f} s", flush=True
         )
         rss = RssSampler(server.proc.pid)
+        if args.keys:
+            adder = Adder(server.url, load_add_texts(args.data), args.add_interval, args.seed)
+            with httpx.Client(base_url=server.url, headers=admin, timeout=30) as c:
+                adder.start(adder.listed(c))
         res["phases"] = {
             "A": run_phase("A", server, rss, prompts, args, 0, args.seed),
             "B": run_phase("B", server, rss, prompts, args, args.slow_sockets, args.seed + 1),
         }
+        if adder is not None:
+            adder.stop()
+            with httpx.Client(base_url=server.url, headers=admin, timeout=30) as c:
+                listed_end = adder.listed(c)
         rss.close()
         stopped = server.stop()
         server.port = free_port()  # the old one may linger in TIME_WAIT
         server.url = f"http://{HOST}:{server.port}"
         res["restart"] = {**stopped, **server.start()}
+        if adder is not None:
+            with httpx.Client(base_url=server.url, headers=admin, timeout=30) as c:
+                after = adder.listed(c)
+            res["adds"] = {
+                **adder.summary(),
+                "base": adder.base,
+                "expected": adder.base + adder.added,
+                "listed_end": listed_end,
+                "on_disk": documents_on_disk(args.datastore),
+                "listed_after_restart": after,
+            }
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
+        if adder is not None and adder.thread.is_alive():
+            adder.stop()
         if rss is not None:
             rss.close()
         server.stop(30)
-    a, b = res["phases"]["A"], res["phases"]["B"]
-    ratio = b["p95_s"] / a["p95_s"] if a["p95_s"] and b["p95_s"] is not None else None
-    res["verdict"] = {
-        "no_failures": a["failures"] == 0 and b["failures"] == 0,
-        "p95_ratio": ratio,
-        "p95_within_2x": ratio is not None and ratio <= 2.0,
-        "rss_flat": bool(a["rss"].get("flat")) and bool(b["rss"].get("flat")),
-        "restart_under_30s": res["restart"]["ready_s"] < 30.0,
-    }
+        if built is not None:
+            shutil.rmtree(built, ignore_errors=True)
+    res["verdict"] = verdict(res)
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:

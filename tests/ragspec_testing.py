@@ -8,7 +8,7 @@ import string
 
 import torch
 
-from ragspec.drafters.base import SessionCapability
+from ragspec.drafters.base import SessionCapability, TenantIsolation
 
 
 def make_char_tokenizer():
@@ -85,6 +85,7 @@ class ScriptedDrafter:
     """
 
     name = "scripted"
+    isolation = TenantIsolation.OWN_TOKENS  # its plan reads the request's own tokens only
 
     def __init__(self, plan):
         self.plan = plan
@@ -117,6 +118,7 @@ class FixedDrafter:
     """A drafter whose sessions propose the same ``tree`` at every step."""
 
     name = "fixed"
+    isolation = TenantIsolation.OWN_TOKENS
 
     def __init__(self, tree):
         self.tree = tree
@@ -217,6 +219,7 @@ class FakeTarget:
     device = torch.device("cpu")
     dtype = torch.float32
     model = None  # no transformers model behind it (the protocol's ``model``)
+    numerics = "exact"
 
     def __init__(self, vocab_size=64, eos_token_id=2, eos_at=None, max_length=4096, seed=0):
         self.vocab_size = vocab_size

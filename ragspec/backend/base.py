@@ -1,20 +1,23 @@
 """The ``Target`` protocol: what the engine, the cost model and the drafters may ask of a
 target model, and nothing more.
 
-A backend (``ragspec.backend.hf`` for transformers models on any device,
-``ragspec.backend.cpu`` with ragspec's CPU speed-ups) runs the target's forwards over
-per-request KV states it creates itself. The engine never looks inside a state: it hands it
-back to the backend (``prefill``, ``verify``, ``commit``, ``rollback``).
+A backend (``ragspec.backend.hf`` for transformers models on any device, the reference;
+``ragspec.backend.cpu`` with ragspec's CPU speed-ups and its fused C++ step;
+``ragspec.backend.cuda``) runs the target's forwards over per-request KV states it creates
+itself. The engine never looks inside a state: it hands it back to the backend
+(``prefill``, ``verify``, ``commit``, ``rollback``).
 
 One step of the engine is one ``verify`` call over a list of :class:`VerifyItem` (one per
 active request: its state, its root token and its draft tree), so that a backend may run
 them in one forward (a flat batch with per-request offsets, as vLLM's
-``cu_num_draft_tokens`` and llama.cpp's per-token sequence ids); the transformers backend
-does so where every request's output stays bit for bit its solo one
-(:meth:`ragspec.backend.hf.HFTarget.verify`), else runs them one after another.
+``cu_num_draft_tokens`` and llama.cpp's per-token sequence ids); the CPU and CUDA backends
+do so where every request's output stays bit for bit its solo one, the reference runs them
+one after another.
 
-Optional capabilities are declared by name (:class:`Capability`) and queried with
-:meth:`Target.capability`; callers never reach into a backend's private attributes.
+What a target is and computes with is declared: the protocol's attributes (``numerics``
+among them) and the optional capabilities, named by :class:`Capability` and queried with
+:meth:`Target.capability`; callers never probe a target with ``getattr`` nor reach into a
+backend's private attributes (``tests/unit/test_layout.py`` checks it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = [
     "Embeddings",
     "FastLinear",
     "ForwardOutput",
+    "FusedStep",
+    "SpeedUps",
     "StepCounts",
     "Target",
     "VerifyItem",
@@ -57,6 +62,11 @@ class Capability:
     * ``PREFIX_KV`` (value: True): ``export_kv(state, start, stop)`` copies a state's KV
       entries and ``import_kv(state, blocks)`` appends such copies to a state, bit for bit
       (an engine's prefix cache, :mod:`ragspec.prefix_cache`).
+    * ``SPEED_UPS`` (value: :class:`SpeedUps`): what the target was built to compute with
+      (``ragspec doctor``, the benchmark records).
+    * ``FUSED_STEP`` (value: :class:`FusedStep`): the fused decoder step that runs this
+      target's decoding and verification, for a step profile (``ragspec bench
+      --profile-step``).
     * ``STEP_COUNTS`` (value: :class:`StepCounts`, read when asked): forwards replayed from
       a CUDA graph and forwards run eagerly so far, and the graphs captured, for a backend
       that replays its step from graphs (the CUDA backend).
@@ -69,6 +79,8 @@ class Capability:
     FAST_LINEAR = "fast_linear"
     CONFIG = "config"
     PREFIX_KV = "prefix_kv"
+    SPEED_UPS = "speed_ups"
+    FUSED_STEP = "fused_step"
     STEP_COUNTS = "step_counts"
 
 
@@ -160,6 +172,41 @@ class FastLinear:
     ] = None
 
 
+@dataclass(frozen=True)
+class SpeedUps:
+    """What a target was built to compute with (``Capability.SPEED_UPS``), chosen once when
+    it was built (:func:`ragspec.loading.select_target`).
+
+    Attributes:
+        compiled_kernel: few-row linear layers through ragspec's compiled CPU kernel.
+        gguf_weights: linear weights read from the GGUF file's own blocks (0: none).
+        batched_verify: ``verify`` runs several requests' rows in one forward, each request
+            getting bit for bit its solo values.
+        native_step_off: why the fused C++ decoder step does not run this target's decoding
+            and verification, in words; None when it does.
+    """
+
+    compiled_kernel: bool = False
+    gguf_weights: int = 0
+    batched_verify: bool = False
+    native_step_off: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """A target's fused decoder step, for a step profile (``Capability.FUSED_STEP``).
+
+    Attributes:
+        decoder: the step over the KV states the target makes
+            (:class:`~ragspec.backend.cpu.native.NativeDecoder`: its ``step``, the
+            transformers ``decoder`` whose embedding and rotary tables it reads, ``reserve``).
+        logits: ``logits(hidden [R, H]) -> float32 [R, V]``: the target's output layer.
+    """
+
+    decoder: Any
+    logits: Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class ForwardOutput:
     """Result of one prefill or verification forward of one request.
@@ -210,6 +257,9 @@ class Target(Protocol):
         dtype: the model's compute dtype.
         model: the transformers causal LM whose weights the target computes with (its
             config, tokenizer-facing ids and embeddings; the reference forward).
+        numerics: the target's arithmetic, ``"exact"`` or ``"fast"``
+            (:data:`ragspec.config.NUMERICS`): in ``"fast"``, greedy output may differ from
+            transformers' (speculative still equals plain decoding within the mode).
     """
 
     vocab_size: int
@@ -217,6 +267,7 @@ class Target(Protocol):
     device: torch.device
     dtype: torch.dtype
     model: Any
+    numerics: str
 
     def new_state(self) -> Any:
         """A fresh, empty KV state for one request (no I/O, no forward)."""

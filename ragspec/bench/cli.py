@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ..backend.base import Capability, SpeedUps
 from ..cli_common import add_model_args, engine_from_args
 from ..config import check_drafting
 from ..errors import ConfigError
@@ -251,6 +252,11 @@ def cmd_replay(args, rows) -> int:
     return 0
 
 
+def _speed_ups(engine: Any) -> SpeedUps:
+    """What the engine's target was built with (none declared: none)."""
+    return engine.target.capability(Capability.SPEED_UPS) or SpeedUps()
+
+
 def cmd_profile_step(args, rows) -> int:
     from .profile import format_step_profile, profile_plain_step
 
@@ -414,7 +420,7 @@ def cmd_bench(args) -> int:
             r.close()
     table = runner.summarize(records)
     print(runner.format_table(table, sampling=args.temperature > 0))
-    if getattr(engine.target, "numerics", "exact") == "fast" and args.temperature <= 0:
+    if engine.target.numerics == "fast" and args.temperature <= 0:
         print(
             "# --numerics fast: 'identical' compares with transformers' float32 greedy, which int8 activations "
             "need not match; --also-numerics fast beside --numerics exact reports speculative == the mode's "
@@ -437,10 +443,10 @@ def cmd_bench(args) -> int:
                         "eagle": engine.eagle_path,
                         "drafting": engine.drafting,
                         "also_drafting": also_drafting,
-                        "numerics": getattr(engine.target, "numerics", "exact"),
+                        "numerics": engine.target.numerics,
                         "also_numerics": args.also_numerics,
-                        "cpu_kernel": getattr(engine.target, "skinny", None) is not None,
-                        "gguf_weights": getattr(engine.target, "gguf_weights", 0),
+                        "cpu_kernel": _speed_ups(engine).compiled_kernel,
+                        "gguf_weights": _speed_ups(engine).gguf_weights,
                         "threads": __import__("torch").get_num_threads(),
                         "latency_ms": {q: v * 1e3 for q, v in engine.latency.table.items()},
                         "draft_budgets": budgets or [engine.policy.max_draft_tokens],
@@ -580,7 +586,7 @@ def cmd_concurrency(args) -> int:
                         "dtype": str(engine.target.dtype),
                         "temperature": args.temperature,
                         "prefill_chunk_tokens": engine.policy.prefill_chunk_tokens,
-                        "batched_verify": bool(getattr(engine.target, "batches", False)),
+                        "batched_verify": _speed_ups(engine).batched_verify,
                         "threads": __import__("torch").get_num_threads(),
                         "torch": __import__("torch").__version__,
                         "transformers": __import__("transformers").__version__,

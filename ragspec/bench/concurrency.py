@@ -283,7 +283,7 @@ def run_concurrency(
         ]
     by_level = {}
     for n in order:
-        if getattr(engine, "prefix_cache", None) is not None:
+        if engine.prefix_cache is not None:
             engine.prefix_cache.clear()  # each level's hits are its own requests'
         res = run_level(engine, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, reference=reference)
         if n == 1 and reference is None:
@@ -550,7 +550,7 @@ def measure_ceilings(
     for p in prompts:
         best = float("inf")
         for _ in range(2):  # the faster of two: a ceiling, not a mean
-            if getattr(engine, "prefix_cache", None) is not None:
+            if engine.prefix_cache is not None:
                 engine.prefix_cache.clear()  # the whole prompt prefilled, as in the runs
             best = min(best, engine.generate(p, max_new_tokens=1, chat=False, speculative=False).stats.prefill_s)
         prefill.append(best)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..backend.base import Capability, VerifyItem
 from ..types import DraftTree
 
 __all__ = ["profile_plain_step", "format_step_profile"]
@@ -51,7 +52,8 @@ def profile_plain_step(engine: Any, prompt_ids: Sequence[int], steps: int = 64) 
         target_step``); ``context`` (prompt tokens) and ``steps``.
     """
     target = engine.target
-    native = getattr(target, "native_step", None)
+    fused = target.capability(Capability.FUSED_STEP)  # the native C++ step, where the target is its
+    native = fused.decoder if fused is not None else None
     parts = {"embed_rope": 0.0, "layers": 0.0, "logits": 0.0, "argmax": 0.0}
     cpp: dict[str, float] = {}
     empty = _empty_tree()
@@ -73,10 +75,10 @@ def profile_plain_step(engine: Any, prompt_ids: Sequence[int], steps: int = 64) 
                     hidden = native.step.forward(x[0], cos[0], sin[0], [state.buffer], [0, 1], [state.length], [None])
                     state.length += 1
                     t2 = time.perf_counter()
-                    logits = target._logits(hidden)
+                    logits = fused.logits(hidden)
                 else:
                     t1 = t0
-                    out = target.verify_one(state, token, empty)
+                    (out,) = target.verify([VerifyItem(state, token, empty)])
                     t2 = time.perf_counter()
                     logits = out.logits
                 t3 = time.perf_counter()

@@ -614,7 +614,7 @@ def record_generations(engine: Any, rows: Sequence[dict], max_new_tokens: int, p
             {
                 "question_id": row.get("question_id"),
                 "category": row.get("category", ""),
-                "model": getattr(engine, "model_name", None) or None,
+                "model": engine.model_name or None,
                 "prompt_ids": ids,
                 "output_ids": out.token_ids,
             }

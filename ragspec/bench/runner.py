@@ -234,7 +234,7 @@ def run_bench(
                 temperature=temperature,
                 seed=seed + i,
                 return_steps=keep_steps or bool(runners),
-                documents=docs,
+                draft_documents=docs,
             ),
         )
 
@@ -291,7 +291,7 @@ def run_bench(
                     results[f"ragspec:{name[:-2]}"][0].token_ids == results[key][0].token_ids
                 )
         if not rec.identical and not sampling:
-            if getattr(engine.target, "numerics", "exact") == "fast":
+            if engine.target.numerics == "fast":
                 logger.info(
                     "question %s: --numerics fast differs from transformers greedy at token %d (its int8 "
                     "activations round differently; expected)",

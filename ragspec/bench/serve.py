@@ -655,12 +655,10 @@ def _server_phase(
 def _load_engine(config: ServeBenchConfig) -> tuple["Engine", dict]:
     """The engine the server serves, loaded here with its settings (response cache off),
     and those settings for the report."""
-    from ..serving import datastore_engines, load_serving_engine
+    from ..serving import load_serving_engine
 
     settings = config.server_settings(response_cache=False)
-    engine = load_serving_engine(settings.serving_config())
-    if settings.datastores:
-        engine = datastore_engines(engine, settings.datastores[:1])[settings.datastores[0][0]]
+    engine = load_serving_engine(settings.serving_config())  # its first datastore the default, as served
     return engine, {
         "prefill_chunk_tokens": engine.policy.prefill_chunk_tokens,
         "prefix_cache_tokens": engine.policy.prefix_cache_tokens if engine.prefix_cache is not None else 0,

@@ -44,30 +44,20 @@ import numpy as np
 from ragspec.errors import ConfigError, DatastoreError, DatastoreInputError, EmptyCorpusError
 
 from .format import (
-    DOCS_DTYPE,
-    DOCS_FILE,
-    SA_FILE,
-    SEPARATOR_ID,
-    SOURCES_FILE,
-    TOKEN_DTYPE,
-    TOKENS_FILE,
     Manifest,
     ShardEntry,
     atomic_directory,
+    check_output,
     check_tokenizer,
-    fsync_dir,
     locked,
     read_manifest,
     remove_leftovers,
-    set_default_mode,
     tokenizer_identity,
-    write_array,
-    write_json_file,
     write_manifest,
 )
+from .shards import flatten, install_shard, next_shard_name, remove_shards, write_shard
 from .store import Datastore, DatastoreInfo
 from .streaming import MAX_INVALID_UTF8, ChunkedTokenizer, TextStream, split_complete_lines
-from .suffix import reverse_prefix_order
 
 logger = logging.getLogger(__name__)
 
@@ -627,52 +617,19 @@ def _binary_stdin(stdin: Optional[TextIO]) -> BinaryIO:
 
 def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: bool) -> ShardEntry:
     """Write tokens.bin, sa.bin, docs.bin and sources.json of one shard into ``sdir``."""
-    docs, sources = read.docs, read.sources
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))  # [D]
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)  # [D + 1]
-    np.cumsum(lengths + 1, out=offsets[1:])
-    n = int(offsets[-1])
-    flat = np.empty(n, dtype=np.int32)  # [T + D] documents, each followed by the separator
-    for d, start in zip(docs, offsets[:-1].tolist()):
-        flat[start : start + len(d)] = d
-    flat[offsets[1:] - 1] = SEPARATOR_ID
-    docs.clear()  # the flat array holds them now: free the pieces before sorting
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=2, desc=f"indexing {n:,} tokens", unit="stage", file=sys.stderr, dynamic_ncols=True)
-    try:
-        logger.info("sorting %d reversed prefixes", n)
-        t_sort = time.perf_counter()
-        sa = reverse_prefix_order(flat)
-        logger.info("index built in %.1f s", time.perf_counter() - t_sort)
-        if bar is not None:
-            bar.update(1)
-        files = {
-            TOKENS_FILE: write_array(sdir / TOKENS_FILE, flat.astype(TOKEN_DTYPE, copy=False)),
-            SA_FILE: write_array(sdir / SA_FILE, sa),
-            DOCS_FILE: write_array(sdir / DOCS_FILE, offsets.astype(DOCS_DTYPE)),
-            SOURCES_FILE: write_json_file(sdir / SOURCES_FILE, sources),
-        }
-        fsync_dir(sdir)
-        if bar is not None:
-            bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    return ShardEntry(
-        name=name,
-        num_tokens=int(lengths.sum()),
-        num_documents=len(lengths),
-        sa_dtype=sa.dtype.str,
-        created=_now(),
-        build_s=round(time.perf_counter() - t0, 3),
-        files=files,
+    flat, offsets = flatten(read.docs)  # frees the pieces before sorting
+    return write_shard(
+        sdir,
+        name,
+        flat,
+        offsets,
+        read.sources,
         min_id=read.min_id,
         max_id=read.max_id,
         skipped_files=read.skipped_files,
         skipped_lines=read.skipped_lines,
+        t0=t0,
+        progress=progress,
     )
 
 
@@ -720,8 +677,7 @@ def build_datastore(
     if not inputs:
         raise EmptyCorpusError("no inputs given: pass directories, files, or - for JSONL on stdin")
     dest = Path(out_dir)
-    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+    check_output(dest, overwrite)  # before the (long) tokenizing
     identity = tokenizer_identity(tokenizer, tokenizer_name)
     read = _tokenize_inputs(inputs, tokenizer, field, progress, stdin, strict, chunk_bytes)
     with atomic_directory(dest, overwrite=overwrite) as tmp:
@@ -817,6 +773,19 @@ def add_texts_to_datastore(
     check_texts(texts)
     manifest = read_manifest(d)
     check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}")
+    _append_shard(d, tokenize_texts(texts, tokenizer, source), t0, False)
+    with Datastore.open(d) as ds:
+        return ds.info()
+
+
+def tokenize_texts(texts: Sequence[str], tokenizer: Any, source: str) -> _Tokenized:
+    """The token ids of ``texts`` (checked by :func:`check_texts`), one document each, with
+    one source record named ``source`` (their bytes and sha256 together): what a shard of
+    them is written from.
+
+    Raises:
+        EmptyCorpusError: no text to index.
+    """
     sha, size = hashlib.sha256(), 0
     for text in texts:
         raw = text.encode("utf-8")
@@ -831,10 +800,7 @@ def add_texts_to_datastore(
     sources[0]["num_documents"] = out.counts.get(0, 0)
     if not out.docs:
         raise EmptyCorpusError(f"no text to index in {source}")
-    read = _Tokenized(out.docs, sources, out.lo, out.hi, 0, 0)
-    _append_shard(d, read, t0, False)
-    with Datastore.open(d) as ds:
-        return ds.info()
+    return _Tokenized(out.docs, sources, out.lo, out.hi, 0, 0)
 
 
 def _append_shard(d: Path, read: _Tokenized, t0: float, progress: bool) -> None:
@@ -844,18 +810,16 @@ def _append_shard(d: Path, read: _Tokenized, t0: float, progress: bool) -> None:
     with locked(d / ".lock"):
         manifest = read_manifest(d)  # another add may have finished meanwhile
         remove_leftovers(d, manifest)
-        taken = {s.name for s in manifest.shards} | {p.name for p in d.iterdir()}
-        k = len(manifest.shards)
-        while f"shard-{k:05d}" in taken:
-            k += 1
-        name = f"shard-{k:05d}"
+        name = next_shard_name(d, manifest)
         tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
         try:
             shard = _write_shard(tmp, name, read, t0, progress)
-            set_default_mode(tmp)
-            os.rename(tmp, d / name)
+            install_shard(d, tmp, name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        fsync_dir(d)
-        write_manifest(d, replace(manifest, shards=manifest.shards + (shard,), updated=_now()))
+        try:
+            write_manifest(d, replace(manifest, shards=manifest.shards + (shard,), updated=_now()))
+        except BaseException:
+            remove_shards(d, [name])  # never a shard on disk that no manifest lists
+            raise

@@ -1,4 +1,4 @@
-"""``ragspec datastore ...``: build, extend, describe, query and benchmark datastores.
+"""``ragspec datastore ...``: build, extend, compact, describe, query and benchmark datastores.
 
 ``ragspec/cli.py`` calls :func:`add_datastore_commands` with its sub-parsers; each command
 sets ``func`` and returns an exit status. Errors print one line on stderr and exit 2.
@@ -61,6 +61,10 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     return run
 
 
+_BUILD_TIME = "tokenizing, indexing and writing"
+"""What a datastore's recorded build time measures (``DatastoreInfo.build_s``)."""
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -69,9 +73,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _print_info(info: Any, as_json: bool) -> None:
+def _verified(ds: Any) -> dict[str, Any]:
+    """What ``Datastore.open(..., verify=True)`` checked of ``ds``: every shard file's sha256
+    against the manifest, every token id against the vocabulary."""
+    shards = ds.manifest.shards
+    return {
+        "files": sum(len(entry.files) for entry in shards),
+        "shards": len(shards),
+        "token_ids": sum(entry.num_tokens for entry in shards),
+        "vocab_size": ds.manifest.tokenizer.vocab_size,
+    }
+
+
+def _print_info(info: Any, as_json: bool, verified: Optional[dict[str, Any]] = None) -> None:
+    """``verified``: what ``--verify`` checked (:func:`_verified`), None without it."""
     if as_json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps({**info.to_dict(), "verified": verified or False}, indent=2))
         return
     rows = [
         ("path", info.path),
@@ -85,7 +102,7 @@ def _print_info(info: Any, as_json: bool) -> None:
         ("bytes on disk", f"{_fmt_bytes(info.bytes_on_disk)} ({info.bytes_per_token:.2f} bytes/token)"),
         ("created", info.created),
         ("updated", info.updated),
-        ("build time", f"{info.build_s:.1f} s"),
+        ("build time", f"{info.build_s:.1f} s ({_BUILD_TIME}; loading the tokenizer not counted)"),
         ("skipped inputs", f"{info.skipped_files} binary file(s), {info.skipped_lines} malformed JSONL line(s)"),
     ]
     if info.leftovers:
@@ -94,6 +111,15 @@ def _print_info(info: Any, as_json: bool) -> None:
                 "leftovers",
                 f"{len(info.leftovers)} from interrupted builds/adds (removed by the next build of "
                 f"this directory or add to it): " + ", ".join(info.leftovers),
+            )
+        )
+    if verified is not None:
+        rows.append(
+            (
+                "verified",
+                f"ok: the sha256 of {verified['files']} files in {verified['shards']} shard(s) as the manifest "
+                f"records them, {verified['token_ids']:,} token ids all below the vocabulary size "
+                f"{verified['vocab_size']:,}",
             )
         )
     width = max(len(k) for k, _ in rows)
@@ -138,7 +164,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             seed=args.seed,
             tokenizer_name=name,
             overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=_progress(args),
         )
     else:
         tokenizer, name = _load_tokenizer(args.model)
@@ -148,15 +174,17 @@ def cmd_build(args: argparse.Namespace) -> int:
             tokenizer,
             field=args.field,
             tokenizer_name=name,
-            progress=not args.no_progress,
+            progress=_progress(args),
             overwrite=args.overwrite,
             strict=args.strict,
         )
     dt = time.perf_counter() - t0
+    before = "loading the model and generating the answers" if args.responses else "loading the tokenizer"
     print(
         f"built {info.path}: {info.num_documents:,} documents, {info.num_tokens:,} tokens in {dt:.1f} s "
-        f"({info.num_tokens / max(dt, 1e-9):,.0f} tokens/s), {_fmt_bytes(info.bytes_on_disk)} "
-        f"({info.bytes_per_token:.2f} bytes/token){_skips(info)}"
+        f"({info.build_s:.1f} s {_BUILD_TIME}, {info.num_tokens / max(info.build_s, 1e-9):,.0f} tokens/s: the "
+        f"build time 'datastore info' shows; {max(dt - info.build_s, 0.0):.1f} s {before}), "
+        f"{_fmt_bytes(info.bytes_on_disk)} ({info.bytes_per_token:.2f} bytes/token){_skips(info)}"
     )
     return 0
 
@@ -170,25 +198,80 @@ def _skips(info: Any) -> str:
     )
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether to show progress bars: not with ``--no-progress`` nor ``-q``."""
+    return not (args.no_progress or getattr(args, "quiet", False))
+
+
+def _log_texts(logs: Sequence[str], partition: str, folder: str) -> list[str]:
+    """The texts of the response logs' records in ``partition`` ("" = the unsalted ones),
+    written as JSONL files in ``folder`` (one per log, named after it), line by line; what
+    was left out is reported on stderr."""
+    from ragspec.drafters.response_journal import LogSelection, iter_log_texts
+
+    out = []
+    for i, log in enumerate(logs):
+        sel = LogSelection()
+        path = os.path.join(folder, f"{i:03d}-{os.path.basename(log)}")
+        with open(path, "w", encoding="utf-8") as f:
+            for text in iter_log_texts(log, partition, sel):
+                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        other = sum(sel.other_partitions.values())
+        if other:
+            keyed = len([p for p in sel.other_partitions if p])
+            what = f"{keyed} tenant partition(s)" + (" and unsalted records" if "" in sel.other_partitions else "")
+            print(
+                f"{log}: {other} record(s) of {what} left out (--partition DIGEST takes one tenant's: the "
+                'digest in its records\' "partition" field)',
+                file=sys.stderr,
+            )
+        if sel.oversized or sel.bad:
+            print(f"{log}: {len(sel.oversized) + len(sel.bad)} line(s) skipped (see the warnings)", file=sys.stderr)
+        out.append(path)
+    return out
+
+
 @_guard
 def cmd_add(args: argparse.Namespace) -> int:
+    import tempfile
+
     from .builder import add_to_datastore
 
     inputs, field = list(args.inputs), args.field
-    if args.from_log:
-        # a response log of `ragspec serve --response-log`: JSON lines, the response in "text"
-        if inputs and field != "text":
-            raise ConfigError("--from-log reads the logs' 'text' field: give other inputs with --field text, or apart")
-        inputs, field = inputs + list(args.from_log), "text"
-    if not inputs:
+    if args.partition is not None and not args.from_log:
+        raise ConfigError("--partition selects the records of --from-log logs: give --from-log LOG")
+    if args.from_log and inputs and field != "text":
+        raise ConfigError("--from-log reads the logs' 'text' field: give other inputs with --field text, or apart")
+    if not inputs and not args.from_log:
         raise ConfigError("nothing to add: give INPUT files or --from-log LOG")
     tokenizer = _tokenizer_for(args.directory, args.model)
-    info = add_to_datastore(
-        args.directory, inputs, tokenizer, field=field, progress=not args.no_progress, strict=args.strict
-    )
+    with tempfile.TemporaryDirectory(prefix="ragspec-log-") as work:
+        if args.from_log:
+            # a response log of `ragspec serve --response-log`: JSON lines, the response in "text";
+            # a tenant's answers only when asked for (--partition)
+            inputs, field = inputs + _log_texts(args.from_log, args.partition or "", work), "text"
+        info = add_to_datastore(
+            args.directory, inputs, tokenizer, field=field, progress=_progress(args), strict=args.strict
+        )
     print(
         f"added to {info.path}: now {info.num_shards} shards, {info.num_documents:,} documents, "
         f"{info.num_tokens:,} tokens{_skips(info).replace('; skipped', '; skipped in all')}"
+    )
+    return 0
+
+
+@_guard
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .shards import compact_datastore
+    from .store import Datastore
+
+    with Datastore.open(args.directory) as ds:
+        before = ds.num_shards
+    t0 = time.perf_counter()
+    info = compact_datastore(args.directory, progress=_progress(args))
+    print(
+        f"compacted {info.path}: {before} shards -> {info.num_shards}, {info.num_documents:,} documents, "
+        f"{info.num_tokens:,} tokens in {time.perf_counter() - t0:.1f} s"
     )
     return 0
 
@@ -198,7 +281,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .store import Datastore
 
     with Datastore.open(args.directory, verify=args.verify) as ds:
-        _print_info(ds.info(), args.json)
+        _print_info(ds.info(), args.json, _verified(ds) if args.verify else None)
     return 0
 
 
@@ -373,12 +456,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``datastore`` command group (build, add, info, query, bench) to ``subparsers``."""
+    """Add the ``datastore`` command group (build, add, compact, info, query, bench) to ``subparsers``."""
     model_default = os.environ.get("RAGSPEC_MODEL")
     p = subparsers.add_parser(
         "datastore",
         help="build and inspect retrieval datastores",
-        description="Build, extend, describe, query and benchmark datastores.",
+        description="Build, extend, compact, describe, query and benchmark datastores.",
     )
     sub = p.add_subparsers(dest="datastore_command", required=True)
 
@@ -392,7 +475,9 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, metavar="DIR", help="datastore directory to create")
     b.add_argument("--model", default=model_default, help="model whose tokenizer is used (default: the default model)")
     b.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
-    b.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    b.add_argument(
+        "--overwrite", action="store_true", help="replace DIR if it is a datastore or a folder (never a file)"
+    )
     b.add_argument(
         "--strict",
         action="store_true",
@@ -427,17 +512,36 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LOG",
         help="a response log of 'ragspec serve --response-log' (JSON lines; its responses' text), repeatable",
     )
+    a.add_argument(
+        "--partition",
+        default=None,
+        metavar="DIGEST",
+        help='take the --from-log records of this tenant\'s partition (the digest in their "partition" field) '
+        "instead of the unsalted ones: a tenant's answers go only where that tenant alone drafts",
+    )
     a.add_argument("--model", default=model_default, help="tokenizer's model (default: the datastore's)")
     a.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_add)
 
+    c = sub.add_parser(
+        "compact",
+        help="merge every shard into one (lookups search one index, as after a build)",
+        description="Merge every shard of a datastore into one. Safe while servers serve it and add to it.",
+    )
+    c.add_argument("directory", metavar="DIR", help="the datastore")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_compact)
+
     i = sub.add_parser("info", help="format, tokenizer, counts and size of a datastore")
     i.add_argument("directory", metavar="DIR", help="the datastore")
     i.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     i.add_argument(
-        "--verify", action="store_true", help="also check every file's sha256 and every token id against the vocabulary"
+        "--verify",
+        action="store_true",
+        help="also check every file's sha256 and every token id against the vocabulary, and say what was checked "
+        "(--json: a 'verified' field)",
     )
     i.set_defaults(func=cmd_info)
 

@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
+from ragspec.drafters.base import TenantIsolation
 from ragspec.tree import draft_from_candidates
 from ragspec.types import DraftTree, VerifyResult
 
@@ -247,6 +248,8 @@ class DocumentDrafter:
     """
 
     name = "documents"
+    isolation = TenantIsolation.OWN_TOKENS
+    """Drafts from the request's own tokens only (:class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     def __init__(
         self, backend: str = "dict", *, min_ngram: int = 2, max_ngram: int = 8, max_positions: int = 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from ragspec.drafters.base import SessionCapability
+from ragspec.drafters.base import SessionCapability, TenantIsolation
 from ragspec.tree import tree_from_candidates
 from ragspec.types import DraftTree, VerifyResult
 
@@ -109,6 +109,9 @@ class DatastoreDrafter:
     """
 
     name = "datastore"
+    isolation = TenantIsolation.OWN_TOKENS
+    """Drafts from the request's own tokens and the datastore, read-only data every tenant
+    of the engine may read (:class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     def __init__(
         self,

@@ -79,11 +79,13 @@ __all__ = [
     "write_json_file",
     "check_files",
     "atomic_directory",
+    "check_output",
     "set_default_mode",
     "fsync_dir",
     "locked",
     "find_leftovers",
     "remove_leftovers",
+    "hold_directory",
 ]
 
 FORMAT_NAME = "ragspec-datastore"
@@ -504,12 +506,14 @@ def _sibling_pattern(name: str, kind: str) -> re.Pattern:
 def find_leftovers(directory: str | os.PathLike, manifest: Optional["Manifest"] = None) -> list[Path]:
     """What interrupted builds and adds of the datastore ``directory`` left behind.
 
-    Inside it: ``.shard-tmp-*`` (an add killed while writing its shard), ``.manifest.*.tmp``
-    (killed while replacing the manifest) and, when ``manifest`` is given, ``shard-NNNNN``
-    directories it does not list (an add killed between renaming its shard into place and
-    listing it). Next to it: ``.NAME.tmp-*`` (a build killed while writing) and
-    ``.NAME.old-*`` (an overwrite killed while removing the old datastore). A build or add
-    running right now shows up too. Other files are never listed.
+    Inside it: ``.shard-tmp-*`` (an add or merge killed while writing its shard; one a live
+    merge holds, locked, is not listed), ``.manifest.*.tmp`` (killed while replacing the
+    manifest) and, when ``manifest`` is given, ``shard-NNNNN`` directories it does not list
+    (an add killed between renaming its shard into place and listing it, a merge killed
+    before removing the shards it replaced). Next to it: ``.NAME.tmp-*`` (a build killed
+    while writing) and ``.NAME.old-*`` (an overwrite killed while removing the old
+    datastore). A build or add running right now shows up too. Other files are never
+    listed.
 
     Returns:
         The paths, sorted.
@@ -520,7 +524,10 @@ def find_leftovers(directory: str | os.PathLike, manifest: Optional["Manifest"] 
         listed = {s.name for s in manifest.shards} if manifest is not None else None
         for p in d.iterdir():
             n = p.name
-            if _SHARD_TMP.match(n) or _MANIFEST_TMP.match(n):
+            if _SHARD_TMP.match(n):
+                if not _held(p):
+                    out.append(p)
+            elif _MANIFEST_TMP.match(n):
                 out.append(p)
             elif listed is not None and _SHARD_NAME.match(n) and n not in listed and p.is_dir():
                 out.append(p)
@@ -578,6 +585,24 @@ def _dir_lock(path: Path, *, blocking: bool = True) -> Iterator[bool]:
         os.close(fd)  # releases the lock
 
 
+def _held(path: Path) -> bool:
+    """Whether a live process holds the directory ``path`` locked (:func:`hold_directory`)."""
+    try:
+        with _dir_lock(path, blocking=False) as free:
+            return not free
+    except OSError:
+        return False  # gone meanwhile
+
+
+@contextlib.contextmanager
+def hold_directory(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on the directory ``path`` while the block runs: a temporary
+    shard directory written outside ``DIR/.lock`` (a merge's) is then not a leftover to the
+    adds that clean up meanwhile (:func:`find_leftovers`)."""
+    with _dir_lock(Path(path)):
+        yield
+
+
 def _clean_siblings(dest: Path) -> None:
     """Remove what interrupted builds of ``dest`` left next to it (call with the parent
     directory locked). A temporary directory a live build holds (locked) stays. When an
@@ -604,6 +629,35 @@ def _clean_siblings(dest: Path) -> None:
         _remove(p)
 
 
+def check_output(dest: Path, overwrite: bool) -> None:
+    """Refuse to build into ``dest`` where something is in the way, saying what it is: a
+    datastore (``ragspec datastore add`` extends it, ``--overwrite`` replaces it), a folder
+    of other files (``--overwrite`` replaces the folder) or a file (never replaced: a file
+    is not a datastore's output). An empty folder or no ``dest`` at all is free.
+
+    Raises:
+        DatastoreError: as above, naming ``--overwrite`` (``overwrite=True``).
+    """
+    if not dest.exists() and not dest.is_symlink():
+        return
+    where = repr(str(dest))
+    if not dest.is_dir():
+        raise DatastoreError(
+            f"{where} is a file, not a folder: choose another output folder (--overwrite replaces folders only)"
+        )
+    if overwrite or not any(dest.iterdir()):
+        return
+    if (dest / MANIFEST_NAME).is_file():
+        raise DatastoreError(
+            f"{where} is already a datastore: 'ragspec datastore add {dest} INPUT...' extends it, "
+            "--overwrite (overwrite=True) replaces it"
+        )
+    raise DatastoreError(
+        f"{where} is a folder of other files, not a datastore: choose another output folder, or "
+        "--overwrite (overwrite=True) to replace the folder and everything in it"
+    )
+
+
 @contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``destination``; on success rename it into place.
@@ -614,7 +668,8 @@ def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False)
     temporary directory is removed and ``destination`` is left as it was.
 
     Raises:
-        DatastoreError: ``destination`` exists (and is not empty) and ``overwrite`` is False.
+        DatastoreError: ``destination`` is a file, or a folder that is not empty and
+            ``overwrite`` is False (:func:`check_output`).
     """
     dest = Path(destination)
     parent = dest.parent if str(dest.parent) else Path(".")
@@ -624,8 +679,7 @@ def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False)
         # lock of the parent, so a cleaner never sees a live build's directory unlocked
         with _dir_lock(parent):
             _clean_siblings(dest)
-            if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-                raise DatastoreError(f"{str(dest)!r} already exists (use add to extend a datastore, or overwrite)")
+            check_output(dest, overwrite)
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
             stack.enter_context(_dir_lock(tmp))
         try:

@@ -55,6 +55,11 @@ _FEW = 24  # occurrences below which counting runs in plain Python
 _ID_LIMIT = 2**31 - 1
 _END = (_SEP_U32,)  # sorts after every token id
 _SCAN_UNRECORDED = 1 << 24  # shards of older builds (no id range recorded) up to 64 MiB of ids are scanned at open
+MAP_FROM_BYTES = 1 << 22
+"""A shard whose tokens and index files hold at least this many bytes together (4 MiB,
+~0.5M tokens) is memory-mapped: two open files while the datastore is open; a smaller one
+is read into memory and holds no file open."""
+_OPEN_TRIES = 3  # a shard merged away between reading the manifest and opening it: read it again
 
 
 class Continuation(NamedTuple):
@@ -106,7 +111,8 @@ class DatastoreInfo:
     created: str
     updated: str
     build_s: float
-    """Seconds spent building all shards."""
+    """Seconds spent tokenizing, indexing and writing all shards (each build's and add's
+    own time; loading the tokenizer or a model is not counted)."""
     skipped_files: int = 0
     """Input files skipped as binary, over all builds and adds."""
     skipped_lines: int = 0
@@ -140,8 +146,12 @@ class DatastoreInfo:
         }
 
 
-def _map(path: Path) -> mmap.mmap:
+def _map(path: Path, small: bool = False) -> mmap.mmap | bytes:
+    """The file's bytes: mapped (the map keeps a duplicate of the file descriptor open), or
+    read into memory when ``small`` (no file kept open)."""
     with open(path, "rb") as f:
+        if small:
+            return f.read()
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)  # binary searches touch pages at random: no read-ahead
@@ -152,13 +162,14 @@ class _Shard:
     """One opened shard: memory maps and array views over them (read-only).
 
     Attributes:
-        tok: the tokens file mapped, bytes-like (little-endian int32, what the searches slice).
+        tok: the tokens file mapped (or read, for a shard under :data:`MAP_FROM_BYTES`),
+            bytes-like (little-endian int32, what the searches slice).
         tokens: ``<i4 [n]`` view of it (separator = -1).
         sa: the index ``[n]`` (end positions); sa_seq: the same, indexable as Python ints.
         docs: int64 [D + 1] document starts.
     """
 
-    def __init__(self, entry: ShardEntry, tok: mmap.mmap, sa_mm: mmap.mmap, docs: np.ndarray) -> None:
+    def __init__(self, entry: ShardEntry, tok: mmap.mmap | bytes, sa_mm: mmap.mmap | bytes, docs: np.ndarray) -> None:
         self.entry = entry
         self.length = entry.length
         self.tok = tok
@@ -170,11 +181,12 @@ class _Shard:
 
     @classmethod
     def map(cls, directory: Path, entry: ShardEntry) -> "_Shard":
-        """Map a shard's files and check their lengths and document offsets."""
+        """Map a shard's files (read them, under :data:`MAP_FROM_BYTES`) and check their
+        lengths and document offsets."""
         sdir = directory / entry.name
-        shard = cls(
-            entry, _map(sdir / TOKENS_FILE), _map(sdir / SA_FILE), np.fromfile(sdir / DOCS_FILE, dtype=DOCS_DTYPE)
-        )
+        small = entry.files[TOKENS_FILE].bytes + entry.files[SA_FILE].bytes < MAP_FROM_BYTES
+        tok = _map(sdir / TOKENS_FILE, small)
+        shard = cls(entry, tok, _map(sdir / SA_FILE, small), np.fromfile(sdir / DOCS_FILE, dtype=DOCS_DTYPE))
         n, docs = shard.length, shard.docs
         if shard.tokens.shape[0] != n or shard.sa.shape[0] != n or docs.shape[0] != entry.num_documents + 1:
             raise DatastoreFormatError(f"{str(sdir)!r}: array lengths do not match the manifest")
@@ -213,6 +225,31 @@ def _check_id_range(directory: Path, shard: _Shard, vocab_size: int, *, scan: bo
             f"{vocab_size} tokens (the first: {int(tokens[bad[0]])} at position {int(bad[0])}; damaged file: "
             "rebuild the datastore)"
         )
+
+
+def _open_shards(
+    d: Path, manifest: Manifest, held: dict[str, "_Shard"], vocab_size: int, verify: bool
+) -> list["_Shard"]:
+    """The shards ``manifest`` lists: those of ``held`` (by name) whose entry is the same
+    reused, the others checked and opened.
+
+    Raises:
+        DatastoreFormatError: a shard's files are missing, of the wrong size, cannot be
+            opened, or hold ids outside the vocabulary.
+    """
+    shards = []
+    for entry in manifest.shards:
+        old = held.get(entry.name)
+        if old is not None and old.entry == entry:
+            shards.append(old)
+            continue
+        check_files(d, entry, verify_checksums=verify)
+        try:
+            shards.append(_Shard.map(d, entry))
+        except (OSError, ValueError) as e:
+            raise DatastoreFormatError(f"{str(d / entry.name)!r}: cannot map shard files ({e})") from e
+        _check_id_range(d, shards[-1], vocab_size, scan=verify)
+    return shards
 
 
 class Datastore:
@@ -300,18 +337,39 @@ class Datastore:
         vocab_size = manifest.tokenizer.vocab_size
         if tokenizer is not None:
             vocab_size = check_tokenizer(manifest.tokenizer, tokenizer, f"datastore {str(d)!r}").vocab_size
-        shards = []
-        for entry in manifest.shards:
-            check_files(d, entry, verify_checksums=verify)
+        for attempt in range(_OPEN_TRIES):
             try:
-                shards.append(_Shard.map(d, entry))
-            except (OSError, ValueError) as e:
-                raise DatastoreFormatError(f"{str(d / entry.name)!r}: cannot map shard files ({e})") from e
-            _check_id_range(d, shards[-1], vocab_size, scan=verify)
+                shards = _open_shards(d, manifest, {}, vocab_size, verify)
+                break
+            except DatastoreFormatError:
+                # a merge may have replaced the shards since the manifest was read
+                again = read_manifest(d)
+                if again == manifest or attempt == _OPEN_TRIES - 1:
+                    raise
+                manifest = again
         ds = cls(d, manifest, shards, min_match=min_match, max_match=max_match, max_samples=max_samples)
         if warm:
             ds.warm()
         return ds
+
+    def reopen(self, manifest: Optional[Manifest] = None) -> "Datastore":
+        """This datastore as ``manifest`` lists it (None: as its manifest on disk says now),
+        with the same lookup settings: the shards this copy holds and the manifest still
+        lists unchanged (same name, sizes and checksums) are shared, not opened again; only
+        the others are mapped or read. This copy is left as it is (requests using it go
+        on), and no shard is opened twice, so a copy after an addition holds the files of
+        one more shard at most.
+
+        Raises:
+            DatastoreFormatError: a new shard's files are missing, damaged or cannot be
+                opened (too many open files, say).
+        """
+        m = manifest if manifest is not None else read_manifest(self.path)
+        held = {sh.entry.name: sh for sh in self._shards}
+        shards = _open_shards(self.path, m, held, m.tokenizer.vocab_size, False)
+        return Datastore(
+            self.path, m, shards, min_match=self.min_match, max_match=self.max_match, max_samples=self.max_samples
+        )
 
     # ------------------------------------------------------------------ properties
 

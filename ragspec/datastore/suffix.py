@@ -122,11 +122,19 @@ def suffix_array_numpy(ranks: np.ndarray) -> np.ndarray:
         k *= 2
 
 
+_NUMPY_BELOW = 1 << 14
+"""Below this many symbols numpy's prefix doubling sorts faster than pydivsufsort, whose
+every call costs ~12 ms however short the input (a runtime addition is often tiny)."""
+
+
 def build_suffix_array(symbols: np.ndarray) -> np.ndarray:
     """Suffix array (start positions, int32 or int64 [T]) of an array of token ids, in the unsigned
     order of the module docstring. pydivsufsort (libdivsufsort, O(T log T)) when installed,
-    numpy prefix doubling otherwise."""
+    numpy prefix doubling otherwise and below :data:`_NUMPY_BELOW` symbols (the same array:
+    the order is total)."""
     ranks, _k = dense_ranks(symbols)
+    if ranks.shape[0] < _NUMPY_BELOW:
+        return suffix_array_numpy(ranks)
     try:
         import pydivsufsort
     except ImportError:

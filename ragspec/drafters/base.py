@@ -11,10 +11,11 @@ name in its ``capabilities`` (:class:`SessionCapability`, read with
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, IsolationError
 from ..tree import merge_trees
 from ..types import DraftTree, VerifyResult
 
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Drafter",
     "DraftSession",
+    "TenantIsolation",
+    "drafter_isolation",
+    "combined_isolation",
     "SessionCapability",
     "session_capabilities",
     "CompositeDrafter",
@@ -80,21 +84,44 @@ class DraftSession(Protocol):
         """Feedback: what the target accepted of the last proposal."""
 
 
+class TenantIsolation(enum.Enum):
+    """What a drafter reads besides the request's own tokens, declared by every drafter in
+    its ``isolation`` (required: a drafter that does not declare it serves no salted
+    request).
+
+    * ``OWN_TOKENS``: only the request's own tokens (prompt, documents, generated tokens)
+      and read-only sources every tenant may read (a datastore, an EAGLE head); nothing
+      another request wrote. Its drafts for a request are the same whatever other requests
+      ran.
+    * ``SALTED``: also what other requests wrote (a response cache), partitioned by
+      ``cache_salt``: its ``salted(salt)`` returns the drafter that reads and feeds only
+      the partition of requests with that salt (the empty salt: the shared partition).
+    """
+
+    OWN_TOKENS = "own_tokens"
+    SALTED = "salted"
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Factory of per-request draft sessions.
+
+    Required: ``isolation`` (:class:`TenantIsolation`), and for a ``SALTED`` drafter
+    ``salted(salt) -> Drafter``, the drafter of the partition of requests with that
+    ``cache_salt`` (:func:`salted_drafter`).
 
     Optional: a drafter whose proposals depend on more than the request's own tokens
     (step timings, statistics of earlier requests) defines ``reproducible()``, returning
     one whose proposals do not; the engine uses it for seeded sampled requests, whose
     output must then follow from the seed alone (:func:`reproducible_drafter`).
-
-    Optional: a drafter that drafts from other requests' tokens (a response cache) or holds
-    one defines ``salted(salt)``, returning one that drafts from, and feeds, only the
-    partition of requests with the same ``cache_salt`` (:func:`salted_drafter`).
     """
 
     name: str
+
+    @property
+    def isolation(self) -> TenantIsolation:
+        """Whether it reads what other requests wrote, and how it partitions it by salt (a
+        class attribute will do)."""
 
     def start_request(
         self, prompt_ids: Sequence[int], documents: Sequence[Sequence[int]] = (), *, eos_token_ids: Iterable[int] = ()
@@ -116,11 +143,57 @@ def reproducible_drafter(drafter: Optional[Drafter]) -> Optional[Drafter]:
     return make() if callable(make) else drafter
 
 
+def drafter_isolation(drafter: Drafter) -> TenantIsolation:
+    """What ``drafter`` declares in its ``isolation`` (see :class:`TenantIsolation`).
+
+    Raises:
+        IsolationError: it declares nothing, something else than a
+            :class:`TenantIsolation`, or ``SALTED`` without a ``salted`` method.
+    """
+    name = getattr(drafter, "name", type(drafter).__name__)
+    try:
+        declared = drafter.isolation
+    except AttributeError:
+        raise IsolationError(
+            f"drafter {name!r} ({type(drafter).__name__}) does not declare whether it reads other requests' "
+            "tokens (Drafter.isolation, a TenantIsolation): a request with a cache_salt cannot start on it"
+        ) from None
+    if not isinstance(declared, TenantIsolation):
+        raise IsolationError(
+            f"drafter {name!r} ({type(drafter).__name__}) declares isolation {declared!r}, not a TenantIsolation"
+        )
+    if declared is TenantIsolation.SALTED and not callable(getattr(type(drafter), "salted", None)):
+        raise IsolationError(
+            f"drafter {name!r} ({type(drafter).__name__}) declares it partitions by salt but has no salted(salt)"
+        )
+    return declared
+
+
+def combined_isolation(drafters: Iterable[Drafter]) -> TenantIsolation:
+    """The isolation of a drafter made of ``drafters``: ``SALTED`` when one of them is,
+    else ``OWN_TOKENS``.
+
+    Raises:
+        IsolationError: one of them does not declare its own (:func:`drafter_isolation`).
+    """
+    found = [drafter_isolation(d) for d in drafters]
+    return TenantIsolation.SALTED if TenantIsolation.SALTED in found else TenantIsolation.OWN_TOKENS
+
+
 def salted_drafter(drafter: Optional[Drafter], salt: str) -> Optional[Drafter]:
-    """``drafter.salted(salt)`` where the drafter defines it (see :class:`Drafter`), else
-    ``drafter`` itself (also for the empty salt)."""
-    make = getattr(drafter, "salted", None)
-    return make(salt) if salt and callable(make) else drafter
+    """The drafter a request of ``cache_salt`` ``salt`` drafts with: ``drafter`` itself for
+    the empty salt or an ``OWN_TOKENS`` drafter, ``drafter.salted(salt)`` for a ``SALTED``
+    one (see :class:`TenantIsolation`).
+
+    Raises:
+        IsolationError: ``salt`` is set and ``drafter`` does not declare its isolation
+            (fails closed: it might share drafts across tenants).
+    """
+    if drafter is None or not salt:
+        return drafter
+    if drafter_isolation(drafter) is TenantIsolation.OWN_TOKENS:
+        return drafter
+    return drafter.salted(salt)  # type: ignore[attr-defined]  # SALTED: drafter_isolation checked it
 
 
 class _CompositeSession:
@@ -189,6 +262,15 @@ class CompositeDrafter:
         self.drafters = list(drafters)
         self.mode = mode
         self.name = "+".join(d.name for d in self.drafters)
+
+    @property
+    def isolation(self) -> TenantIsolation:
+        """``SALTED`` when one of its drafters is (:func:`combined_isolation`).
+
+        Raises:
+            IsolationError: one of its drafters does not declare its own.
+        """
+        return combined_isolation(self.drafters)
 
     def reproducible(self) -> Optional[Drafter]:
         """The drafters' reproducible forms (:func:`reproducible_drafter`), those that have

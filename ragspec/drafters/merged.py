@@ -81,7 +81,16 @@ from ..errors import ConfigError
 from ..policy import AcceptanceModel, AcceptedPerStep, ema_update
 from ..tree import follow_path, path_to_node
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
+from .base import (
+    Drafter,
+    DraftSession,
+    SessionCapability,
+    TenantIsolation,
+    combined_isolation,
+    reproducible_drafter,
+    salted_drafter,
+    session_capabilities,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +183,15 @@ class MergedDrafter:
         if retrieval is self.retrieval and not self.calibrate:
             return self
         return self._like(retrieval, calibrate=False)
+
+    @property
+    def isolation(self) -> TenantIsolation:
+        """``SALTED`` when retrieval or the head is (a response cache among retrieval).
+
+        Raises:
+            IsolationError: one of them does not declare its own.
+        """
+        return combined_isolation((self.retrieval, self.eagle))
 
     def salted(self, salt: str) -> "MergedDrafter":
         """The same over retrieval's salted form (a response cache among it drafts from

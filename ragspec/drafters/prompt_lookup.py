@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from ..config import PLDConfig
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
-from .base import DraftSession, SessionCapability
+from .base import DraftSession, SessionCapability, TenantIsolation
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,8 @@ class PromptLookupDrafter:
     """
 
     name = "prompt"
+    isolation = TenantIsolation.OWN_TOKENS
+    """Drafts from the request's own tokens only (:class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     def __init__(self, config: PLDConfig = PLDConfig()) -> None:
         self.config = config

@@ -22,13 +22,18 @@ but a *seeded* sampled request must follow from its seed alone, so
 
 Tenants: a response cached for a request with a ``cache_salt`` (a tenant's partition, see
 :meth:`ragspec.Engine.start`) is drafted from only by requests of the same salt, so no
-tenant's drafts (hence acceptance, timing) reveal another's answers. Salted responses are
-kept in memory only, never saved: a log feeds datastores shared by everyone.
+tenant's drafts (hence acceptance, timing) reveal another's answers. The cache keys a
+partition by a digest of the salt (:func:`partition_of`), never the salt itself, and that
+digest is what a log records (``"partition"``), so a salted answer survives a restart in its
+own partition and nowhere else.
 
 Persistence: :meth:`ResponseCache.save` writes a JSON-lines log (one response per line:
-``{"model", "prompt_tail", "output", "text"}``), :meth:`ResponseCache.load` reads it back,
-and ``ragspec datastore add --from-log`` turns a log into a datastore shard (its ``text``
-fields). The server keeps the log durable (``--response-log``):
+``{"model", "prompt_tail", "output", "text"}`` and, for a salted one, ``"partition"``),
+:meth:`ResponseCache.load` reads it back into the same partitions, and ``ragspec datastore
+add --from-log`` turns a log's unsalted records (or one partition's, when asked) into a
+datastore shard (their ``text`` fields). A response longer than ``max_response_tokens`` is
+cached cut, without its text (a text and ids that disagree would reach a datastore). The
+server keeps the log durable (``--response-log``):
 :meth:`ResponseCache.open_journal` loads it (skipping bad lines with a warning) and appends
 every new response to it as it is cached, in fsynced batches
 (:mod:`ragspec.drafters.response_journal`); :meth:`ResponseCache.close_journal` compacts it
@@ -37,6 +42,7 @@ at shutdown.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -46,15 +52,26 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from ..errors import ConfigError, ResponseLogError
-from ..jsonl import check_log_path
+from ..jsonl import check_log_path, iter_bounded_lines
 from ..tree import draft_from_candidates
 from ..types import DraftTree, VerifyResult
-from .base import DraftSession, SessionCapability
-from .response_journal import ResponseJournal, write_log_atomically
+from .base import DraftSession, SessionCapability, TenantIsolation
+from .response_journal import MAX_RECORD_BYTES, ResponseJournal, record_line, write_log_atomically
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResponseCache", "ResponseCacheDrafter", "ResponseLogError"]
+__all__ = ["ResponseCache", "ResponseCacheDrafter", "ResponseLogError", "partition_of"]
+
+_PARTITION_CHARS = frozenset("0123456789abcdef")
+
+
+def partition_of(salt: str) -> str:
+    """The partition of the cache that requests of ``salt`` use: "" for "" (the shared
+    one), else 32 hex digits of a sha256 of the salt. What a log records: never the salt
+    (with API keys, itself a digest of the key)."""
+    if not salt:
+        return ""
+    return hashlib.sha256(b"ragspec-partition\0" + salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 class ResponseCache:
@@ -124,7 +141,7 @@ class ResponseCache:
         # n-gram -> [(entry id, index of the token after the n-gram)], latest last
         self._table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._by_hash: dict[int, int] = {}  # hash of an entry's tokens -> its id (no duplicates)
-        self._salts: dict[int, str] = {}  # entry id -> its cache salt (entries of the shared partition: none)
+        self._parts: dict[int, str] = {}  # entry id -> its partition (entries of the shared one: none)
         self._next_id = 0
         self._num_tokens = 0
         self.hits = 0
@@ -141,25 +158,32 @@ class ResponseCache:
         return self._num_tokens
 
     def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str = "", salt: str = "") -> bool:
-        """Cache one response (``output_ids``, generated after ``prompt_ids``) in ``salt``'s
-        partition ("": the shared one); the same prompt tail and response again only
-        refresh the earlier entry.
+        """Cache one response (``output_ids``, generated after ``prompt_ids``, whose text is
+        ``text``) in ``salt``'s partition ("": the shared one; see :func:`partition_of`);
+        the same prompt tail and response again only refresh the earlier entry. A response
+        over ``max_response_tokens`` is cached cut to them, without its text.
 
         Returns:
             False when there is nothing to cache (an empty response, or one whose tokens
             alone exceed ``max_tokens``), else True.
         """
-        out = [int(t) for t in output_ids][: self.max_response_tokens]
+        return self._add(prompt_ids, output_ids, text, partition_of(salt))
+
+    def _add(self, prompt_ids: Sequence[int], output_ids: Sequence[int], text: str, part: str) -> bool:
+        """:meth:`add` into the partition ``part`` (a :func:`partition_of` digest, "")."""
+        out = [int(t) for t in output_ids]
+        if len(out) > self.max_response_tokens:
+            out, text = out[: self.max_response_tokens], ""  # the text would not match the ids
         if not out:
             return False
         tail = [int(t) for t in prompt_ids][-self.context_tokens :] if self.context_tokens else []
         tokens = tail + out
         if len(tokens) > self.max_tokens:
             return False
-        digest = hash((salt, tuple(tokens))) if salt else hash(tuple(tokens))
+        digest = hash((part, tuple(tokens))) if part else hash(tuple(tokens))
         with self._lock:
             same = self._by_hash.get(digest)
-            if same is not None and self._entries[same][0] == tokens and self._salts.get(same, "") == salt:
+            if same is not None and self._entries[same][0] == tokens and self._parts.get(same, "") == part:
                 self._entries.move_to_end(same)  # the same answer again: refreshed, not duplicated
                 return True
             journal = self._journal
@@ -167,41 +191,43 @@ class ResponseCache:
             self._by_hash[digest] = eid
             self._next_id += 1
             self._entries[eid] = (tokens, len(tail), text)
-            if salt:
-                self._salts[eid] = salt
+            if part:
+                self._parts[eid] = part
             self._num_tokens += len(tokens)
             for end in range(1, len(tokens)):
                 for n in range(self.min_ngram, self.max_ngram + 1):
                     if end - n < 0:
                         break
-                    slot = self._table.setdefault(_key(salt, tokens[end - n : end]), [])
+                    slot = self._table.setdefault(_key(part, tokens[end - n : end]), [])
                     slot.append((eid, end))
                     if len(slot) > self.max_positions:
                         del slot[0]
             while self._num_tokens > self.max_tokens:
                 self._evict_oldest()
-        if journal is not None and not salt:  # a tenant's answers never reach the shared log
-            journal.append(self._record(tokens, len(tail), text))
+        if journal is not None:
+            journal.append(self._record(tokens, len(tail), text, part))
         return True
 
-    def _record(self, tokens: list[int], start: int, text: str) -> dict:
-        return {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
+    def _record(self, tokens: list[int], start: int, text: str, part: str = "") -> dict:
+        record = {"model": self.model, "prompt_tail": tokens[:start], "output": tokens[start:], "text": text}
+        if part:
+            record["partition"] = part
+        return record
 
     def records(self) -> list[dict]:
-        """Every cached response of the shared partition (salted ones stay in memory: logs
-        feed datastores everyone shares), oldest (least recently used) first, as log
-        records: ``{"model", "prompt_tail", "output", "text"}``."""
+        """Every cached response, oldest (least recently used) first, as log records:
+        ``{"model", "prompt_tail", "output", "text"}``, plus ``"partition"`` (a
+        :func:`partition_of` digest) for a salted one."""
         with self._lock:
             return [
-                self._record(tokens, start, text)
+                self._record(tokens, start, text, self._parts.get(eid, ""))
                 for eid, (tokens, start, text) in self._entries.items()
-                if eid not in self._salts
             ]
 
     def _evict_oldest(self) -> None:
         eid, (tokens, _, _) = self._entries.popitem(last=False)
-        salt = self._salts.pop(eid, "")
-        digest = hash((salt, tuple(tokens))) if salt else hash(tuple(tokens))
+        part = self._parts.pop(eid, "")
+        digest = hash((part, tuple(tokens))) if part else hash(tuple(tokens))
         if self._by_hash.get(digest) == eid:
             del self._by_hash[digest]
         self._num_tokens -= len(tokens)
@@ -210,7 +236,7 @@ class ResponseCache:
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n < 0:
                     break
-                key = _key(salt, tokens[end - n : end])
+                key = _key(part, tokens[end - n : end])
                 slot = self._table.get(key)
                 if slot is None:
                     continue
@@ -238,9 +264,10 @@ class ResponseCache:
         if max_tokens <= 0:
             return [], 0
         ctx = list(context)
+        part = partition_of(salt)
         with self._lock:
             for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
-                slot = self._table.get(_key(salt, ctx[len(ctx) - n :]))
+                slot = self._table.get(_key(part, ctx[len(ctx) - n :]))
                 if not slot:
                     continue
                 ranked = []
@@ -272,9 +299,9 @@ class ResponseCache:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: Union[str, os.PathLike]) -> int:
-        """Write every cached response of the shared partition (salted ones stay in memory),
-        oldest first, as JSON lines to ``path`` (atomically: a temporary file renamed into
-        place).
+        """Write every cached response, oldest first, as JSON lines to ``path`` (atomically:
+        a temporary file renamed into place; owner-only, mode 0600: it holds every tenant's
+        answers, each tenant's under its partition's digest).
 
         Returns:
             the number of responses written.
@@ -284,7 +311,7 @@ class ResponseCache:
         return len(lines)
 
     def _log_lines(self) -> list[str]:
-        return [json.dumps(r) + "\n" for r in self.records()]
+        return [line for line in map(record_line, self.records()) if line is not None]
 
     def load(self, path: Union[str, os.PathLike], *, vocab_size: Optional[int] = None, skip_bad: bool = False) -> int:
         """Add the responses of a log written by :meth:`save` (oldest first; the cache's
@@ -305,18 +332,26 @@ class ResponseCache:
             the number of responses added.
         """
         rows, _ = self._read_log(Path(path), vocab_size, skip_bad)
-        for tail, out, text in rows:
-            self.add(tail, out, text)
+        for part, tail, out, text in rows:
+            self._add(tail, out, text, part)
         return len(rows)
 
     def _read_log(
         self, path: Path, vocab_size: Optional[int], skip_bad: bool
-    ) -> tuple[list[tuple[list[int], list[int], str]], list[int]]:
-        """(records, numbers of the lines skipped) of the log at ``path``."""
-        rows: list[tuple[list[int], list[int], str]] = []
+    ) -> tuple[list[tuple[str, list[int], list[int], str]], list[int]]:
+        """(records as (partition, prompt tail, output, text), numbers of the lines skipped)
+        of the log at ``path``; a line over :data:`MAX_RECORD_BYTES` is skipped with a
+        warning naming it (never read whole)."""
+        rows: list[tuple[str, list[int], list[int], str]] = []
         skipped: list[int] = []
         with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in iter_bounded_lines(f, MAX_RECORD_BYTES):
+                if raw is None:
+                    skipped.append(lineno)
+                    logger.warning(
+                        "skipping line %d of the response log: a record over %d bytes", lineno, MAX_RECORD_BYTES
+                    )
+                    continue
                 if not raw.strip():
                     continue
                 try:
@@ -324,7 +359,7 @@ class ResponseCache:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
                         raise ResponseLogError(f"{path}:{lineno}: not UTF-8 ({e.reason})") from None
-                    model, *row = self._parse_row(path, lineno, line, vocab_size)
+                    model, tail, out, part, text = self._parse_row(path, lineno, line, vocab_size)
                 except ResponseLogError as e:
                     if not skip_bad:
                         raise
@@ -336,7 +371,7 @@ class ResponseCache:
                     raise ResponseLogError(
                         f"{path}:{lineno}: a response of model {model!r}, this cache is for {self.model!r}"
                     )
-                rows.append(tuple(row))  # type: ignore[arg-type]
+                rows.append((part, tail, out, text))
         if skipped:
             logger.warning(
                 "response log %s: %d bad line(s) skipped, %d response(s) read", path, len(skipped), len(rows)
@@ -357,16 +392,19 @@ class ResponseCache:
         flush_interval_s: float = 1.0,
         flush_records: int = 64,
     ) -> int:
-        """Make ``path`` this cache's durable log: load it (when it exists; bad lines are
-        skipped with a warning naming them, the log as it was kept as ``<path>.bad``), compact
-        it, and from now on append every new response to it within ``flush_interval_s``
-        (fsynced in batches by a background thread; see
-        :mod:`ragspec.drafters.response_journal`). :meth:`close_journal` ends it.
+        """Make ``path`` this cache's durable log: take its lock (one writer per log, see
+        :class:`~ragspec.drafters.response_journal.LogLock`), load it (when it exists;
+        salted answers into their partitions; bad lines are skipped with a warning naming
+        them, the log as it was kept as ``<path>.bad``), compact it, and from now on append
+        every new response to it within ``flush_interval_s`` (fsynced in batches by a
+        background thread; see :mod:`ragspec.drafters.response_journal`).
+        :meth:`close_journal` ends it and lets the lock go.
 
         Returns:
             the number of responses read from the log.
 
         Raises:
+            ResponseLogHeldError: another live process writes this log (one line naming it).
             ResponseLogError: the path is unusable (a directory, not a regular file, a
                 missing or unwritable folder), the log holds another model's responses, or a
                 journal is already open.
@@ -376,13 +414,18 @@ class ResponseCache:
             raise ResponseLogError(f"the response cache already journals to {str(self._journal.path)!r}")
         journal = ResponseJournal(path, self._log_lines, flush_interval_s=flush_interval_s, flush_records=flush_records)
         check_log_path(journal.path, ResponseLogError, "response log")
-        rows: list[tuple[list[int], list[int], str]] = []
-        skipped: list[int] = []
-        if journal.path.exists():
-            rows, skipped = self._read_log(journal.path, vocab_size, skip_bad=True)
-        for tail, out, text in rows:
-            self.add(tail, out, text)
-        journal.open(keep_original_as=journal.path.with_name(journal.path.name + ".bad") if skipped else None)
+        journal.lock.acquire()  # before reading: nobody else rewrites the log from here on
+        try:
+            rows: list[tuple[str, list[int], list[int], str]] = []
+            skipped: list[int] = []
+            if journal.path.exists():
+                rows, skipped = self._read_log(journal.path, vocab_size, skip_bad=True)
+            for part, tail, out, text in rows:
+                self._add(tail, out, text, part)
+            journal.open(keep_original_as=journal.path.with_name(journal.path.name + ".bad") if skipped else None)
+        except BaseException:
+            journal.lock.release()
+            raise
         with self._lock:
             self._journal = journal
         return len(rows)
@@ -403,8 +446,8 @@ class ResponseCache:
 
     def _parse_row(
         self, path: Path, lineno: int, line: str, vocab_size: Optional[int]
-    ) -> tuple[str, list[int], list[int], str]:
-        """(model, prompt tail, output, text) of one log line.
+    ) -> tuple[str, list[int], list[int], str, str]:
+        """(model, prompt tail, output, partition, text) of one log line.
 
         Raises:
             ResponseLogError: the line is not a valid record.
@@ -430,12 +473,15 @@ class ResponseCache:
         text = row.get("text", "")
         if not isinstance(text, str):
             raise ResponseLogError(f"{where}: 'text' must be a string")
-        return model, lists[0], lists[1], text
+        part = row.get("partition", "")
+        if not isinstance(part, str) or (part and (len(part) != 32 or not set(part) <= _PARTITION_CHARS)):
+            raise ResponseLogError(f"{where}: 'partition' must be 32 hex digits")
+        return model, lists[0], lists[1], part, text
 
 
-def _key(salt: str, ngram: Sequence[int]) -> tuple:
-    """The n-gram table's key of ``ngram`` in ``salt``'s partition."""
-    return (salt, *ngram) if salt else tuple(ngram)
+def _key(part: str, ngram: Sequence[int]) -> tuple:
+    """The n-gram table's key of ``ngram`` in the partition ``part``."""
+    return (part, *ngram) if part else tuple(ngram)
 
 
 class _ResponseCacheSession:
@@ -489,6 +535,9 @@ class ResponseCacheDrafter:
     """
 
     name = "responses"
+    isolation = TenantIsolation.SALTED
+    """Drafts from other requests' responses, partitioned by cache salt (:meth:`salted`;
+    :class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     def __init__(self, cache: ResponseCache, salt: str = "") -> None:
         self.cache = cache

@@ -17,7 +17,16 @@ import torch
 from ..errors import ConfigError
 from ..policy import AcceptedPerStep, StepTimer
 from ..types import DraftTree, VerifyResult
-from .base import Drafter, DraftSession, SessionCapability, reproducible_drafter, salted_drafter, session_capabilities
+from .base import (
+    Drafter,
+    DraftSession,
+    SessionCapability,
+    TenantIsolation,
+    combined_isolation,
+    reproducible_drafter,
+    salted_drafter,
+    session_capabilities,
+)
 
 __all__ = ["SelectingDrafter"]
 
@@ -111,6 +120,15 @@ class SelectingDrafter:
         if retrieval is None:
             return self.eagle  # nothing reproducible to select against: the head alone
         return SelectingDrafter(retrieval, self.eagle, self.min_match, calibrate=False, clock=self.clock)
+
+    @property
+    def isolation(self) -> TenantIsolation:
+        """``SALTED`` when retrieval or the head is (a response cache among retrieval).
+
+        Raises:
+            IsolationError: one of them does not declare its own.
+        """
+        return combined_isolation((self.retrieval, self.eagle))
 
     def salted(self, salt: str) -> "SelectingDrafter":
         """The same over retrieval's salted form (a response cache among it drafts from

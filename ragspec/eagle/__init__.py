@@ -7,6 +7,7 @@
 * :mod:`ragspec.eagle.cli`: ``ragspec eagle`` (train, info, bench).
 """
 
+from ..deprecation import moved_names
 from .drafter import EagleDrafter, EagleSession, EagleTreeConfig
 from .head import (
     SHIPPED_HEADS,
@@ -30,3 +31,12 @@ __all__ = [
     "shipped_head",
     "target_fingerprint",
 ]
+
+# names of the old ragspec/eagle.py module that live elsewhere now (deprecated, one release)
+__getattr__ = moved_names(
+    "ragspec.eagle",
+    {
+        "SelectingDrafter": "ragspec.drafters",
+        **dict.fromkeys(("HEAD_FORMAT", "HEAD_FORMAT_VERSION", "WEIGHTS_FILE", "CONFIG_FILE"), "ragspec.eagle.head"),
+    },
+)

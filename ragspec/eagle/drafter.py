@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..backend.base import Capability, FastLinear, Target
-from ..drafters.base import SessionCapability
+from ..drafters.base import SessionCapability, TenantIsolation
 from ..errors import ConfigError
 from ..types import DraftTree, VerifyResult
 from .head import EagleHead
@@ -93,6 +93,9 @@ class EagleDrafter:
     """
 
     name = "eagle"
+    isolation = TenantIsolation.OWN_TOKENS
+    """Drafts from the request's own tokens and hidden states, through a fixed head
+    (:class:`~ragspec.drafters.base.TenantIsolation`)."""
 
     CATCH_UP_ROWS = 32
     """Rows per fused-step call when the head catches up on committed pairs."""

@@ -62,6 +62,7 @@ from torch import nn
 
 from ..backend.base import Capability, DecoderLayout, Embeddings, Target
 from ..errors import ConfigError, EagleHeadMismatchError, ModelLoadError
+from ..models import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +89,11 @@ CONFIG_FILE = "config.json"
 
 
 # --------------------------------------------------------------------------- the head
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def head_config_from(target_config) -> Any:
     """The head's transformers config: a copy of the target's text config with one layer
     and SDPA attention (the head passes explicit boolean masks). The target's config
     object is left untouched."""
-    cfg = copy.deepcopy(_text_config(target_config))
+    cfg = copy.deepcopy(text_config(target_config))
     cfg.num_hidden_layers = 1
     cfg._attn_implementation = "sdpa"
     if hasattr(cfg, "layer_types") and getattr(cfg, "layer_types", None):
@@ -314,7 +311,7 @@ def target_fingerprint(target, model_spec=None) -> dict:
         files of a Hugging Face folder), or ``"embedding-sha256:<hex>"`` without a spec.
     """
     config = target.capability(Capability.CONFIG)
-    cfg = _text_config(config)
+    cfg = text_config(config)
     emb_sha = _embedding_sha256(target)
     if model_spec is None:
         fp = f"embedding-sha256:{emb_sha}"

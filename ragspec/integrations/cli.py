@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -47,7 +48,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         eagle=args.eagle,
         numerics=args.numerics,
         drafting=args.drafting,
-        api_key=args.api_key,
+        api_key=",".join(args.api_key) if args.api_key else None,
+        admin_key=",".join(args.admin_key) if args.admin_key else None,
         max_queue=args.max_queue,
         max_active=args.max_active,
         max_step_tokens=args.max_step_tokens,
@@ -109,17 +111,18 @@ def ray_options_from_args(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     ray_options = ray_options_from_args(args)
     settings = settings_from_args(args)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", settings.host)
+    if ray_options is None or not (ray_options.address or os.environ.get("RAY_ADDRESS")):
+        # every path and option is checked before the model loads (a bad --datastore fails
+        # in seconds, not after the load); a Ray cluster's replicas check theirs on their nodes
+        settings.check_inputs()
     if ray_options is not None:
         # the replicas load the model and datastores themselves (on their nodes); a bad
         # one fails its health check and this ends with its one-line error
         from .ray import run
 
         return run(settings, ray_options, ready=_say_ready)
-    # files the service writes are checked before the model loads (a bad path fails in
-    # a second, not after the load)
-    settings.check_files()
     import uvicorn
 
     from .server import create_app
@@ -180,9 +183,20 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys separated by commas, one per "
-        "tenant: each its own cache partition and share of the queue (RAGSPEC_API_KEY)",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys (the flag repeated, or keys "
+        "separated by commas), one per tenant: each its own cache partition and share of the queue "
+        "(RAGSPEC_API_KEY, keys separated by commas)",
+    )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="keys that may also add documents to the datastores (POST /v1/datastores/NAME/documents) and see their "
+        "sizes; API keys too; several (the flag repeated, or keys separated by commas). With keys, other keys cannot write (RAGSPEC_ADMIN_KEY)",
     )
     p.add_argument(
         "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"
@@ -285,8 +299,8 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--response-log",
         default=None,
         help="JSON-lines file the response cache is loaded from at start and appended to as answers "
-        "finish (a crash loses at most the last second; RAGSPEC_RESPONSE_LOG; "
-        "'ragspec datastore add --from-log' makes it a datastore shard)",
+        "finish, keyed answers under their tenant's partition (a crash loses at most the last second; owner-only; "
+        "one server per log; RAGSPEC_RESPONSE_LOG; 'ragspec datastore add --from-log' makes it a datastore shard)",
     )
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)
@@ -295,7 +309,7 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_ray_args(p: argparse.ArgumentParser) -> None:
     """``serve``'s Ray Serve options (they only apply with ``--ray``)."""
-    r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see README, 'Ray Serve')")
+    r = p.add_argument_group("Ray Serve (pip install 'ragspec[ray]'; see docs/ray.md in ragspec's repository)")
     r.add_argument(
         "--ray", action="store_true", help="serve replicas on Ray Serve behind one endpoint (--host/--port: its proxy)"
     )

@@ -2,10 +2,13 @@
 
 Swap them in for any LangChain LLM / chat model: a RAG chain (retriever -> prompt -> llm)
 gets its speedup with no other change, since the retrieved passages are in the prompt and
-prompt lookup copies from them. When the passages are *not* pasted verbatim into the prompt
-(trimmed, reformatted, or only used as a style guide), hand them to the drafter explicitly:
-``llm.invoke(prompt, documents=docs)``, ``llm.with_documents(docs)``, or
-:func:`with_documents` in a chain.
+prompt lookup copies from them. Passages the model should read without a prompt template
+pasting them go in ``documents`` (``llm.invoke(prompt, documents=docs)``,
+``llm.with_documents(docs)``): the model reads them as grounding (the chat template's
+documents where it takes them, else ``Document 1:`` ... before the prompt) and the drafter
+copies from them. Passages the prompt already holds in some form (trimmed, reformatted)
+go in ``draft_documents``: only the drafter reads those, as :func:`with_documents` in a
+chain does, so the model never reads the passages twice.
 
 Stop strings: the ``stop`` field (set on the model) and the per-call ``stop`` argument are
 combined as their **union**; generation stops at the first occurrence of any of them and
@@ -15,20 +18,27 @@ complete in the middle of a draft).
 Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new_tokens``
 (alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``seed``, ``speculative``,
 ``max_draft_tokens`` (the call's draft budget per step, under the engine's; 0: plain
-decoding), ``documents``. Anything else raises ``TypeError``.
+decoding), ``documents``, ``draft_documents``, ``datastore`` (the name of one of the
+engine's datastores to draft from). Anything else raises ``TypeError``. They and the fields
+become one :class:`~ragspec.params.RequestParams` per call (:meth:`_RagspecBase.request_params`).
+
+Not supported yet: tool calling and schema-constrained output (``bind_tools``,
+``with_structured_output``, ``tools=`` / ``response_format=`` arguments); they raise
+:class:`~ragspec.errors.UnsupportedError` (a ``NotImplementedError``) naming the call.
 
 Each generation's drafting statistics (vLLM's per-request names, as the server's
 ``usage.speculative_decoding``) are in its metadata under ``"speculative_decoding"``
 (:func:`stats_metadata`).
 
 Batches, threads and async: every generation open on a wrapper is stepped together with
-the others (:class:`~ragspec.integrations._stepping.BatchStepper`): one ``engine.step``, one
-verification forward, per round for all of them, prompts prefilled in chunks inside the
-same rounds. ``RagspecLLM.batch`` / ``abatch`` open all their prompts at once;
-``ChatRagspec.batch`` / ``abatch`` (LangChain runs its inputs concurrently) and any
-concurrent calls join the running rounds. Each output is what the same call gives alone.
-The async methods step in worker threads and never block the event loop; cancelling an
-async consumer ends its generation at the next step.
+the others by its :class:`~ragspec.integrations.stepper.Stepper` (the server's stepper, in
+its own ``ragspec-compute`` thread): one ``engine.step``, one verification forward, per
+round for all of them, prompts prefilled in chunks inside the same rounds.
+``RagspecLLM.batch`` / ``abatch`` submit all their prompts at once; ``ChatRagspec.batch`` /
+``abatch`` (LangChain runs its inputs concurrently) and any concurrent calls join the
+running rounds. Each output is what the same call gives alone. The async methods read
+their chunks on the event loop and never block it; closing a stream, or cancelling an
+async consumer, ends its generation at the next step.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, NoReturn, Optional, Sequence, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LLM, BaseChatModel
@@ -55,14 +65,24 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragspec.backend.threads import release_openmp_pool
 from ragspec.engine import Engine
-from ragspec.errors import ConfigError
+from ragspec.errors import ConfigError, UnsupportedError
+from ragspec.params import RequestParams
+from ragspec.prompts import Messages, PreparedPrompt, Prompt
 from ragspec.types import GenerationStats, StreamChunk
 
-from ._stepping import BatchStepper, Slot, document_texts, merge_stop
+from .stepper import AsyncOutbox, Job, Stepper, ThreadOutbox
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RagspecLLM", "ChatRagspec", "with_documents", "format_documents", "document_texts", "stats_metadata"]
+__all__ = [
+    "RagspecLLM",
+    "ChatRagspec",
+    "with_documents",
+    "format_documents",
+    "document_texts",
+    "merge_stop",
+    "stats_metadata",
+]
 
 _CALL_KWARGS = (
     "max_new_tokens",
@@ -74,7 +94,64 @@ _CALL_KWARGS = (
     "speculative",
     "max_draft_tokens",
     "documents",
+    "draft_documents",
+    "datastore",
 )
+
+Wrapper = TypeVar("Wrapper", bound="_RagspecBase")
+
+
+def document_texts(documents) -> list[str]:
+    """Texts of ``documents``: strings as they are, LangChain ``Document`` s by their
+    ``page_content``; a single string or Document counts as a list of one.
+
+    Raises:
+        TypeError: an item is neither.
+    """
+    if documents is None:
+        return []
+    if isinstance(documents, str) or hasattr(documents, "page_content"):
+        documents = [documents]
+    out = []
+    for d in documents:
+        if isinstance(d, str):
+            out.append(d)
+        elif isinstance(getattr(d, "page_content", None), str):
+            out.append(d.page_content)
+        else:
+            raise TypeError(f"documents must be strings or Documents, got {type(d).__name__}")
+    return out
+
+
+def merge_stop(*lists: Optional[Sequence[str]]) -> list[str]:
+    """Union of stop-string lists, first occurrence order kept, empty strings dropped.
+
+    A single string counts as a list of one."""
+    out: list[str] = []
+    for stops in lists:
+        if stops is None:
+            continue
+        if isinstance(stops, str):
+            stops = [stops]
+        for s in stops:
+            if s and s not in out:
+                out.append(s)
+    return out
+
+
+_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format", "ls_structured_output_format")
+"""Call arguments of tool calling and structured output (what ``bind_tools`` and
+``with_structured_output`` bind), unsupported."""
+
+
+def _unsupported(what: str) -> UnsupportedError:
+    """The error of a LangChain call ragspec does not support: it names ``what`` and where
+    to look (tool calling and structured output are not supported yet)."""
+    return UnsupportedError(
+        f"{what} is not supported: ragspec's LangChain classes generate plain text, without tool calls or "
+        "schema-constrained output (yet). What they support: ragspec's docs/usage.md, section 'LangChain'. "
+        "Meanwhile, ask for JSON in the prompt and parse the answer (langchain_core.output_parsers.JsonOutputParser)."
+    )
 
 
 def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
@@ -106,10 +183,13 @@ def _usage(stats: Optional[GenerationStats]) -> UsageMetadata:
     return UsageMetadata(input_tokens=inp, output_tokens=out, total_tokens=inp + out)
 
 
-class _RagspecParams(BaseModel):
-    """Fields and engine plumbing shared by the LLM and the chat model."""
+class _RagspecBase(BaseModel):
+    """What the LLM and the chat model share: the fields, the constructor and factory, the
+    request parameters of a call, and the generations on the wrapper's stepper. A subclass
+    says what its input is (:meth:`_input`: a text prompt, or a chat) and how a chunk is
+    wrapped for LangChain (:meth:`_wrap`)."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
     model_name: str = ""
     """Name reported in metadata (default: the engine's model name)."""
@@ -131,12 +211,43 @@ class _RagspecParams(BaseModel):
     """Draft budget per step of every call, under the engine's own (None: the engine's;
     0: plain decoding, as ``speculative=False``)."""
     documents: Optional[list[str]] = None
-    """Texts the drafter may copy from on every call (besides the prompt and any per-call
-    ``documents``)."""
+    """Texts the model reads as grounding, and the drafter copies from, on every call
+    (before any per-call ``documents``)."""
+    draft_documents: Optional[list[str]] = None
+    """Texts only the drafter copies from, on every call (besides the prompt and any
+    per-call ``draft_documents``)."""
+    datastore: Optional[str] = None
+    """The name of the engine's datastore every call drafts from (None: its default)."""
 
     _engine: Optional[Engine] = PrivateAttr(default=None)
-    _stepper: Optional[BatchStepper] = PrivateAttr(default=None)
+    _stepper: Optional[Stepper] = PrivateAttr(default=None)
     _stepper_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, *, engine: Optional[Engine] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def from_model_id(
+        cls: type[Wrapper],
+        model: Optional[str] = None,
+        *,
+        datastore: Optional[str] = None,
+        eagle: Optional[str] = "auto",
+        device: Optional[str] = None,
+        dtype: Optional[str] = None,
+        calibrate: bool = True,
+        **fields: Any,
+    ) -> Wrapper:
+        """Load a model (registry name, GGUF or HF folder; None = the default model) with an
+        optional datastore and EAGLE head (:func:`ragspec.loading.load_engine`), and wrap
+        it. ``fields`` are this class's fields (``temperature``, ``max_new_tokens``,
+        ``stop`` ...)."""
+        from ragspec.loading import load_engine
+
+        engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
+        release_openmp_pool()  # steps run in the stepper's compute thread, not this one
+        return cls(engine=engine, **fields)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -151,18 +262,40 @@ class _RagspecParams(BaseModel):
         return self._engine
 
     def _display_name(self) -> str:
-        return self.model_name or getattr(self._engine, "model_name", "") or "ragspec"
+        return self.model_name or (self._engine.model_name if self._engine is not None else "") or "ragspec"
 
-    def _engine_kwargs(self, stop: Optional[Sequence[str]], kwargs: dict) -> dict:
+    def with_documents(self, documents) -> Runnable:
+        """This model grounded in ``documents`` (strings or ``Document`` s) on every call:
+        the model reads them and the drafter copies from them (``self.bind(documents=...)``).
+        For passages a prompt template already pastes, bind ``draft_documents`` instead."""
+        return self.bind(documents=document_texts(documents))  # type: ignore[attr-defined]  # a Runnable
+
+    def request_params(self, stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> RequestParams:
+        """The LangChain builder of a call's :class:`~ragspec.params.RequestParams`: this
+        wrapper's fields, a call's keyword arguments over them (``stop`` and the documents
+        added to the fields', the rest replacing them).
+
+        Raises:
+            UnsupportedError: a tool-calling or structured-output argument (``tools``,
+                ``response_format`` ...).
+            TypeError: an unknown keyword argument.
+            ConfigError: a value out of range.
+        """
         unknown = sorted(set(kwargs) - set(_CALL_KWARGS))
+        tooling = [k for k in unknown if k in _TOOL_KWARGS]
+        if tooling:
+            raise _unsupported(
+                f"{type(self).__name__}: the call argument(s) {tooling} (tool calling, structured output)"
+            )
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
-        docs = list(self.documents or []) + document_texts(kwargs.get("documents"))
-        return dict(
+        return RequestParams(
             max_new_tokens=int(max_new),
-            stop=merge_stop(self.stop, stop) or None,
-            documents=docs or None,
+            stop=merge_stop(self.stop, stop),
+            documents=list(self.documents or []) + document_texts(kwargs.get("documents")),
+            draft_documents=list(self.draft_documents or []) + document_texts(kwargs.get("draft_documents")),
+            datastore=kwargs.get("datastore", self.datastore),
             speculative=bool(kwargs.get("speculative", self.speculative)),
             max_draft_tokens=kwargs.get("max_draft_tokens", self.max_draft_tokens),
             temperature=float(kwargs.get("temperature", self.temperature)),
@@ -172,109 +305,110 @@ class _RagspecParams(BaseModel):
         )
 
     @property
-    def stepper(self) -> BatchStepper:
-        """The stepper of this wrapper's generations (made on first use)."""
+    def stepper(self) -> Stepper:
+        """The stepper of this wrapper's generations (made on first use; its thread
+        ``ragspec-compute`` starts at the first generation)."""
         with self._stepper_lock:
-            if self._stepper is None or self._stepper.engine is not self.engine:
-                self._stepper = BatchStepper(self.engine)
+            if self._stepper is None or self._stepper.engine is not self.engine or self._stepper.stopped:
+                if self._stepper is not None:
+                    self._stepper.stop()
+                self._stepper = Stepper(self.engine, thread_name="ragspec-compute")
             return self._stepper
 
-    def _open(self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Slot:
-        """Open a request for the token ids ``prompt`` on this wrapper's stepper."""
-        kw = self._engine_kwargs(stop, kwargs)
+    def _input(self, value: Any) -> tuple[Any, bool]:
+        """What :meth:`Engine.prepare` reads for one LangChain input: (prompt, chat)."""
+        raise NotImplementedError
+
+    def _prepare(self, value: Any, params: RequestParams) -> PreparedPrompt:
+        prompt, chat = self._input(value)
+        return self.engine.prepare(prompt, params, chat=chat)
+
+    def _submit(self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict, outbox) -> list[Job]:
+        """Prepare every input (token ids, here) and submit them together: they share
+        their first step."""
+        params = self.request_params(stop, kwargs)
         engine = self.engine
-        return self.stepper.open(lambda: engine.request(prompt, **kw))
+        prepared = [self._prepare(v, params) for v in values]
+        makes = [lambda p=p: engine.start(p, params) for p in prepared]
+        return self.stepper.submit_many(makes, outbox)
 
-    def _drain(self, slot: Slot) -> tuple[str, Optional[GenerationStats]]:
-        parts: list[str] = []
-        stats = None
-        stepper = self.stepper
+    # ------------------------------------------------------------------ sync
+    def _iter(self, value: Any, stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
+        """The chunks of one generation, read in this thread."""
+        (job,) = self._submit([value], stop, kwargs, ThreadOutbox)
         try:
-            while (chunk := stepper.next(slot)) is not None:
-                parts.append(chunk.text)
-                stats = chunk.stats or stats
+            while (chunk := job.next_chunk()) is not None:
+                yield chunk
         finally:
-            stepper.close(slot)
-        return "".join(parts), stats
-
-    def _run(
-        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
-    ) -> tuple[str, Optional[GenerationStats]]:
-        """Whole generation, stepped with every other open one."""
-        return self._drain(self._open(prompt, stop, kwargs))
+            job.cancel()  # no-op once finished; else it ends at the next step
 
     def _run_many(
-        self, prompts: Sequence[list[int]], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+        self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
     ) -> list[tuple[str, Optional[GenerationStats]]]:
-        """All ``prompts`` opened first, then stepped together."""
-        slots: list[Slot] = []
+        """All ``values`` submitted together, then each read whole."""
+        jobs = self._submit(values, stop, kwargs, ThreadOutbox)
         try:
-            for p in prompts:
-                slots.append(self._open(p, stop, kwargs))
-        except BaseException:
-            for slot in slots:
-                self.stepper.close(slot)
-            raise
-        return [self._drain(slot) for slot in slots]
-
-    def _iter(self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
-        slot = self._open(prompt, stop, kwargs)
-        stepper = self.stepper
-        try:
-            while (chunk := stepper.next(slot)) is not None:
-                yield chunk
+            return [_collect(iter(job.next_chunk, None)) for job in jobs]
         finally:
-            stepper.close(slot)
+            for job in jobs:
+                job.cancel()
 
-    async def _aslot(self, slot: Slot) -> AsyncIterator[StreamChunk]:
-        """Chunks of ``slot``, each read in a worker thread; cancelling the consumer ends
-        the generation at the next step."""
-        stepper = self.stepper
-        try:
-            while (chunk := await asyncio.to_thread(stepper.next, slot)) is not None:
-                yield chunk
-        finally:
-            stepper.close(slot)
-
+    # ------------------------------------------------------------------ async
     async def _aiter(
-        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+        self, value: Any, stop: Optional[Sequence[str]], kwargs: dict[str, Any]
     ) -> AsyncIterator[StreamChunk]:
-        slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
-        async for chunk in self._aslot(slot):
-            yield chunk
-
-    async def _adrain(self, slot: Slot) -> tuple[str, Optional[GenerationStats]]:
-        parts: list[str] = []
-        stats = None
-        async for chunk in self._aslot(slot):
-            parts.append(chunk.text)
-            stats = chunk.stats or stats
-        return "".join(parts), stats
-
-    async def _arun(
-        self, prompt: list[int], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
-    ) -> tuple[str, Optional[GenerationStats]]:
-        slot = await asyncio.to_thread(self._open, prompt, stop, kwargs)
-        return await self._adrain(slot)
+        """The chunks of one generation, read on the event loop (tokenized in a worker thread)."""
+        loop = asyncio.get_running_loop()
+        (job,) = await asyncio.to_thread(self._submit, [value], stop, kwargs, lambda: AsyncOutbox(loop))
+        try:
+            while (chunk := await job.anext_chunk()) is not None:
+                yield chunk
+        finally:
+            job.cancel()
 
     async def _arun_many(
-        self, prompts: Sequence[list[int]], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
+        self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
     ) -> list[tuple[str, Optional[GenerationStats]]]:
-        """All ``prompts`` opened first (in a worker thread), then stepped together."""
+        """All ``values`` submitted together (tokenized in a worker thread), then read on the loop."""
+        loop = asyncio.get_running_loop()
+        jobs = await asyncio.to_thread(self._submit, values, stop, kwargs, lambda: AsyncOutbox(loop))
 
-        def open_all() -> list[Slot]:
-            slots: list[Slot] = []
-            try:
-                for p in prompts:
-                    slots.append(self._open(p, stop, kwargs))
-            except BaseException:
-                for slot in slots:
-                    self.stepper.close(slot)
-                raise
-            return slots
+        async def drain(job: Job) -> tuple[str, Optional[GenerationStats]]:
+            parts: list[str] = []
+            stats = None
+            while (chunk := await job.anext_chunk()) is not None:
+                parts.append(chunk.text)
+                stats = chunk.stats or stats
+            return "".join(parts), stats
 
-        slots = await asyncio.to_thread(open_all)
-        return list(await asyncio.gather(*(self._adrain(s) for s in slots)))
+        try:
+            return list(await asyncio.gather(*(drain(j) for j in jobs)))
+        finally:
+            for job in jobs:
+                job.cancel()
+
+    # ------------------------------------------------------------------ streams
+    def _wrap(self, chunk: StreamChunk) -> Any:
+        """A chunk as this LangChain class streams it."""
+        raise NotImplementedError
+
+    def _stream_wrapped(self, value: Any, stop: Optional[list[str]], run_manager: Any, kwargs: dict) -> Iterator[Any]:
+        """``_stream`` of both classes: each chunk wrapped, reported to the callbacks, then yielded."""
+        for chunk in self._iter(value, stop, kwargs):
+            wrapped = self._wrap(chunk)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=wrapped)
+            yield wrapped
+
+    async def _astream_wrapped(
+        self, value: Any, stop: Optional[list[str]], run_manager: Any, kwargs: dict
+    ) -> AsyncIterator[Any]:
+        """``_astream`` of both classes (see :meth:`_stream_wrapped`)."""
+        async for chunk in self._aiter(value, stop, kwargs):
+            wrapped = self._wrap(chunk)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=wrapped)
+            yield wrapped
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -291,7 +425,17 @@ class _RagspecParams(BaseModel):
         }
 
 
-class RagspecLLM(_RagspecParams, LLM):
+def _collect(chunks) -> tuple[str, Optional[GenerationStats]]:
+    """The whole text of ``chunks`` and the last stats."""
+    parts: list[str] = []
+    stats = None
+    for chunk in chunks:
+        parts.append(chunk.text)
+        stats = chunk.stats or stats
+    return "".join(parts), stats
+
+
+class RagspecLLM(_RagspecBase, LLM):
     """A LangChain ``LLM`` (text in, text out) decoding with ragspec.
 
     Build it around a loaded engine, ``RagspecLLM(engine=engine, max_new_tokens=128)``, or
@@ -308,41 +452,26 @@ class RagspecLLM(_RagspecParams, LLM):
     chat: bool = True
     """Wrap a text prompt in the chat template (one user turn) when the tokenizer has one."""
 
-    def __init__(self, *, engine: Optional[Engine] = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._engine = engine
-
-    @classmethod
-    def from_model_id(
-        cls,
-        model: Optional[str] = None,
-        *,
-        datastore: Optional[str] = None,
-        eagle: Optional[str] = "auto",
-        device: Optional[str] = None,
-        dtype: Optional[str] = None,
-        calibrate: bool = True,
-        **fields: Any,
-    ) -> "RagspecLLM":
-        """Load a model (registry name, GGUF or HF folder; None = the default model) with an
-        optional datastore and EAGLE head, and wrap it. ``fields`` are this class's fields
-        (``temperature``, ``max_new_tokens``, ``stop`` ...)."""
-        from ragspec.loading import load_engine
-
-        engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
-        release_openmp_pool()  # steps run in the stepper's compute thread, not this one
-        return cls(engine=engine, **fields)
-
     @property
     def _llm_type(self) -> str:
         return "ragspec"
 
-    def with_documents(self, documents) -> Runnable:
-        """This LLM with ``documents`` (strings or ``Document`` s) as draft sources of every
-        call: ``self.bind(documents=...)``."""
-        return self.bind(documents=document_texts(documents))
+    def _input(self, value: Any) -> tuple[Prompt, bool]:
+        return value, self.chat
+
+    def _wrap(self, chunk: StreamChunk) -> GenerationChunk:
+        info = stats_metadata(chunk.stats, self._display_name()) if chunk.stats is not None else None
+        return GenerationChunk(text=chunk.text, generation_info=info)
 
     # ------------------------------------------------------------------ LangChain hooks
+    def with_structured_output(self, schema: dict[str, Any] | type, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("RagspecLLM.with_structured_output (output constrained to a schema)")
+
     def _call(
         self,
         prompt: str,
@@ -350,11 +479,7 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> str:
-        text, _ = self._run(self._prompt(prompt), stop, kwargs)
-        return text
-
-    def _prompt(self, prompt: str) -> list[int]:
-        return self.engine.encode_prompt(prompt, chat=self.chat)
+        return self._run_many([prompt], stop, kwargs)[0][0]
 
     def _result(self, outs: list[tuple[str, Optional[GenerationStats]]]) -> LLMResult:
         name = self._display_name()
@@ -380,10 +505,10 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> LLMResult:
-        """``invoke`` / ``batch``'s path: each prompt's token ids (:meth:`_prompt`), opened on
-        the stepper together (:meth:`_run_many`) and stepped, one ``Engine.step`` per round
-        for all of them (:class:`~ragspec.integrations._stepping.BatchStepper`)."""
-        return self._result(self._run_many([self._prompt(p) for p in prompts], stop, kwargs))
+        """``invoke`` / ``batch``'s path: every prompt submitted to the stepper together
+        (:meth:`_run_many`) and stepped, one ``Engine.step`` per round for all of them
+        (:class:`~ragspec.integrations.stepper.Stepper`)."""
+        return self._result(self._run_many(prompts, stop, kwargs))
 
     async def _agenerate(
         self,
@@ -392,12 +517,7 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> LLMResult:
-        ids = await asyncio.to_thread(lambda: [self._prompt(p) for p in prompts])
-        return self._result(await self._arun_many(ids, stop, kwargs))
-
-    def _gen_chunk(self, chunk: StreamChunk) -> GenerationChunk:
-        info = stats_metadata(chunk.stats, self._display_name()) if chunk.stats is not None else None
-        return GenerationChunk(text=chunk.text, generation_info=info)
+        return self._result(await self._arun_many(prompts, stop, kwargs))
 
     def _stream(
         self,
@@ -406,25 +526,16 @@ class RagspecLLM(_RagspecParams, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for chunk in self._iter(self._prompt(prompt), stop, kwargs):
-            gen = self._gen_chunk(chunk)
-            if run_manager is not None:
-                run_manager.on_llm_new_token(gen.text, chunk=gen)
-            yield gen
+        return self._stream_wrapped(prompt, stop, run_manager, kwargs)
 
-    async def _astream(
+    def _astream(
         self,
         prompt: str,
         stop: Optional[list[str]] = None,
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        ids = await asyncio.to_thread(self._prompt, prompt)
-        async for chunk in self._aiter(ids, stop, kwargs):
-            gen = self._gen_chunk(chunk)
-            if run_manager is not None:
-                await run_manager.on_llm_new_token(gen.text, chunk=gen)
-            yield gen
+        return self._astream_wrapped(prompt, stop, run_manager, kwargs)
 
 
 _ROLES = {
@@ -448,9 +559,9 @@ def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     return out
 
 
-class ChatRagspec(_RagspecParams, BaseChatModel):
+class ChatRagspec(_RagspecBase, BaseChatModel):
     """A LangChain chat model decoding with ragspec; messages go through the tokenizer's
-    chat template (:meth:`ragspec.Engine.encode_messages`).
+    chat template (:meth:`ragspec.Engine.prepare`).
 
     Build it around a loaded engine, ``ChatRagspec(engine=engine)``, or load one with
     :meth:`from_model_id`. The constructor does no I/O. Replies carry the stats in
@@ -460,41 +571,32 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
-    def __init__(self, *, engine: Optional[Engine] = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._engine = engine
-
-    @classmethod
-    def from_model_id(
-        cls,
-        model: Optional[str] = None,
-        *,
-        datastore: Optional[str] = None,
-        eagle: Optional[str] = "auto",
-        device: Optional[str] = None,
-        dtype: Optional[str] = None,
-        calibrate: bool = True,
-        **fields: Any,
-    ) -> "ChatRagspec":
-        """Load a model (see :meth:`RagspecLLM.from_model_id`) and wrap it."""
-        from ragspec.loading import load_engine
-
-        engine = load_engine(model, device, dtype, datastore=datastore, eagle=eagle, calibrate=calibrate)
-        release_openmp_pool()  # steps run in the stepper's compute thread, not this one
-        return cls(engine=engine, **fields)
-
     @property
     def _llm_type(self) -> str:
         return "ragspec-chat"
 
-    def with_documents(self, documents) -> Runnable:
-        """This model with ``documents`` as draft sources of every call."""
-        return self.bind(documents=document_texts(documents))
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
 
-    def _prompt(self, messages: Sequence[BaseMessage]) -> list[int]:
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.bind_tools (tool calling)")
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+    ) -> NoReturn:
+        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+
+        Raises:
+            UnsupportedError: always.
+        """
+        raise _unsupported("ChatRagspec.with_structured_output (output constrained to a schema)")
+
+    def _input(self, value: Any) -> tuple[Messages, bool]:
         if not getattr(self.engine.tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template: use RagspecLLM for plain text prompts")
-        return self.engine.encode_messages(_chat_messages(messages))
+        return _chat_messages(value), True
 
     def _message(self, text: str, stats: Optional[GenerationStats]) -> AIMessage:
         return AIMessage(
@@ -503,28 +605,7 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
             usage_metadata=_usage(stats),
         )
 
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[CallbackManagerForLLMRun] = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        text, stats = self._run(self._prompt(messages), stop, kwargs)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
-
-    async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        ids = await asyncio.to_thread(self._prompt, messages)
-        text, stats = await self._arun(ids, stop, kwargs)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
-
-    def _chat_chunk(self, chunk: StreamChunk) -> ChatGenerationChunk:
+    def _wrap(self, chunk: StreamChunk) -> ChatGenerationChunk:
         if chunk.stats is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
         msg = AIMessageChunk(
@@ -535,6 +616,26 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
         )
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": chunk.stats.finish_reason})
 
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        ((text, stats),) = self._run_many([messages], stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        ((text, stats),) = await self._arun_many([messages], stop, kwargs)
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+
     def _stream(
         self,
         messages: list[BaseMessage],
@@ -542,25 +643,16 @@ class ChatRagspec(_RagspecParams, BaseChatModel):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._iter(self._prompt(messages), stop, kwargs):
-            gen = self._chat_chunk(chunk)
-            if run_manager is not None:
-                run_manager.on_llm_new_token(chunk.text, chunk=gen)
-            yield gen
+        return self._stream_wrapped(messages, stop, run_manager, kwargs)
 
-    async def _astream(
+    def _astream(
         self,
         messages: list[BaseMessage],
         stop: Optional[list[str]] = None,
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        ids = await asyncio.to_thread(self._prompt, messages)
-        async for chunk in self._aiter(ids, stop, kwargs):
-            gen = self._chat_chunk(chunk)
-            if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=gen)
-            yield gen
+        return self._astream_wrapped(messages, stop, run_manager, kwargs)
 
 
 # ---------------------------------------------------------------------- chains
@@ -575,7 +667,8 @@ def with_documents(llm, prompt, *, documents_key: str = "context", format=format
     The input is a dict whose ``documents_key`` holds the retriever's output (``Document`` s
     or strings). The prompt sees that value passed through ``format`` (None: unchanged), so
     the prompt may trim or rephrase the passages; the drafter gets their full
-    ``page_content`` either way (``engine.generate(documents=...)``). Example::
+    ``page_content`` either way, as ``draft_documents`` (the model reads the passages once,
+    in the prompt). Example::
 
         chain = {"context": retriever, "question": RunnablePassthrough()} | with_documents(llm, prompt)
 
@@ -592,7 +685,7 @@ def with_documents(llm, prompt, *, documents_key: str = "context", format=format
         return (
             RunnableLambda(lambda _: values, name="documents_formatted")
             | prompt
-            | llm.bind(documents=document_texts(docs))
+            | llm.bind(draft_documents=document_texts(docs))
         )
 
     return RunnableLambda(route, name="with_documents")

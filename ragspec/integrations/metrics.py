@@ -1,7 +1,8 @@
 """Prometheus metrics of the REST service, in a registry of its own (one per app).
 
 Names (all prefixed ``ragspec_``; times in seconds):
-    requests_total{endpoint, status}         finished HTTP requests by status code
+    requests_total{endpoint, status}         finished HTTP requests by status code (endpoint: the
+                                             path, a route template for a parameter, else "other")
     rejected_requests_total                  429s (queue full)
     cancelled_requests_total                 generations dropped because the client left
     prompt_tokens_total, generated_tokens_total

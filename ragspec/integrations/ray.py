@@ -35,6 +35,7 @@ Importing this module is cheap (Ray, torch and FastAPI load when used).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -272,8 +273,8 @@ class _RayMetricsMirror:
 
 
 class RagspecReplica:
-    """One Ray Serve replica: the engine (and each datastore's variant) loaded in this
-    process, served by :func:`.server.create_app`.
+    """One Ray Serve replica: the engine (every datastore, the response cache) loaded in
+    this process, served by :func:`.server.create_app`.
 
     Use :func:`build_app`, which wraps this class with ``serve.ingress`` and
     ``serve.deployment``; the constructor runs inside the replica.
@@ -296,24 +297,22 @@ class RagspecReplica:
         self.replica_id = _replica_id()
         self.error: Optional[str] = None
         self.engine: Optional[Engine] = None
-        self.variants: dict[str, Engine] = {}
         self.response_cache: Optional[ResponseCache] = None
         try:
             # each replica caches its own answers (a shared cache would be a store of our own)
-            served = await asyncio.to_thread(_load_serving_released, settings.serving_config())
-            self.engine, self.variants, self.response_cache = (
-                served.engine,
-                served.datastore_engines,
-                served.response_cache,
-            )
+            # replicas share the settings: each journals to a response log of its own
+            config = dataclasses.replace(settings.serving_config(), response_log_spread=True)
+            served = await asyncio.to_thread(_load_serving_released, config)
+            self.engine, self.response_cache = served.engine, served.response_cache
         except (RagspecError, OSError, ValueError) as e:
             # not raised here: the health check reports it (one line) and Ray Serve never
             # routes to this replica
             self.error = _one_line(e)
-            self.engine, self.variants = None, {}  # nothing of it is served: free the model
+            self.engine = None  # nothing of it is served: free the model
             logger.error("replica %s cannot serve: %s", self.replica_id, self.error)
         else:
-            logger.info("replica %s ready (%d threads, datastores %s)", self.replica_id, threads, sorted(self.variants))
+            names = sorted(served.engine.datastores)
+            logger.info("replica %s ready (%d threads, datastores %s)", self.replica_id, threads, names)
 
     def __serve_build_asgi_app__(self):
         from fastapi import FastAPI
@@ -322,12 +321,7 @@ class RagspecReplica:
 
         if self.error is not None:
             return FastAPI()  # never served: the first health check fails
-        app = create_app(
-            engine=self.engine,
-            settings=self.settings,
-            datastore_engines=self.variants,
-            response_cache=self.response_cache,
-        )
+        app = create_app(engine=self.engine, settings=self.settings, response_cache=self.response_cache)
         app.add_middleware(_ReplicaHeader, replica=self.replica_id)
         if self.metrics_interval_s > 0:
             self.mirror = _RayMetricsMirror(app.state.metrics.registry, self.metrics_interval_s)

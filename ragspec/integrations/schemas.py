@@ -1,12 +1,14 @@
 """Request bodies of the REST service (pydantic, unknown fields refused).
 
 The OpenAI-compatible bodies accept the fields OpenAI's clients commonly send; fields that
-ask for something ragspec does not do (``n > 1``, log-probabilities, penalties, tools,
-``echo``, ``suffix``, ``logit_bias``) are accepted only at their neutral value and
-otherwise answered with a 400 naming the field (:func:`unsupported`). Anything else unknown
-is a 400 too. ragspec extensions: ``top_k``, ``documents`` (texts the drafter may copy
-from), ``datastore`` (by name), ``speculative`` and ``max_draft_tokens`` (this request's
-draft budget per step, under the server's; 0 = plain decoding).
+ask for something ragspec does not do are accepted only at their neutral value and
+otherwise answered with a 400 naming the field: tools, ``echo``, ``suffix``, ``best_of``
+here (:func:`unsupported`), the request parameters the engine does not implement yet
+(``n > 1``, log-probabilities, penalties, ``logit_bias``, a structured ``response_format``)
+by :class:`ragspec.params.RequestParams` itself. Anything else unknown is a 400 too.
+ragspec extensions: ``top_k``, ``documents`` (texts the model reads as grounding and the
+drafter copies from), ``datastore`` (by name), ``speculative`` and ``max_draft_tokens``
+(this request's draft budget per step, under the server's; 0 = plain decoding).
 
 Types are strict: no booleans as numbers (``max_tokens: true``, ``prompt: [true]``), no
 strings as booleans (``stream: "yes"``), no floats as integers. Shapes are bounded here
@@ -123,7 +125,8 @@ class _Sampling(_Body):
     """vLLM's: requests share prefix-cache and response-cache hits only with the same salt
     (and, with API keys, the same key)."""
     documents: Optional[Annotated[list[StrictStr], _at_most(MAX_DOCUMENTS)]] = None
-    """Extra texts the drafter may copy from."""
+    """Texts the model reads as grounding (the chat template's documents where it takes
+    them, else before the prompt: ``Document 1:`` ...) and the drafter copies from."""
     user: Optional[str] = None
     """Accepted, ignored."""
 
@@ -277,24 +280,15 @@ def first_unknown_field(model: type[BaseModel], data: Mapping[str, Any]) -> Opti
 
 
 def unsupported(req: BaseModel) -> Optional[tuple[str, str]]:
-    """The first field asking for something ragspec does not do, as (field, message)."""
+    """The first field of the body's own asking for something ragspec does not do, as
+    (field, message); the request parameters the engine does not implement yet are refused
+    by :class:`ragspec.params.RequestParams` (:data:`ragspec.params.UNSUPPORTED_FIELDS`)."""
     checks = [
-        ("n", lambda v: v not in (None, 1), "only n=1 is supported"),
         ("best_of", lambda v: v not in (None, 1), "only best_of=1 is supported"),
         ("echo", lambda v: bool(v), "echo is not supported"),
         ("suffix", lambda v: bool(v), "suffix is not supported"),
-        ("logprobs", lambda v: v not in (None, False, 0), "logprobs are not supported"),
-        ("top_logprobs", lambda v: v not in (None, 0), "logprobs are not supported"),
-        ("presence_penalty", lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported"),
-        ("frequency_penalty", lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported"),
-        ("logit_bias", lambda v: bool(v), "logit_bias is not supported"),
         ("tools", lambda v: bool(v), "tools are not supported"),
         ("tool_choice", lambda v: v not in (None, "none", "auto"), "tool_choice is not supported"),
-        (
-            "response_format",
-            lambda v: v is not None and v.get("type") not in (None, "text"),
-            "only the text response_format is supported",
-        ),
     ]
     for name, bad, message in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):

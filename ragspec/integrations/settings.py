@@ -35,6 +35,7 @@ ENV_VARS = {
     "RAGSPEC_NUMERICS": "numerics",
     "RAGSPEC_DRAFTING": "drafting",
     "RAGSPEC_API_KEY": "api_key",
+    "RAGSPEC_ADMIN_KEY": "admin_key",
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
     "RAGSPEC_MAX_STEP_TOKENS": "max_step_tokens",
@@ -143,6 +144,12 @@ class ServerSettings:
     """When set, ``/v1/*`` requests (and ``/metrics`` unless ``public_metrics``) need
     ``Authorization: Bearer <key>``: one key, or several separated by commas, one per
     tenant (each key its own cache partition and its own share of the queue)."""
+    admin_key: Optional[str] = None
+    """Keys that may also write: add documents to the served datastores (``POST
+    /v1/datastores/{name}/documents``) and see their sizes (``GET /v1/datastores``); one,
+    or several separated by commas. They are API keys too (tenants of their own). When the
+    server has keys, a key not given here cannot write (403); a server without any key
+    lets every client write."""
     max_active: int = 8
     """Generations interleaved step by step by the worker."""
     max_queue: int = 32
@@ -266,8 +273,10 @@ class ServerSettings:
             raise ConfigError(f"max_reading must be >= 1, got {self.max_reading}")
         if self.max_client_requests is not None and self.max_client_requests < 0:
             raise ConfigError(f"max_client_requests must be >= 0, got {self.max_client_requests}")
-        if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
-            raise ConfigError("api_key holds an empty key (several keys are separated by commas)")
+        for name in ("api_key", "admin_key"):
+            value = getattr(self, name)
+            if value is not None and not all(k.strip() for k in value.split(",")):
+                raise ConfigError(f"{name} holds an empty key (several keys are separated by commas)")
         names = [n for n, _ in self.datastores]
         if len(set(names)) != len(names):
             raise ConfigError(f"datastore names must be unique, got {names}")
@@ -280,16 +289,42 @@ class ServerSettings:
         (creates and removes a probe file beside the log).
 
         Raises:
+            ResponseLogHeldError: another live process writes the response log (one line
+                naming it: one server per log).
             ResponseLogError: the response log is a directory, not a regular file, in a
                 missing or unwritable folder (one line naming it).
         """
         if self.response_log and self.response_cache_tokens > 0:
             check_log_path(self.response_log, ResponseLogError, "--response-log")
+            from ragspec.drafters.response_journal import check_log_free
+
+            check_log_free(self.response_log)
+
+    def check_inputs(self) -> None:
+        """Check every path and option the service loads or writes, in seconds and before
+        the (slow) model load: the files it writes (:meth:`check_files`), then what it
+        loads (the model, device, dtype, numerics, EAGLE head and every datastore:
+        :func:`ragspec.serving.check_config`). Imports torch.
+
+        Raises:
+            ResponseLogError, ModelNotFoundError, ModelLoadError, DatastoreError, ConfigError:
+                as those two say (one line naming the option or datastore).
+        """
+        self.check_files()
+        from ragspec.serving import check_config
+
+        check_config(self.serving_config())
 
     @property
     def api_keys(self) -> tuple[str, ...]:
-        """The accepted API keys (none: no key needed)."""
-        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key is not None else ()
+        """The accepted API keys, the admin keys included (none: no key needed)."""
+        keys = tuple(k.strip() for k in self.api_key.split(",")) if self.api_key is not None else ()
+        return keys + tuple(k for k in self.admin_keys if k not in keys)
+
+    @property
+    def admin_keys(self) -> tuple[str, ...]:
+        """The keys that may write to the served datastores (``admin_key``)."""
+        return tuple(k.strip() for k in self.admin_key.split(",")) if self.admin_key is not None else ()
 
     @property
     def client_limit(self) -> int:

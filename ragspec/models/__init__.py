@@ -30,7 +30,7 @@ The roles, one module each (every public name is re-exported here):
 * :mod:`ragspec.models.registry`: the known models, the cache folders, the fetch and
   :func:`resolve_model`;
 * :mod:`ragspec.models.load`: device and dtype choice, :func:`load_model` (with the GGUF
-  de-quantization), :func:`model_info`, :func:`eos_token_ids`;
+  de-quantization), :func:`model_info`, :func:`eos_token_ids`, :func:`text_config`;
 * :mod:`ragspec.models.tokenizer`: :func:`load_tokenizer`;
 * :mod:`ragspec.models.conversion`: where a GGUF's conversions are saved and the checks of
   the GGUF;
@@ -38,7 +38,15 @@ The roles, one module each (every public name is re-exported here):
 """
 
 from .conversion import converted_model_dir, converted_tokenizer_dir
-from .load import eos_token_ids, load_model, model_info, quiet_transformers, resolve_device, resolve_dtype
+from .load import (
+    eos_token_ids,
+    load_model,
+    model_info,
+    quiet_transformers,
+    resolve_device,
+    resolve_dtype,
+    text_config,
+)
 from .registry import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
@@ -71,4 +79,5 @@ __all__ = [
     "load_model",
     "model_info",
     "eos_token_ids",
+    "text_config",
 ]

@@ -212,6 +212,14 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(value)]
 
 
+def text_config(config: Any) -> Any:
+    """The text decoder's part of a transformers config: ``config.get_text_config()`` where
+    the config has one (multimodal configs hold the text model's settings there), else
+    ``config`` itself."""
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
 def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     """All end-of-sequence token ids of a model, deduplicated, in this order of sources:
     ``model.generation_config.eos_token_id`` (int or list), ``model.config.eos_token_id``
@@ -227,11 +235,9 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     config = getattr(model, "config", None)
     if config is not None:
         sources.append(getattr(config, "eos_token_id", None))
-        get_text = getattr(config, "get_text_config", None)
-        if callable(get_text):
-            text_config = get_text()
-            if text_config is not config:
-                sources.append(getattr(text_config, "eos_token_id", None))
+        text = text_config(config)
+        if text is not config:
+            sources.append(getattr(text, "eos_token_id", None))
     if tokenizer is not None:
         sources.append(getattr(tokenizer, "eos_token_id", None))
     ids: list[int] = []
@@ -264,7 +270,7 @@ def model_info(
     if model is None:
         model, tokenizer = load_model(spec, device="cpu")
     config = model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     param = next(model.parameters(), None)
     return {
@@ -274,9 +280,9 @@ def model_info(
         "sha256": spec.sha256,
         "architecture": architectures[0],
         "num_parameters": int(model.num_parameters()),
-        "vocab_size": int(getattr(text_config, "vocab_size", None) or model.get_input_embeddings().num_embeddings),  # type: ignore[arg-type]  # nn.Embedding
+        "vocab_size": int(getattr(text, "vocab_size", None) or model.get_input_embeddings().num_embeddings),  # type: ignore[arg-type]  # nn.Embedding
         "tokenizer_vocab_size": len(tokenizer) if tokenizer is not None else None,
-        "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
         "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
         "device": str(param.device) if param is not None else None,
         "eos_token_ids": eos_token_ids(model, tokenizer),

@@ -85,12 +85,14 @@ def test_default_engine_reads_its_linear_weights_from_the_gguf_blocks(real_engin
     """With the compiled kernel, every decoder linear (30 layers x 7) and the tied output
     layer of the default model are read from the GGUF's own Q4_1 / Q8_0 blocks, and a
     summarization prompt stays token-identical to ``model.generate`` (float32 weights)."""
+    from ragspec.backend.base import Capability
     from ragspec.backend.cpu.kernels import load_quant_linear
 
-    if real_engine.target.skinny is None:  # no compiler here: the float32 path, nothing read from blocks
-        assert real_engine.target.gguf_weights == 0 and load_quant_linear() is None
+    speed_ups = real_engine.target.capability(Capability.SPEED_UPS)
+    if not speed_ups.compiled_kernel:  # no compiler here: the float32 path, nothing read from blocks
+        assert speed_ups.gguf_weights == 0 and load_quant_linear() is None
         return
-    assert real_engine.target.gguf_weights == 30 * 7 + 1
+    assert speed_ups.gguf_weights == 30 * 7 + 1
     row = [r for r in dev_rows if r["category"] == "summarization"][1]
     ids = real_engine.encode_prompt(row["turns"][0])
     ref = hf_generate(real_engine.model, ids, 48, real_engine.eos_token_ids, do_sample=False)

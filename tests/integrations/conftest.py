@@ -44,3 +44,14 @@ def live_server(tiny_engine):
     app = create_app(engine=tiny_engine, settings=ServerSettings(max_active=8, max_queue=32))
     with LiveServer(app) as srv:
         yield srv
+
+
+@pytest.fixture
+def corpus(tmp_path, tiny_engine):
+    """A datastore folder ``kb`` (one document) that knows nothing of the tiny model's answers."""
+    from ragspec.datastore import build_datastore
+
+    src = tmp_path / "seed.txt"
+    src.write_text("a bird sang in the tree while the sun rose over the hill.")
+    build_datastore([src], tmp_path / "kb", tiny_engine.tokenizer, progress=False)
+    return tmp_path / "kb"

@@ -101,3 +101,28 @@ def test_verbose_after_the_subcommand_logs_info(tiny_folder, capsys, monkeypatch
         assert rc == 0, err
     rc, _, err = _run(capsys, "generate", "hi", "--max-new-tokens", "1", "--model", str(tiny_folder))
     assert levels == [logging.INFO, logging.INFO, logging.WARNING]
+
+
+def test_generate_docs_reach_the_models_prompt_and_draft_docs_the_drafter_only(tiny_folder, tmp_path, capsys):
+    """``--docs`` are grounding the model reads (the prompt grows by them, the answer is the
+    grounded prompt's); ``--draft-docs`` only the drafter reads (the same prompt and answer
+    as without)."""
+    from ragspec.prompts import grounded_text
+
+    doc = tmp_path / "pump.txt"
+    doc.write_text("the pump is serviced every week.")
+    common = ["--model", str(tiny_folder), "--max-new-tokens", "8", "--json", "-q"]
+
+    def run(*extra):
+        rc, out, err = _run(capsys, "generate", *extra, *common)
+        assert rc == 0, err
+        return json.loads(out)
+
+    plain = run("what is it")
+    grounded = run("what is it", "--docs", str(doc))
+    drafted = run("what is it", "--draft-docs", str(doc))
+    laid_in = run(grounded_text([doc.read_text()], "what is it"))
+    assert grounded["stats"]["num_prompt_tokens"] > plain["stats"]["num_prompt_tokens"]
+    assert grounded["token_ids"] == laid_in["token_ids"]
+    assert drafted["stats"]["num_prompt_tokens"] == plain["stats"]["num_prompt_tokens"]
+    assert drafted["token_ids"] == plain["token_ids"]

@@ -175,18 +175,36 @@ def test_stop_strings_field_call_and_union(oracle):
     assert info["finish_reason"] == "stop" and info["accepted_tokens"] > 0
 
 
-def test_documents_reach_the_drafter(tiny_engine):
-    # the model's own answer as a document: drafts copied from it are accepted, and the
-    # text does not change (lossless)
+def test_draft_documents_reach_the_drafter_only(tiny_engine):
+    # the model's own answer as a draft document: drafts copied from it are accepted, and
+    # the text does not change (lossless; the model does not read it)
     llm = RagspecLLM(engine=tiny_engine, max_new_tokens=40)
     prompt = "one two three"
     plain = solo(tiny_engine, prompt, max_new_tokens=40)
     doc = Document(page_content="notes: " + plain.text)
     rec = Recorder()
-    assert llm.invoke(prompt, documents=[doc], config={"callbacks": [rec]}) == plain.text
-    assert llm.with_documents([doc]).invoke(prompt, config={"callbacks": [rec]}) == plain.text
+    assert llm.invoke(prompt, draft_documents=[doc], config={"callbacks": [rec]}) == plain.text
+    assert llm.bind(draft_documents=[doc.page_content]).invoke(prompt, config={"callbacks": [rec]}) == plain.text
     accepted = [r.generations[0][0].generation_info["accepted_tokens"] for r in rec.results]
     assert min(accepted) > plain.stats.num_accepted_tokens
+
+
+def test_documents_reach_the_models_prompt_and_the_drafter(tiny_engine):
+    """``documents`` is grounding the model reads (the chat template takes none here: the
+    default layout, ``Document 1:`` before the user's text), as ``engine.generate`` with
+    the same documents, and the drafter copies from them."""
+    from ragspec.prompts import grounded_text
+
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=30)
+    chat = ChatRagspec(engine=tiny_engine, max_new_tokens=30)
+    prompt, doc = "one two three", "the pump is serviced every week."
+    grounded = solo(tiny_engine, grounded_text([doc], prompt), max_new_tokens=30)
+    assert solo(tiny_engine, prompt, max_new_tokens=30, documents=[doc]).token_ids == grounded.token_ids
+    assert grounded.stats.num_prompt_tokens > solo(tiny_engine, prompt, max_new_tokens=30).stats.num_prompt_tokens
+    assert llm.invoke(prompt, documents=[Document(page_content=doc)]) == grounded.text
+    assert llm.with_documents([doc]).invoke(prompt) == grounded.text
+    assert chat.invoke(prompt, documents=[doc]).content == grounded.text
+    assert "".join(c.content for c in chat.stream(prompt, documents=[doc])) == grounded.text
 
 
 def test_with_documents_in_a_chain_without_pasting_them(tiny_engine):
@@ -282,4 +300,4 @@ def test_steps_run_in_one_compute_thread_whoever_reads(tiny_engine, monkeypatch)
         assert len(set(names)) == 1 and names[0].startswith("ragspec-compute")
         assert threading.current_thread().name not in names
     finally:
-        llm.stepper.shutdown()
+        llm.stepper.stop()

@@ -248,11 +248,11 @@ def reference(model_dir):
     """The same settings served by one ``ragspec serve``-style app in this process: the
     answers Ray Serve must reproduce."""
     from ragspec.integrations.server import create_app
-    from ragspec.serving import datastore_engines, load_serving_engine
+    from ragspec.serving import load_serving_engine
 
     settings = service_settings(model_dir, free_port())
-    engine = load_serving_engine(settings.serving_config())
-    app = create_app(engine=engine, settings=settings, datastore_engines=datastore_engines(engine, settings.datastores))
+    engine = load_serving_engine(settings.serving_config())  # every datastore of the settings
+    app = create_app(engine=engine, settings=settings)
     with LiveServer(app) as srv:
         srv.engine = engine
         yield srv
@@ -470,9 +470,9 @@ def test_replica_with_a_mismatched_datastore_reports_it_in_its_health_check(clus
         replicas["bad"].check_health()
     message = str(e.value)
     assert "\n" not in message and "tokenizer" in message.lower() and str(tmp_path / "other") in message, message
-    assert replicas["bad"].engine is None and replicas["bad"].variants == {}
+    assert replicas["bad"].engine is None
     replicas["good"].check_health()
-    assert sorted(replicas["good"].variants) == ["notes"] and replicas["good"].replica_id == "local"
+    assert list(replicas["good"].engine.datastores) == ["notes"] and replicas["good"].replica_id == "local"
 
 
 # ---------------------------------------------------------------------- two replicas

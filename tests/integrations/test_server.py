@@ -374,6 +374,23 @@ BAD = [
         400,
         "max_tokens",
     ),
+    # request parameters the engine does not implement yet: refused by name (RequestParams)
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    # documents are read by the model: a prompt of token ids cannot take them
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 6], "documents": ["a doc"]}, 400, "documents"),
     # found by a fresh-user trial: a seed past 64 bits leaked "Overflow when unpacking long long"
     ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": 10**23, "temperature": 1}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1, "temperature": 1}, 400, "seed"),
@@ -522,6 +539,59 @@ def test_datastores_by_name_only(tmp_path, tiny_engine):
             assert r.status_code == 400 and r.json()["error"]["param"] == "datastore"
 
 
+def test_one_served_engine_drafts_each_request_from_the_datastore_it_names(tmp_path, tiny_engine):
+    """A datastore is a request's drafting input: one engine serves both, the worker steps
+    requests naming either together, each drafts from its own (the text never changes)."""
+    from ragspec.datastore import build_datastore
+
+    prompt = "one two three four"
+    answer = tiny_engine.generate(prompt, max_new_tokens=32, chat=False).text
+    for name, text in (("birds", "a bird sang in the tree while the sun rose."), ("answers", prompt + answer)):
+        (tmp_path / f"{name}.txt").write_text(text)
+        build_datastore([tmp_path / f"{name}.txt"], tmp_path / name, tiny_engine.tokenizer, progress=False)
+    named = tuple((n, str(tmp_path / n)) for n in ("birds", "answers"))
+    app = create_app(engine=tiny_engine, settings=ServerSettings(datastores=named))
+    with LiveServer(app) as srv:
+        assert list(app.state.engine.datastores) == ["birds", "answers"]  # one engine, both datastores
+        listed = httpx.get(srv.url + "/v1/datastores").json()["data"]
+        assert [(d["id"], d["default"]) for d in listed] == [("birds", True), ("answers", False)]
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["datastores"] == ["answers", "birds"]
+
+        def ask(name):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "datastore": name}
+            out = httpx.post(srv.url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+            return out["choices"][0]["text"], out["usage"]["speculative_decoding"]["num_accepted_draft_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            (t_answers, a_answers), (t_birds, a_birds) = pool.map(ask, ["answers", "birds"])
+        assert t_answers == t_birds == answer
+        assert a_answers > a_birds + 10
+        assert ask(None) == (t_birds, a_birds)  # naming none: the first, the default
+
+
+def test_documents_reach_the_models_prompt(live_server, tiny_engine):
+    """``documents`` is grounding the model reads (this chat template takes none: the
+    default layout, ``Document 1:`` ... before the user's text, as /v1/summarize lays them)."""
+    from ragspec.prompts import grounded_text
+
+    doc, question = "the pump is serviced every week.", "tell me about the pump"
+    msgs = [{"role": "user", "content": question}]
+    grounded = [{"role": "user", "content": grounded_text([doc], question)}]
+    want = tiny_engine.generate(tiny_engine.encode_messages(grounded), max_new_tokens=20)
+    assert tiny_engine.generate(msgs, max_new_tokens=20, documents=[doc]).token_ids == want.token_ids
+    r = client(live_server).chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=20, extra_body={"documents": [doc]}
+    )
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.stats.num_prompt_tokens
+    plain = client(live_server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=20)
+    assert plain.usage.prompt_tokens < r.usage.prompt_tokens  # without documents the model reads less
+    # a completion: the documents before the raw text
+    want = tiny_engine.generate(grounded_text([doc], question), max_new_tokens=16, chat=False)
+    body = {"model": MODEL, "prompt": question, "max_tokens": 16, "documents": [doc]}
+    out = httpx.post(live_server.url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert out["choices"][0]["text"] == want.text
+
+
 def test_empty_body_says_the_body_is_missing(live_server):
     """Regression: an empty POST body answered "missing required field: None"."""
     r = httpx.post(
@@ -539,12 +609,12 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
     import torch
 
     from ragspec.config import PLDConfig
-    from ragspec.datastore import DatastoreDrafter, build_datastore
+    from ragspec.datastore import Datastore, DatastoreDrafter, build_datastore
     from ragspec.drafters import CompositeDrafter, MergedDrafter
     from ragspec.eagle import EagleDrafter, EagleHead
     from ragspec.engine import DrafterParts, Engine
     from ragspec.loading import compose_drafter
-    from ragspec.serving import datastore_engines
+    from ragspec.serving import serve_engine
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -559,7 +629,7 @@ def test_datastore_joins_the_retrieval_side_of_an_eagle_selection(tmp_path, tiny
         eos_token_ids=tiny_engine.eos_token_ids,
         parts=DrafterParts(pld=PLDConfig(), eagle=eagle),
     )
-    variant = datastore_engines(engine, [("notes", str(tmp_path / "ds"))])["notes"]
+    variant = serve_engine(engine, {"notes": Datastore.open(tmp_path / "ds", tiny_engine.tokenizer)}, None)
     assert isinstance(variant.drafter, MergedDrafter) and variant.drafter.eagle is eagle
     assert isinstance(variant.drafter.retrieval, CompositeDrafter)
     assert any(isinstance(d, DatastoreDrafter) for d in variant.drafter.retrieval.drafters)

@@ -87,16 +87,16 @@ class RecordingEngine:
         self.threads.add(threading.current_thread().name)
         return _RecordingTokenizer(self._engine.tokenizer, self.seen)
 
-    def encode_prompt(self, prompt, chat=True):
+    def prepare(self, prompt, params=None, *, chat=True):
+        """The engine's one tokenizing path (``Engine.prepare``): records the prompt's
+        characters and each document's."""
         self.threads.add(threading.current_thread().name)
         if isinstance(prompt, str):
             self.seen.append(len(prompt))
-        return self._engine.encode_prompt(prompt, chat=chat)
-
-    def encode_messages(self, messages):
-        self.threads.add(threading.current_thread().name)
-        self.seen.append(sum(len(m["content"]) for m in messages))
-        return self._engine.encode_messages(messages)
+        elif prompt and isinstance(prompt[0], dict):
+            self.seen.append(sum(len(m["content"]) for m in prompt))
+        self.seen.extend(len(d) for d in (params.documents if params is not None else ()))
+        return self._engine.prepare(prompt, params, chat=chat)
 
 
 # ---------------------------------------------------------------------- case 1: bounded cost
@@ -229,10 +229,10 @@ def test_client_gone_while_its_request_is_prepared_cancels_it(tiny_engine):
     entered = threading.Event()
 
     class SlowTokenizing(RecordingEngine):
-        def encode_prompt(self, prompt, chat=True):
+        def prepare(self, prompt, params=None, *, chat=True):
             entered.set()
             gate.wait(30)
-            return super().encode_prompt(prompt, chat=chat)
+            return super().prepare(prompt, params, chat=chat)
 
     eng = SlowTokenizing(tiny_engine)
     app = create_app(engine=eng, settings=ServerSettings())

@@ -276,12 +276,15 @@ def test_api_keys_are_tenants_of_their_own(tiny_engine):
         assert len(cache) >= 3
 
 
-def test_salted_responses_are_not_saved_to_the_log(tmp_path, tiny_engine):
+def test_salted_responses_are_saved_under_their_partition_never_their_salt(tmp_path, tiny_engine):
+    from ragspec.drafters.response_cache import partition_of
+
     cache = ResponseCache(100_000, model="tiny-llama")
     cache.add([1, 2, 3], [4, 5, 6], "shared")
     cache.add([1, 2, 3], [4, 5, 7], "tenant", salt="t")
-    assert cache.save(tmp_path / "log.jsonl") == 1
-    assert [json.loads(line)["text"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == ["shared"]
+    assert cache.save(tmp_path / "log.jsonl") == 2
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["text"], r.get("partition")) for r in rows] == [("shared", None), ("tenant", partition_of("t"))]
 
 
 def test_metrics_need_the_api_key_unless_public(tiny_engine):

@@ -16,9 +16,8 @@ import openai
 import pytest
 from _integ_helpers import LiveServer
 
-from ragspec.datastore import Datastore, build_datastore
+from ragspec.datastore import Datastore
 from ragspec.integrations.server import ServerSettings, build_summary_prompt, create_app
-from ragspec.serving import datastore_engines
 
 MODEL = "tiny-llama"
 TIMEOUT = httpx.Timeout(60.0)
@@ -118,20 +117,11 @@ def test_a_bad_budget_is_a_400_naming_the_field(live_server, bad):
 
 
 # ---------------------------------------------------------------------- runtime corpus
-@pytest.fixture
-def corpus(tmp_path, tiny_engine):
-    """A datastore folder that knows nothing of the tiny model's answers."""
-    src = tmp_path / "seed.txt"
-    src.write_text("a bird sang in the tree while the sun rose over the hill.")
-    build_datastore([src], tmp_path / "kb", tiny_engine.tokenizer, progress=False)
-    return tmp_path / "kb"
-
-
 def serve_corpus(tiny_engine, corpus, **settings):
-    """A server drafting from ``corpus`` alone (no prompt lookup, no response cache)."""
-    engines = datastore_engines(tiny_engine, [("kb", str(corpus))])
-    settings = ServerSettings(max_active=4, max_queue=8, **settings)
-    return LiveServer(create_app(engine=tiny_engine, settings=settings, datastore_engines=engines))
+    """A server drafting from ``corpus`` alone (the tiny engine's drafter is not composed by
+    ragspec.loading: its datastore is drafted from alone, no prompt lookup, no response cache)."""
+    settings = ServerSettings(max_active=4, max_queue=8, datastores=(("kb", str(corpus)),), **settings)
+    return LiveServer(create_app(engine=tiny_engine, settings=settings))
 
 
 def accepted(srv, prompt, headers=None) -> tuple[str, int]:
@@ -144,7 +134,7 @@ def test_a_document_added_at_run_time_drafts_the_next_request_and_survives_a_res
     prompt = "one two three four"
     answer = tiny_engine.generate(prompt, max_new_tokens=32, chat=False).text
     auth = {"Authorization": f"Bearer {KEY}"}
-    with serve_corpus(tiny_engine, corpus, api_key=KEY) as srv:
+    with serve_corpus(tiny_engine, corpus, admin_key=KEY) as srv:
         listed = httpx.get(srv.url + "/v1/datastores", headers=auth).json()["data"]
         assert [(d["id"], d["default"], d["num_documents"]) for d in listed] == [("kb", True, 1)]
         tokens_before, bytes_before = listed[0]["num_tokens"], listed[0]["num_bytes"]
@@ -172,7 +162,7 @@ def test_additions_are_bounded_behind_the_key_and_typed(tiny_engine, corpus):
     url = "/v1/datastores/kb/documents"
     auth = {"Authorization": f"Bearer {KEY}"}
     manifest = (corpus / "manifest.json").read_bytes()
-    with serve_corpus(tiny_engine, corpus, api_key=KEY, max_add_bytes=1000) as srv:
+    with serve_corpus(tiny_engine, corpus, admin_key=KEY, max_add_bytes=1000) as srv:
 
         def post(body=None, headers=auth, **kw):
             return httpx.post(srv.url + url, json=body, headers=headers, timeout=TIMEOUT, **kw)

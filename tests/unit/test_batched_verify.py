@@ -18,10 +18,11 @@ import torch
 from ragspec.backend.base import VerifyItem
 from ragspec.backend.cpu.kernels import SKINNY_MAX_ROWS, _cpu_supported, load_few_query_attention, load_skinny_linear
 from ragspec.backend.cpu.target import CPUTarget
-from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig, SamplingParams
+from ragspec.config import PLDConfig, PolicyConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
+from ragspec.params import RequestParams
 from ragspec.types import DraftTree
 from ragspec_testing import greedy_reference, make_char_tokenizer, make_tiny_llama, make_tree
 
@@ -62,11 +63,13 @@ def _tiny_gemma3(seed: int = 0, window: int = 16):
 
 
 def _target(skinny, model, attention_kernel: bool = True) -> CPUTarget:
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(skinny)
-    if attention_kernel:
-        assert target.use_attention_kernel(load_few_query_attention())
+    target = CPUTarget(
+        model,
+        skinny=skinny,
+        attention_kernel=load_few_query_attention() if attention_kernel else None,
+        route_attention=True,
+    )
+    assert target.attention_routed
     return target
 
 
@@ -214,14 +217,14 @@ def _text(n_chars: int, seed: int) -> str:
 
 # (prompt chars, start kwargs): what each request checks
 _REQUESTS = [
-    (5, dict(decode=DecodeConfig(max_new_tokens=30))),  # a 5-token prompt
-    (60, dict(decode=DecodeConfig(max_new_tokens=45, stop=("6.e",)))),  # a stop string (its greedy text holds "6.e")
-    (120, dict(decode=DecodeConfig(max_new_tokens=12))),  # a short max_new_tokens
-    (200, dict(decode=DecodeConfig(max_new_tokens=40), sampling=SamplingParams(temperature=0.9, seed=11))),  # sampled
-    (300, dict(decode=DecodeConfig(max_new_tokens=35), sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=5))),
-    (90, dict(decode=DecodeConfig(max_new_tokens=40), documents=[_text(250, 7)])),  # drafts from a document
-    (350, dict(decode=DecodeConfig(max_new_tokens=25, stop=("QE",)), documents=[_text(120, 8), _text(80, 9)])),
-    (40, dict(decode=DecodeConfig(max_new_tokens=40))),  # cancelled after its 4th step
+    (5, RequestParams(max_new_tokens=30)),  # a 5-token prompt
+    (60, RequestParams(max_new_tokens=45, stop=("6.e",))),  # a stop string (its greedy text holds "6.e")
+    (120, RequestParams(max_new_tokens=12)),  # a short max_new_tokens
+    (200, RequestParams(max_new_tokens=40, temperature=0.9, seed=11)),  # sampled
+    (300, RequestParams(max_new_tokens=35, temperature=0.7, top_p=0.9, seed=5)),
+    (90, RequestParams(max_new_tokens=40, draft_documents=[_text(250, 7)])),  # drafts from a document
+    (350, RequestParams(max_new_tokens=25, stop=("QE",), draft_documents=[_text(120, 8), _text(80, 9)])),
+    (40, RequestParams(max_new_tokens=40)),  # cancelled after its 4th step
 ]
 _CANCEL = 7
 _CANCEL_AFTER = 4  # steps of that request
@@ -230,7 +233,7 @@ _LATE_ROUND = 3
 
 
 def _run_alone(engine, prompt, kwargs, cancel_after=None):
-    req = engine.start(prompt, chat=False, **kwargs)
+    req = engine.start(prompt, kwargs, chat=False)
     chunks, steps = [], 0
     while not req.done:
         if cancel_after is not None and steps == cancel_after:
@@ -263,15 +266,13 @@ def test_engine_step_gives_each_of_8_mixed_requests_its_solo_output(skinny, adap
         for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS))
     ]
     count = _CountBatches(target, monkeypatch)
-    reqs = {
-        i: engine.start(p, chat=False, **kw) for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS)) if i != _LATE
-    }
+    reqs = {i: engine.start(p, kw, chat=False) for i, (p, (_, kw)) in enumerate(zip(prompts, _REQUESTS)) if i != _LATE}
     got: dict[int, list] = {i: [] for i in range(len(_REQUESTS))}
     steps = {i: 0 for i in range(len(_REQUESTS))}
     rounds = 0
     while any(not r.done for r in reqs.values()) or _LATE not in reqs:
         if rounds == _LATE_ROUND:
-            reqs[_LATE] = engine.start(prompts[_LATE], chat=False, **_REQUESTS[_LATE][1])
+            reqs[_LATE] = engine.start(prompts[_LATE], _REQUESTS[_LATE][1], chat=False)
         active = [i for i in sorted(reqs) if not reqs[i].done]
         if steps[_CANCEL] == _CANCEL_AFTER and not reqs[_CANCEL].done:
             reqs[_CANCEL].cancel()
@@ -315,35 +316,34 @@ def _must_hold_requests(tok, solo_greedy):
     stop1 = solo_greedy(1, 60)[12:15]
     stop6 = solo_greedy(6, 900)[9:11]
     return [
-        (5, dict(decode=DecodeConfig(max_new_tokens=30))),
-        (60, dict(decode=DecodeConfig(max_new_tokens=45, stop=(stop1,)))),
-        (520, dict(decode=DecodeConfig(max_new_tokens=12))),  # arrives late, prefilled in 3 chunks
-        (200, dict(decode=DecodeConfig(max_new_tokens=40), sampling=SamplingParams(temperature=0.9, seed=11))),
+        (5, RequestParams(max_new_tokens=30)),
+        (60, RequestParams(max_new_tokens=45, stop=(stop1,))),
+        (520, RequestParams(max_new_tokens=12)),  # arrives late, prefilled in 3 chunks
+        (200, RequestParams(max_new_tokens=40, temperature=0.9, seed=11)),
         (
             300,
-            dict(decode=DecodeConfig(max_new_tokens=35), sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=5)),
+            RequestParams(max_new_tokens=35, temperature=0.7, top_p=0.9, seed=5),
         ),
-        (90, dict(decode=DecodeConfig(max_new_tokens=40), documents=[_text(250, 7)])),
-        (900, dict(decode=DecodeConfig(max_new_tokens=25, stop=(stop6,)), documents=[_text(120, 8), _text(80, 9)])),
-        (40, dict(decode=DecodeConfig(max_new_tokens=40))),  # cancelled after its 4th step
+        (90, RequestParams(max_new_tokens=40, draft_documents=[_text(250, 7)])),
+        (900, RequestParams(max_new_tokens=25, stop=(stop6,), draft_documents=[_text(120, 8), _text(80, 9)])),
+        (40, RequestParams(max_new_tokens=40)),  # cancelled after its 4th step
     ]
 
 
-_DATASTORE_REQUEST = 0  # drafts from a datastore (an engine sharing the target)
+_DATASTORE_REQUEST = 0  # drafts from a datastore it names (the same engine)
 
 
 def test_issue21_must_hold_8_mixed_requests_5_to_900_tokens(skinny, tmp_path, monkeypatch):
-    from ragspec.datastore import Datastore, DatastoreDrafter, build_datastore
+    from ragspec.composition import DrafterParts, compose_drafter
+    from ragspec.datastore import Datastore, build_datastore
 
     tok = make_char_tokenizer()
     model = make_tiny_llama(layers=2, head_dim=32, eos_token_id=None, max_position_embeddings=1024)
     target = _target(skinny, model)
-    engine = Engine(
-        target, tok, drafter=PromptLookupDrafter(PLDConfig()), policy=PolicyConfig(prefill_chunk_tokens=256)
-    )
+    plain = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), policy=PolicyConfig(prefill_chunk_tokens=256))
 
     def solo_greedy(i, chars):
-        return engine.generate(_text(chars, seed=i), max_new_tokens=30, chat=False).text
+        return plain.generate(_text(chars, seed=i), max_new_tokens=30, chat=False).text
 
     requests = _must_hold_requests(tok, solo_greedy)
     prompts = [_text(n, seed=i) for i, (n, _) in enumerate(requests)]
@@ -353,13 +353,23 @@ def test_issue21_must_hold_8_mixed_requests_5_to_900_tokens(skinny, tmp_path, mo
     (docs / "d0.txt").write_text(prompts[0] + solo_greedy(0, 5))
     (docs / "d1.txt").write_text(_text(400, 21))
     build_datastore([docs], tmp_path / "ds", tok, progress=False)
-    ds_engine = engine.with_drafter(DatastoreDrafter(Datastore.open(tmp_path / "ds", tok)))
-    engine_of = {i: (ds_engine if i == _DATASTORE_REQUEST else engine) for i in range(8)}
+    # one engine: requests naming no datastore draft by prompt lookup, request 0 names "docs"
+    engine = Engine(
+        target,
+        tok,
+        drafter=compose_drafter(PLDConfig()),
+        policy=PolicyConfig(prefill_chunk_tokens=256),
+        parts=DrafterParts(pld=PLDConfig()),
+        datastores={"docs": Datastore.open(tmp_path / "ds", tok)},
+    )
+    n, first = requests[_DATASTORE_REQUEST]
+    requests[_DATASTORE_REQUEST] = (n, first.replace(datastore="docs"))
+    engine_of = dict.fromkeys(range(8), engine)
     lengths = [len(tok(p)["input_ids"]) for p in prompts]
     assert min(lengths) == 5 and max(lengths) == 900
 
     def alone(i):
-        req = engine_of[i].start(prompts[i], chat=False, **requests[i][1])
+        req = engine_of[i].start(prompts[i], requests[i][1], chat=False)
         chunks, steps = [], 0
         while not req.done:
             if i == _CANCEL and steps == _CANCEL_AFTER:
@@ -371,20 +381,20 @@ def test_issue21_must_hold_8_mixed_requests_5_to_900_tokens(skinny, tmp_path, mo
 
     solo = [alone(i) for i in range(8)]
     count = _CountBatches(target, monkeypatch)
-    reqs = {i: engine_of[i].start(p, chat=False, **requests[i][1]) for i, p in enumerate(prompts) if i != _LATE}
+    reqs = {i: engine_of[i].start(p, requests[i][1], chat=False) for i, p in enumerate(prompts) if i != _LATE}
     got: dict[int, list] = {i: [] for i in range(8)}
     steps = dict.fromkeys(range(8), 0)
     prefill_per_step = []
     rounds = 0
     while any(not r.done for r in reqs.values()) or _LATE not in reqs:
         if rounds == _LATE_ROUND:
-            reqs[_LATE] = engine.start(prompts[_LATE], chat=False, **requests[_LATE][1])
+            reqs[_LATE] = engine.start(prompts[_LATE], requests[_LATE][1], chat=False)
         active = [i for i in sorted(reqs) if not reqs[i].done]
         if steps[_CANCEL] == _CANCEL_AFTER and not reqs[_CANCEL].done:
             reqs[_CANCEL].cancel()
         waiting = {i: reqs[i].prefilling and not reqs[i].cancel_requested for i in active}
         before = {i: reqs[i].prefilled for i in active}
-        # one engine steps them all (the server groups requests by target the same way)
+        # one engine steps them all, whatever datastore each drafts from (as the server's stepper)
         for i, chunk in zip(active, engine.step([reqs[i] for i in active])):
             if waiting[i] and reqs[i].prefilled == before[i]:  # waited its turn to prefill
                 assert not chunk.token_ids and chunk.finish_reason is None

@@ -179,12 +179,12 @@ def test_empty_corpus_refused(tmp_path, content):
 
 def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     # a Ctrl-C during the suffix sort leaves neither the datastore nor a temporary directory
-    from ragspec.datastore import builder
+    from ragspec.datastore import shards
 
     def boom(tokens):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(builder, "reverse_prefix_order", boom)
+    monkeypatch.setattr(shards, "reverse_prefix_order", boom)
     src = _write_docs(tmp_path / "in", [[1, 2, 3]])
     with pytest.raises(KeyboardInterrupt):
         build_datastore([src], tmp_path / "ds", make_tokenizer(), progress=False)
@@ -194,7 +194,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 def test_existing_destination_refused(tmp_path):
     # building over an existing datastore needs overwrite=True
     path, tok = _build(tmp_path, [[1, 2, 3]])
-    with pytest.raises(DatastoreError, match="already exists"):
+    with pytest.raises(DatastoreError, match="is already a datastore.*--overwrite"):
         build_datastore([tmp_path / "ds_in"], path, tok, progress=False)
     build_datastore([tmp_path / "ds_in"], path, tok, progress=False, overwrite=True)
     assert Datastore.open(path).num_documents == 1

@@ -190,11 +190,11 @@ _KILLED = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_datastore_hygiene import make_tokenizer
-    from ragspec.datastore import builder
+    from ragspec.datastore import builder, shards
     def slow(tokens):
         print("sorting", flush=True)
         time.sleep(60)
-    builder.reverse_prefix_order = slow
+    shards.reverse_prefix_order = slow
     if sys.argv[1] == "add":
         builder.add_to_datastore(sys.argv[2], [sys.argv[3]], make_tokenizer(), progress=False)
     else:

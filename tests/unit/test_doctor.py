@@ -154,7 +154,7 @@ def test_doctor_model_native_step_runs(tmp_path, capsys, monkeypatch):
     rc, report = _doctor_json(capsys, "--model", str(folder), "--device", "cpu")
     assert rc == 0 and report["cpu_kernels"]["active"]
     assert report["native_step"]["runs"] is True and report["native_step"]["reason"] is None
-    assert report["model"]["backend"] == "CPUTarget" and report["model"]["dtype"] == "float32"
+    assert report["model"]["backend"] == "NativeTarget" and report["model"]["dtype"] == "float32"
     assert report["numerics"]["fast_reason"] in (
         "needs a GGUF model",
         "needs a CPU with AVX-512 VNNI (and RAGSPEC_CPU_ISA not avx2)",
@@ -214,3 +214,29 @@ def test_model_info_json_carries_the_kernels(tmp_path, capsys, monkeypatch):
     assert k["model"]["backend"] == "CPUTarget" and k["native_step"]["runs"] is False
     assert k["drafting"]["device"] == "cpu" and k["drafting"]["resolved"] == "retrieval"
     assert k["model"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    "torch_cuda, device, triton, reason",
+    [
+        (None, False, False, "CPU-only build"),
+        ("12.8", False, False, "no CUDA device visible"),
+        ("12.8", True, False, "triton is not installed"),
+    ],
+)
+def test_cuda_reason_names_the_missing_device_or_cpu_torch_first(monkeypatch, torch_cuda, device, triton, reason):
+    """Regression: on a CPU-only torch, ``ragspec doctor`` gave "triton is not installed" as
+    the reason the CUDA backend is not available."""
+    import torch
+
+    from ragspec import doctor
+    from ragspec.backend.cuda import kernels as cuda_kernels
+
+    monkeypatch.delenv("RAGSPEC_CUDA_BACKEND", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "a GPU")
+    monkeypatch.setattr(cuda_kernels, "triton_available", lambda: triton)
+    facts = doctor._cuda_facts(None)
+    assert facts["backend_available"] is False
+    assert reason in facts["reason"], facts

@@ -407,9 +407,9 @@ def test_packed_head_drafts_like_the_plain_head(trained_dir, target, tok, model)
 
     if not can_pack(target.device, target.dtype):
         pytest.skip("pre-packed oneDNN linears need a CPU build with oneDNN")
-    fast_target = CPUTarget(copy.deepcopy(model))  # its own copy: routing modifies the layers
-    assert fast_target.capability("fast_linear") is None  # not routed yet: nothing offered
-    fast_target.prepack_linears()
+    # its own copy: routing modifies the layers
+    assert CPUTarget(copy.deepcopy(model)).capability("fast_linear") is None  # not routed: nothing offered
+    fast_target = CPUTarget(copy.deepcopy(model), pack_linears=True)
     assert fast_target.capability("fast_linear") is not None
     plain = EagleDrafter(load_eagle_head(trained_dir[0], target=target), target)
     packed = EagleDrafter(load_eagle_head(trained_dir[0], target=fast_target), fast_target)

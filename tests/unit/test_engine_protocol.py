@@ -10,6 +10,7 @@ from ragspec.backend.base import Target
 from ragspec.config import DecodeConfig, PolicyConfig, SamplingParams
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError, PromptTooLongError
+from ragspec.params import RequestParams
 from ragspec_testing import BranchingDrafter, FakeTarget, ScriptedDrafter, make_char_tokenizer, oracle_plan, wrong_plan
 
 PROMPT = [10, 11, 12, 13, 14, 15]  # token ids: the char tokenizer's letters
@@ -52,7 +53,7 @@ def test_cache_after_each_step_is_the_committed_context(tok):
     target = FakeTarget()
     ref = target.reference(PROMPT, 30)
     eng = _engine(target, tok, BranchingDrafter(ref, target.vocab_size))
-    req = eng.start(PROMPT, DecodeConfig(max_new_tokens=30), chat=False)
+    req = eng.start(PROMPT, RequestParams(max_new_tokens=30), chat=False)
     generated = []
     while not req.done:
         (chunk,) = eng.step([req])
@@ -109,7 +110,7 @@ def test_several_requests_in_one_step_each_get_their_solo_output(tok):
     drafters = [ScriptedDrafter(oracle_plan(refs[0])), BranchingDrafter(refs[1], target.vocab_size), None]
     engines = [_engine(target, tok, d) for d in drafters]
     reqs = [
-        e.start(p, DecodeConfig(max_new_tokens=25 - 5 * i), chat=False)
+        e.start(p, RequestParams(max_new_tokens=25 - 5 * i), chat=False)
         for i, (e, p) in enumerate(zip(engines, prompts))
     ]
     outs = [[] for _ in reqs]
@@ -127,7 +128,7 @@ def test_several_requests_in_one_step_each_get_their_solo_output(tok):
 def test_cancel_ends_a_request_at_its_next_step_without_a_forward(tok):
     target = FakeTarget()
     eng = _engine(target, tok)
-    req = eng.start(PROMPT, DecodeConfig(max_new_tokens=30), chat=False)
+    req = eng.start(PROMPT, RequestParams(max_new_tokens=30), chat=False)
     eng.step([req])  # prefill
     eng.step([req])
     calls = len(target.verify_calls)
@@ -142,8 +143,8 @@ def test_cancel_ends_a_request_at_its_next_step_without_a_forward(tok):
 def test_start_checks_the_context_length_and_zero_tokens(tok):
     eng = _engine(FakeTarget(max_length=10), tok)
     with pytest.raises(PromptTooLongError):
-        eng.start(PROMPT, DecodeConfig(max_new_tokens=5), chat=False)
-    req = eng.start(PROMPT, DecodeConfig(max_new_tokens=0), chat=False)
+        eng.start(PROMPT, RequestParams(max_new_tokens=5), chat=False)
+    req = eng.start(PROMPT, RequestParams(max_new_tokens=0), chat=False)
     (chunk,) = eng.step([req])
     assert chunk.finish_reason == "length" and chunk.token_ids == ()
     with pytest.raises(ConfigError):

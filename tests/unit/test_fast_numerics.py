@@ -19,7 +19,9 @@ import torch
 from test_native_step import _STEPS, _llama, _quantized_llama, _target, kernels  # noqa: F401
 
 from ragspec.backend.cpu import kernels as kernel_lib
+from ragspec.backend.cpu.build import CPUSpeedUps, load_cpu_target, read_gguf_blocks
 from ragspec.backend.cpu.kernels import load_quant_linear
+from ragspec.backend.cpu.native_target import NativeTarget
 from ragspec.backend.cpu.quant import Q4_1, Q4_1_FAST, Q6_K, Q8_0, Q8_0_FAST, GGUFWeight, fast_order
 from ragspec.backend.cpu.target import CPUTarget
 from ragspec.config import PLDConfig
@@ -131,35 +133,34 @@ def test_fast_numerics_are_refused_where_avx512_is_masked_off(kernels, tmp_path)
     prev = kernel_lib.set_cpu_isa("avx2")
     try:
         assert not kernel_lib.fast_numerics_supported()
-        target = CPUTarget(model)
         with pytest.raises(ConfigError, match="AVX-512 VNNI"):
-            target.use_gguf_weights(path, load_quant_linear(), numerics="fast")
+            read_gguf_blocks(model, path, load_quant_linear(), numerics="fast")
         f = _random_weight(Q4_1, 4, 64).to_fast()
         with pytest.raises(RuntimeError, match="VNNI"):
             load_quant_linear()(torch.randn(1, 64), f.qs, f.scales, f.fmt, None)
     finally:
         kernel_lib.set_cpu_isa(prev)
     with pytest.raises(ConfigError, match="numerics must be"):
-        CPUTarget(model).speed_up(numerics="approximate")
+        CPUSpeedUps(numerics="approximate")
     with pytest.raises(ConfigError, match="needs a GGUF model"):
-        CPUTarget(model).speed_up(numerics="fast")  # no GGUF file given
+        load_cpu_target(model, CPUSpeedUps(numerics="fast"))  # no GGUF file given
 
 
-def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> CPUTarget:  # noqa: F811
+def _fast_target(kernels, tmp_path, name="m.gguf", numerics="fast") -> NativeTarget:  # noqa: F811
     """The tiny quantized Llama over its GGUF blocks, the compiled kernels and the native step."""
     skinny, attention, step = kernels
     path = tmp_path / name
-    target = CPUTarget(_quantized_llama(path))
-    assert target.use_gguf_weights(path, load_quant_linear(), numerics=numerics) == 2 * 7 + 1
-    assert target.numerics == numerics
-    target.prepack_linears(skinny)
-    assert target.route_gqa_attention()
-    assert target.use_attention_kernel(attention)
-    assert target.use_native_step(step)
-    return target
+    model = _quantized_llama(path)
+    blocks = read_gguf_blocks(model, path, load_quant_linear(), numerics=numerics)
+    assert len(blocks.weights) == 2 * 7 + 1
+    target = CPUTarget(model, skinny=skinny, attention_kernel=attention, gguf=blocks, route_attention=True)
+    assert target.numerics == numerics and target.attention_routed
+    native = NativeTarget(target, step)
+    assert native.numerics == numerics
+    return native
 
 
-def _assert_verify_rows_equal_one_row_steps(target: CPUTarget) -> None:
+def _assert_verify_rows_equal_one_row_steps(target) -> None:
     """Every tree of ``_STEPS`` verified on one state and, on another with the same history,
     the root and the accepted path as one-row steps: each accepted row's logits bit for
     bit equal (the KV of the accepted path then equal too: the states go on together)."""
@@ -340,11 +341,12 @@ def test_fast_prefill_rows_run_through_the_int8_twins_each_row_alone(fast, kerne
     fast_linears = [
         m
         for m in target.model.model.modules()
-        if type(m) is torch.nn.Linear and target._gguf_weights[m.weight.data_ptr()].fast
+        if type(m) is torch.nn.Linear and target.kernel_path.gguf_blocks[m.weight.data_ptr()].fast
     ]
     assert fast_linears
     gen = torch.Generator().manual_seed(11)
-    target._scope.active = True
+    scope = target.kernel_path._scope
+    scope.active = True
     try:
         with torch.inference_mode():
             for lin in fast_linears:
@@ -357,14 +359,14 @@ def test_fast_prefill_rows_run_through_the_int8_twins_each_row_alone(fast, kerne
                 rel = ((whole - ref).norm() / ref.norm()).item()
                 assert rel < 0.05, rel
     finally:
-        target._scope.active = False
+        scope.active = False
     # exact numerics: prefill rows stay float32 (the packed weight)
     exact = _fast_target(kernels, tmp_path, "e.gguf", numerics="exact")
     lin = next(m for m in exact.model.model.modules() if type(m) is torch.nn.Linear)
     x = torch.randn(100, lin.in_features, generator=gen)
-    exact._scope.active = True
+    exact.kernel_path._scope.active = True
     try:
         with torch.inference_mode():
             torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
     finally:
-        exact._scope.active = False
+        exact.kernel_path._scope.active = False

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_kernels import _BUILDABLE
 
+from ragspec.backend.cpu.build import read_gguf_blocks
 from ragspec.backend.cpu.kernels import load_quant_linear
 from ragspec.backend.cpu.quant import (
     Q4_1,
@@ -202,14 +203,14 @@ def test_greedy_through_gguf_weights_is_bit_identical(tmp_path, kernels):
         calls.append(int(x.shape[0]))
         return quant(x, qs, scales, fmt, bias)
 
-    target = CPUTarget(model)
-    assert target.use_gguf_weights(path, counting) == len(named) - 1
-    target.prepack_linears(skinny)
+    blocks = read_gguf_blocks(model, path, counting)
+    assert len(blocks.weights) == len(named) - 1 and blocks.numerics == "exact"
+    target = CPUTarget(model, skinny=skinny, gguf=blocks)
     assert target.gguf_weights == len(named) - 1
     plain = CPUTarget(
-        _quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0]
+        _quantized_tiny_model(tmp_path / "copy.gguf", permute="", perturb="model.layers.0.mlp.up_proj")[0],
+        skinny=skinny,
     )
-    plain.prepack_linears(skinny)
     prompt = list(range(5, 17))
     tree = make_tree([8, 9, 10, 11], [-1, 0, 1, 0], source="test")
     with torch.inference_mode():
@@ -265,15 +266,15 @@ def test_gguf_block_cache_is_reused_and_rebuilt_when_corrupt_or_stale(tmp_path, 
 def test_gguf_weights_are_a_no_op_without_the_kernel_or_for_other_dtypes(tmp_path):
     path = tmp_path / "m.gguf"
     model, _ = _quantized_tiny_model(path, permute="", perturb="lm_head")
-    assert CPUTarget(model).use_gguf_weights(path, None) == 0
-    assert CPUTarget(model.to(torch.bfloat16)).use_gguf_weights(path, lambda *a: None) == 0
+    assert read_gguf_blocks(model, path, None) is None
+    assert read_gguf_blocks(model.to(torch.bfloat16), path, lambda *a: None) is None
 
 
 def test_unreadable_gguf_keeps_the_float32_weights_with_a_warning(tmp_path, caplog):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 64)
-    with caplog.at_level("WARNING", logger="ragspec.backend.cpu.target"):
-        assert CPUTarget(make_tiny_llama(layers=1)).use_gguf_weights(path, lambda *a: None) == 0
+    with caplog.at_level("WARNING", logger="ragspec.backend.cpu.build"):
+        assert read_gguf_blocks(make_tiny_llama(layers=1), path, lambda *a: None) is None
     assert "cannot read GGUF blocks" in caplog.text
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ragspec.backend.cpu import kernels
+from ragspec.backend.cpu.build import CPUSpeedUps, load_cpu_target
 from ragspec.backend.cpu.kernels import (
     SKINNY_MAX_ROWS,
     _cpu_supported,
@@ -73,8 +74,8 @@ class _CountingKernel:
 def test_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2)
     kernel = _CountingKernel()
-    target = CPUTarget(model)
-    assert target.prepack_linears(kernel) == 2 * 7
+    target = CPUTarget(model, skinny=kernel)
+    assert target.packed_linears == 2 * 7
     assert target.skinny is kernel
     ids = torch.tensor([[5, 9, 12, 40]])
     with torch.inference_mode():
@@ -100,8 +101,7 @@ def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = CPUTarget(make_tiny_llama(layers=2))
-    target.prepack_linears(skinny)
+    target = CPUTarget(make_tiny_llama(layers=2), skinny=skinny)
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     out = engine.generate(prompt, max_new_tokens=40)
@@ -110,20 +110,19 @@ def test_greedy_through_the_compiled_kernel_matches_generate(skinny):
 
 
 def test_kernel_switch_off_by_argument_and_environment(monkeypatch):
-    target = CPUTarget(make_tiny_llama(layers=1))
-    target.speed_up(cpu_kernels=False)
+    from ragspec.loading import select_target
+
+    target = select_target(make_tiny_llama(layers=1), cpu_kernels=False)
     assert target.skinny is None and target.attention_kernel is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "0")
     assert not cpu_kernels_enabled()
-    by_env = CPUTarget(make_tiny_llama(layers=1))
-    by_env.speed_up()
+    by_env = select_target(make_tiny_llama(layers=1))
     assert by_env.skinny is None
     monkeypatch.setenv("RAGSPEC_CPU_KERNELS", "")
     assert cpu_kernels_enabled()
     assert cpu_kernels_enabled("1") and not cpu_kernels_enabled("off")
     # other dtypes keep torch's kernels
-    half = CPUTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
-    half.speed_up(cpu_kernels=True)
+    half = load_cpu_target(make_tiny_llama(layers=1).to(torch.bfloat16), CPUSpeedUps(compiled_kernels=True))
     assert half.skinny is None
 
 
@@ -227,8 +226,8 @@ def test_corrupt_cached_kernel_is_rebuilt(skinny, tmp_path, monkeypatch, caplog)
 
 def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     """Regression (fresh-user trial): ``--dtype bf16`` on a CPU without oneDNN's bfloat16
-    support crashed in ``prepack_linears`` ("bf16 path needs the cpu support ..."): packing
-    is skipped there and the model decodes with torch's kernels."""
+    support crashed packing the linears ("bf16 path needs the cpu support ..."): packing is
+    skipped there and the model decodes with torch's kernels."""
     from ragspec.backend.cpu.fastpaths import _mkldnn_bf16_supported, can_pack
     from ragspec.config import PLDConfig
     from ragspec.drafters import PromptLookupDrafter
@@ -236,10 +235,13 @@ def test_bf16_model_on_a_cpu_without_bf16_packing_does_not_crash():
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = CPUTarget(make_tiny_llama(layers=1).to(torch.bfloat16))
+    target = CPUTarget(
+        make_tiny_llama(layers=1).to(torch.bfloat16),
+        pack_linears=True,
+        skinny=load_skinny_linear() if _BUILDABLE else None,
+    )
     assert can_pack(target.device, torch.bfloat16) == _mkldnn_bf16_supported()
-    n = target.prepack_linears(load_skinny_linear() if _BUILDABLE else None)
-    assert n == (7 if _mkldnn_bf16_supported() else 0)
+    assert target.packed_linears == (7 if _mkldnn_bf16_supported() else 0)
     assert target.skinny is None  # float32 only
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[])
     out = engine.generate(tok("the cat sat on the mat. the cat")["input_ids"], max_new_tokens=12)
@@ -314,9 +316,8 @@ class _CountingAttention:
 def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
     model = make_tiny_llama(layers=2, head_dim=32)
     kernel = _CountingAttention()
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    assert target.use_attention_kernel(kernel)
+    target = CPUTarget(model, attention_kernel=kernel, route_attention=True)
+    assert target.attention_routed and target.attention_kernel is kernel
     ids = torch.tensor([[5, 9, 12, 40]])
     with torch.inference_mode():
         model(ids)
@@ -330,8 +331,12 @@ def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
         target.verify_one(state, 7, DraftTree.chain([8, 9]))  # a chain (transformers' causal mask)
         target.verify_one(state, 7, DraftTree.empty())  # a plain step
         assert kernel.queries == [4, 4, 3, 3, 1, 1]  # 2 layers each
-        target.use_attention_kernel(None)
-        target.verify_one(state, 7, DraftTree.empty())
+    # built without it (the attention still routed): torch's SDPA
+    without = CPUTarget(make_tiny_llama(layers=2, head_dim=32), route_attention=True)
+    with torch.inference_mode():
+        state = without.new_state()
+        without.prefill(state, list(range(3, 23)))
+        without.verify_one(state, 7, DraftTree.empty())
         assert kernel.queries == [4, 4, 3, 3, 1, 1]
 
 
@@ -341,21 +346,22 @@ def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention)
     tok = make_char_tokenizer()
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     ref = greedy_reference(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None), prompt, 60)
-    target = CPUTarget(make_tiny_llama(layers=2, head_dim=32, eos_token_id=None))
-    target.prepack_linears(skinny)
-    target.route_gqa_attention()
-    assert target.use_attention_kernel(attention)
+    target = CPUTarget(
+        make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
+        skinny=skinny,
+        attention_kernel=attention,
+        route_attention=True,
+    )
+    assert target.attention_routed
     # drafts the true continuation (accepted 8-token chains) / wrong tokens (rejected): both
     # verified through the kernel, every draft verified (no cost model in the way)
     assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
 
 
-def test_speed_up_installs_both_compiled_kernels(skinny, attention):
-    target = CPUTarget(make_tiny_llama(layers=1, head_dim=32))
-    target.speed_up()
+def test_the_builder_builds_the_target_with_both_compiled_kernels(skinny, attention):
+    target = load_cpu_target(make_tiny_llama(layers=1, head_dim=32), CPUSpeedUps(native_step=False))
     assert target.skinny is skinny and target.attention_kernel is attention
-    plain = CPUTarget(make_tiny_llama(layers=1, head_dim=32))
-    plain.speed_up(cpu_kernels=False)
+    plain = load_cpu_target(make_tiny_llama(layers=1, head_dim=32), CPUSpeedUps(compiled_kernels=False))
     assert plain.skinny is None and plain.attention_kernel is None
 
 
@@ -392,14 +398,13 @@ def test_missing_kernel_sources_fall_back_with_one_warning(monkeypatch, tmp_path
     monkeypatch.setattr(kernels, "_HASHED", tuple(gone / p.name for p in kernels._HASHED))
     assert kernels.missing_sources() == [p.name for p in kernels._HASHED]
     cache = tmp_path / "cache"
-    target = CPUTarget(make_tiny_llama(layers=1))
     with caplog.at_level(logging.DEBUG, logger="ragspec.backend.cpu.kernels"):
-        target.speed_up(cache=cache)
+        target = load_cpu_target(make_tiny_llama(layers=1), CPUSpeedUps(cache=cache))
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert "sources are missing" in message and "linear.cpp" in message and "torch's kernels are used" in message
-    assert target.skinny is None and target.native_step is None and not cache.exists()  # no build attempted
+    assert type(target) is CPUTarget and target.skinny is None and not cache.exists()  # no build attempted
     prompt = [5, 9, 13, 9, 13, 9]
     assert list(_greedy(target, prompt, 8)) == greedy_reference(make_tiny_llama(layers=1), prompt, 8, eos_token_id=2)
 

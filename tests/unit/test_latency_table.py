@@ -34,6 +34,8 @@ class FakeTarget:
         return state["length"]
 
     def capability(self, name):
+        if name == "config":
+            return self.config
         return True if name == "lazy_rows" else None
 
     def prefill(self, state, ids):

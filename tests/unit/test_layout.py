@@ -130,11 +130,16 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jsonl",
             "prefix_cache",
             "progress",
+            "params",
+            "deprecation",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
-    ("drafters", ("drafters", "drafters.*", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*")),
-    ("loop", ("prompts", "request", "prefill", "draft_choice", "engine", "loading", "serving")),
+    (
+        "drafters",
+        ("drafters", "drafters.*", "drafting", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*"),
+    ),
+    ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
     (
         "top",
         (
@@ -331,8 +336,7 @@ def private_imports(graph: dict[str, list[Edge]], package: str) -> list[str]:
     module (``m._x``) from outside the folder that holds them, as ``"a :line takes _x from
     m"``. Rule: a package folder's private names are the folder's own: its modules, and
     those of its sub-folders, may take each other's (``backend/hf.py`` takes
-    ``backend/native.py``'s ``_linear_modules``; ``integrations/langchain.py`` the module
-    ``integrations/_stepping.py``); no module outside it may. The package's top folder
+    ``backend/native.py``'s ``_linear_modules``); no module outside it may. The package's top folder
     holds every floor, so there each module's private names are its own (and its
     ``__init__``'s are private to it)."""
     out = []
@@ -478,3 +482,122 @@ def test_checker_reports_a_cycle_and_an_upward_import_planted_in_a_copy_of_the_p
     graph = import_graph(tmp_path, PACKAGE.name)
     assert any("ragspec.errors" in c and "ragspec.engine" in c for c in import_cycles(graph))
     assert f"ragspec.errors (core) -> ragspec.engine (loop) :{line}" in upward_imports(graph, PACKAGE.name)
+
+
+# ---------------------------------------------------------------------------- declared, not probed
+# What a target is and computes with is declared (the Target protocol's attributes, its
+# capabilities); an engine's members are typed. Outside the backend nothing finds them out
+# with getattr/hasattr: a probe hides a missing declaration behind a default.
+PROBED_NAMES = ("target", "engine", "eng")
+
+
+def _probed(node: ast.expr) -> Optional[str]:
+    """The name a ``getattr``/``hasattr`` first argument ends in (``engine.target`` ->
+    ``target``, ``self._engine`` -> ``_engine``), or None for another expression."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _names_a_target_or_engine(name: str) -> bool:
+    bare = name.lstrip("_")
+    return bare in PROBED_NAMES or bare.endswith(tuple(f"_{n}" for n in PROBED_NAMES))
+
+
+def target_probes(root: Path, package: str, exempt: tuple[str, ...] = ("backend",)) -> list[str]:
+    """Every ``getattr(x, ...)`` / ``hasattr(x, ...)`` of the package folder ``root /
+    package`` whose ``x`` names a target or an engine (:data:`PROBED_NAMES`, with leading
+    underscores or as a suffix: ``engine.target``, ``self._engine``, ``cpu_target``),
+    outside the sub-folders ``exempt`` (the backend itself), as ``"module.py:line
+    getattr(x, 'name')"``."""
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root / package).as_posix()
+        if rel.split("/")[0] in exempt:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in ("getattr", "hasattr"):
+                continue
+            if not node.args or not _names_a_target_or_engine(_probed(node.args[0]) or ""):
+                continue
+            attr = node.args[1] if len(node.args) > 1 else None
+            what = repr(attr.value) if isinstance(attr, ast.Constant) else "..."
+            out.append(f"{rel}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, {what})")
+    return out
+
+
+def test_nothing_outside_the_backend_probes_a_target_or_an_engine():
+    """Outside ``backend/``, a target's members (``numerics``, ``max_length``, ...) and its
+    optional capabilities are read as declared (``target.numerics``,
+    ``target.capability(Capability.SPEED_UPS)``), an engine's as typed, never found with
+    ``getattr``/``hasattr``."""
+    assert target_probes(PACKAGE.parent, PACKAGE.name) == []
+
+
+def test_checker_reports_planted_target_and_engine_probes(tmp_path):
+    files = {
+        "fake/__init__.py": "",
+        "fake/app.py": (
+            "def report(engine, tokenizer):\n"
+            "    fast = getattr(engine.target, 'numerics', 'exact')\n"
+            "    name = getattr(engine, 'model_name', None)\n"
+            "    if hasattr(tokenizer, 'chat_template'):  # not a target: fine\n"
+            "        pass\n"
+            "    return fast, name\n"
+            "\n"
+            "class Front:\n"
+            "    def label(self):\n"
+            "        return getattr(self._engine, 'model_name', '') or hasattr(self.cpu_target, 'skinny')\n"
+        ),
+        "fake/backend/__init__.py": "",
+        "fake/backend/hf.py": "def native(target):\n    return getattr(target, 'native', None)  # its own floor\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text, encoding="utf-8")
+    assert target_probes(tmp_path, "fake") == [
+        "app.py:2 getattr(engine.target, 'numerics')",
+        "app.py:3 getattr(engine, 'model_name')",
+        "app.py:10 getattr(self._engine, 'model_name')",
+        "app.py:10 hasattr(self.cpu_target, 'skinny')",
+    ]
+
+
+def test_checker_reports_a_target_probe_planted_in_a_copy_of_the_package(tmp_path):
+    """The real package: a ``getattr(engine.target, ...)`` planted in the CLI is reported;
+    the same probe inside ``backend/`` is not."""
+
+    def python_only(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())]
+
+    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=python_only)
+    probe = "\n\ndef _planted(engine):\n    return getattr(engine.target, 'numerics', 'exact')\n"
+    cli = tmp_path / PACKAGE.name / "cli.py"
+    text = cli.read_text(encoding="utf-8") + probe
+    cli.write_text(text, encoding="utf-8")
+    hf = tmp_path / PACKAGE.name / "backend" / "hf.py"
+    hf.write_text(hf.read_text(encoding="utf-8") + probe, encoding="utf-8")
+    assert target_probes(tmp_path, PACKAGE.name) == [f"cli.py:{text.count(chr(10))} getattr(engine.target, 'numerics')"]
+
+
+def test_no_backend_switches_on_its_states_type():
+    """Backends are siblings: the native step's state is its own target's
+    (``backend/cpu/native_target.py``, which refuses any other), never a case another target
+    tests for."""
+    from ragspec.backend.cpu.native_target import NativeTarget
+    from ragspec.backend.hf import HFTarget
+
+    assert not issubclass(NativeTarget, HFTarget)
+    offenders = []
+    for rel, tree in _modules():
+        if rel == "backend/cpu/native_target.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                if "NativeKVState" in ast.unparse(node.args[1]):
+                    offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []

@@ -10,14 +10,16 @@ import functools
 import pytest
 import torch
 
+from ragspec.backend.base import Capability
 from ragspec.backend.hf import HFTarget
-from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
+from ragspec.config import PLDConfig, PolicyConfig
 from ragspec.drafters import CompositeDrafter, MergedDrafter, NgramIndex, PromptLookupDrafter, SelectingDrafter
 from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import DrafterParts, Engine
 from ragspec.errors import ConfigError
 from ragspec.loading import compose_drafter, engine_with_drafter, resolve_drafting, select_target, with_drafting
+from ragspec.params import RequestParams
 from ragspec.policy import AcceptanceModel, run_depths
 from ragspec.tree import merge_trees
 from ragspec.types import DraftTree, VerifyResult
@@ -434,8 +436,8 @@ def test_retrieval_drafting_leaves_the_loaded_head_unused(target, head, tok, mod
     assert retrieval.parts.drafting == "retrieval"
     assert isinstance(with_drafting(retrieval, "merged").drafter, MergedDrafter)
     ids = tok("the cat sat on the mat. the cat sat on the hat.")["input_ids"]
-    assert engine.start(ids, DecodeConfig(max_new_tokens=24), chat=False).want_hidden  # the merged head's features
-    assert not retrieval.start(ids, DecodeConfig(max_new_tokens=24), chat=False).want_hidden
+    assert engine.start(ids, RequestParams(max_new_tokens=24), chat=False).want_hidden  # the merged head's features
+    assert not retrieval.start(ids, RequestParams(max_new_tokens=24), chat=False).want_hidden
     out = retrieval.generate(ids, max_new_tokens=24, chat=False, return_steps=True)
     assert out.token_ids == greedy_reference(model, ids, 24, 2)
     assert all("eagle" not in s.source for s in out.stats.steps)
@@ -475,7 +477,8 @@ def test_loading_builds_engines_over_a_model_already_held(model, tok):
     # by hand: a target over the model (transformers' own forwards unless sped up) and an
     # engine drafting with a drafter set its caller composed
     target = select_target(model, speed_ups=False)
-    assert isinstance(target, HFTarget) and target.native_step is None and target.model is model
+    assert isinstance(target, HFTarget) and target.model is model
+    assert target.capability(Capability.FUSED_STEP) is None  # no speed-ups: no fused step
     with pytest.raises(ConfigError, match="numerics"):
         select_target(model, speed_ups=False, numerics="approximate")
     drafter = PromptLookupDrafter(PLDConfig())

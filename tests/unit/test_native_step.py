@@ -15,7 +15,8 @@ import pytest
 import torch
 from test_kernels import _BUILDABLE
 
-from ragspec.backend.base import VerifyItem
+from ragspec.backend.base import Capability, VerifyItem
+from ragspec.backend.cpu.build import CPUSpeedUps, load_cpu_target, read_gguf_blocks
 from ragspec.backend.cpu.kernels import (
     load_decoder_step,
     load_few_query_attention,
@@ -23,6 +24,7 @@ from ragspec.backend.cpu.kernels import (
     load_skinny_linear,
 )
 from ragspec.backend.cpu.native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
+from ragspec.backend.cpu.native_target import NATIVE_EXTEND_GEMM_ROWS, NativeTarget
 from ragspec.backend.cpu.quant import Q4_1, Q6_K, Q8_0
 from ragspec.backend.cpu.target import CPUTarget
 from ragspec.backend.hf import KVState
@@ -30,6 +32,7 @@ from ragspec.config import DecodeConfig, PLDConfig, PolicyConfig
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError
+from ragspec.loading import select_target
 from ragspec.types import DraftTree
 from ragspec_testing import (
     assert_scripted_drafts_keep_greedy,
@@ -75,15 +78,12 @@ def _llama(seed: int = 0, *, hidden: int = 64, head_dim: int = 32, heads: int = 
     return model
 
 
-def _target(kernels, model, native: bool) -> CPUTarget:
-    """ragspec's transformers path with the compiled kernels, and the native step on top."""
+def _target(kernels, model, native: bool):
+    """ragspec's transformers path with the compiled kernels, or the native step built on it."""
     skinny, attention, step = kernels
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(skinny)
-    assert target.use_attention_kernel(attention)
-    assert target.use_native_step(step if native else None) == native
-    return target
+    target = CPUTarget(model, skinny=skinny, attention_kernel=attention, route_attention=True)
+    assert target.attention_routed and target.skinny is skinny
+    return NativeTarget(target, step) if native else target
 
 
 # (prompt length, root token, tree) of the steps each comparison runs, in order
@@ -170,18 +170,17 @@ def test_native_prefill_in_chunks_matches_transformers_prefill(kernels):
     below it) gives the hidden states and KV entries of transformers' prefill to float32
     rounding; extending a filled state always runs natively."""
     nat = _target(kernels, _llama(), True)
+    in_chunks = NativeTarget(nat.kernel_path, kernels[2], native_prefill_rows=10**6)
     prompt = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         copied = nat.new_state()
         a = nat.prefill(copied, prompt, return_hidden=True)
-        nat.native_prefill_rows = 10**6
-        chunked = nat.new_state()
-        b = nat.prefill(chunked, prompt, return_hidden=True)
+        chunked = in_chunks.new_state()
+        b = in_chunks.prefill(chunked, prompt, return_hidden=True)
         torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-4, atol=1e-5)
         assert int(a.logits.argmax()) == int(b.logits.argmax())
         assert copied.length == chunked.length == 40
         torch.testing.assert_close(copied.buffer[..., :40, :], chunked.buffer[..., :40, :], rtol=1e-4, atol=1e-5)
-        nat.native_prefill_rows = 0
         nat.prefill(chunked, [5, 6, 7])
         assert chunked.length == 43
 
@@ -192,8 +191,6 @@ def test_native_prefill_chunk_extension_is_slow_regression(kernels):
     chunk). Chunks over ``NATIVE_EXTEND_GEMM_ROWS`` rows now go through transformers'
     forward writing into the state's own buffer: hidden states, KV entries and the next
     decoding step match a whole-prompt prefill."""
-    from ragspec.backend.cpu.target import NATIVE_EXTEND_GEMM_ROWS
-
     nat = _target(kernels, _llama(), True)
     first, rest = 30, NATIVE_EXTEND_GEMM_ROWS + 20
     prompt = torch.randint(3, 96, (first + rest,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -311,34 +308,43 @@ def test_buffer_grows_geometrically_and_keeps_its_entries(kernels):
 
 
 def test_native_step_switch_and_supported_models(kernels, monkeypatch):
+    """The builder chooses the fused-step target where the step runs the model, else the
+    kernel-routed one, which says why not; a state of one target is refused by the other."""
     monkeypatch.setenv("RAGSPEC_NATIVE_STEP", "0")
     assert not native_step_enabled()
-    off = CPUTarget(_llama(layers=1))
-    off.speed_up()
-    assert off.skinny is not None and off.native_step is None and isinstance(off.new_state(), KVState)
+    off = select_target(_llama(layers=1))
+    assert type(off) is CPUTarget and off.skinny is not None and isinstance(off.new_state(), KVState)
+    assert off.capability(Capability.SPEED_UPS).native_step_off == "switched off: RAGSPEC_NATIVE_STEP=0"
     monkeypatch.setenv("RAGSPEC_NATIVE_STEP", "")
     assert native_step_enabled() and native_step_enabled("1") and not native_step_enabled("off")
-    on = CPUTarget(_llama(layers=1))
-    on.speed_up()
-    assert on.native_step is not None and isinstance(on.new_state(), NativeKVState)
+    on = select_target(_llama(layers=1))
+    assert type(on) is NativeTarget and isinstance(on.new_state(), NativeKVState)
+    assert on.capability(Capability.SPEED_UPS).native_step_off is None
+    assert on.capability(Capability.FUSED_STEP).decoder is on.native_step
     # no compiled kernels: no native step
-    plain = CPUTarget(_llama(layers=1))
-    plain.speed_up(cpu_kernels=False)
-    assert plain.native_step is None
+    plain = load_cpu_target(_llama(layers=1), CPUSpeedUps(compiled_kernels=False))
+    assert type(plain) is CPUTarget and plain.capability(Capability.FUSED_STEP) is None
+    assert "switched off" in plain.capability(Capability.SPEED_UPS).native_step_off
+    with pytest.raises(ConfigError, match="few-row kernel"):
+        NativeTarget(plain, kernels[2])
     # head size 8, a Gemma-3 model: transformers' forward
-    tiny8 = CPUTarget(make_tiny_llama(layers=1))
-    tiny8.speed_up()
-    assert tiny8.native_step is None and "sizes" in native_step_unsupported(tiny8.model.get_decoder())
+    tiny8 = load_cpu_target(make_tiny_llama(layers=1))
+    assert type(tiny8) is CPUTarget and "sizes" in native_step_unsupported(tiny8.model.get_decoder())
     from test_batched_verify import _tiny_gemma3
 
-    gemma = CPUTarget(_tiny_gemma3())
-    gemma.speed_up()
-    assert gemma.native_step is None and "model type" in native_step_unsupported(gemma.model.get_decoder())
+    gemma = load_cpu_target(_tiny_gemma3())
+    assert type(gemma) is CPUTarget and "model type" in native_step_unsupported(gemma.model.get_decoder())
+    assert "model type" in gemma.capability(Capability.SPEED_UPS).native_step_off
     with pytest.raises(ValueError, match="unsupported"):
         NativeDecoder(kernels[2], gemma.model.get_decoder())
-    # a native state on a target without the native step: a typed error
-    with torch.inference_mode(), pytest.raises(ConfigError):
-        plain.prefill(on.new_state(), [5, 6])
+    with pytest.raises(ConfigError, match="cannot run this model"):
+        NativeTarget(gemma, kernels[2])
+    # a state of one target on the other: a typed error
+    with torch.inference_mode():
+        with pytest.raises(ConfigError):
+            plain.prefill(on.new_state(), [5, 6])
+        with pytest.raises(ConfigError):
+            on.prefill(plain.new_state(), [5, 6])
 
 
 def test_native_step_rejects_a_buffer_of_the_wrong_shape(kernels):
@@ -388,13 +394,11 @@ def test_native_step_over_gguf_blocks_is_bit_identical(kernels, tmp_path):
     model = _quantized_llama(path)
     targets = []
     for native in (False, True):
-        t = CPUTarget(_quantized_llama(tmp_path / f"copy{native}.gguf") if native else model)
-        assert t.use_gguf_weights(path, load_quant_linear()) == 2 * 7 + 1
-        t.prepack_linears(skinny)
-        t.route_gqa_attention()
-        t.use_attention_kernel(attention)
-        assert t.use_native_step(step if native else None) == native
-        targets.append(t)
+        m = _quantized_llama(tmp_path / f"copy{native}.gguf") if native else model
+        blocks = read_gguf_blocks(m, path, load_quant_linear())
+        assert len(blocks.weights) == 2 * 7 + 1
+        t = CPUTarget(m, skinny=skinny, attention_kernel=attention, gguf=blocks, route_attention=True)
+        targets.append(NativeTarget(t, step) if native else t)
     ref, nat = targets
     assert nat.native_step.gguf_linears == 14
     _assert_steps_bit_identical(ref, nat)
@@ -459,17 +463,15 @@ def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
     path = tmp_path / "m.gguf"
     targets = []
     for native in (False, True):
-        t = CPUTarget(_k_quantized_llama(path if not native else tmp_path / "copy.gguf"))
-        assert t.use_gguf_weights(path, load_quant_linear()) == 2 * 7 + 1
-        t.prepack_linears(skinny)
-        t.route_gqa_attention()
-        t.use_attention_kernel(attention)
-        assert t.use_native_step(step if native else None) == native
-        targets.append(t)
+        m = _k_quantized_llama(path if not native else tmp_path / "copy.gguf")
+        blocks = read_gguf_blocks(m, path, load_quant_linear())
+        assert len(blocks.weights) == 2 * 7 + 1
+        t = CPUTarget(m, skinny=skinny, attention_kernel=attention, gguf=blocks, route_attention=True)
+        targets.append(NativeTarget(t, step) if native else t)
     ref, nat = targets
     assert nat.native_step.gguf_linears == 14
     layer = nat.model.model.layers[0]
-    twins = nat._gguf_weights
+    twins = nat.kernel_path.gguf_blocks
     qkv = _group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], twins)
     gate_up = _group([layer.mlp.gate_proj, layer.mlp.up_proj], twins)
     assert [g[3] for g in qkv] == [Q4_1] and [g[3] for g in gate_up] == [Q6_K]  # each one fused call
@@ -482,9 +484,8 @@ def test_native_step_over_k_format_blocks_is_bit_identical(kernels, tmp_path):
 
 def test_engine_greedy_with_the_native_step_equals_transformers_generate(kernels):
     tok = make_char_tokenizer()
-    target = CPUTarget(_llama(head_dim=32, hidden=64))
-    target.speed_up()
-    assert target.native_step is not None
+    target = select_target(_llama(head_dim=32, hidden=64))
+    assert isinstance(target, NativeTarget)
     reference_model = _llama(head_dim=32, hidden=64)
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     ref = greedy_reference(reference_model, prompt, 60)
@@ -498,8 +499,7 @@ def test_engine_greedy_with_the_native_step_equals_transformers_generate(kernels
 
 def test_engine_steps_requests_together_through_one_native_call(kernels, monkeypatch):
     tok = make_char_tokenizer()
-    target = CPUTarget(_llama())
-    target.speed_up()
+    target = select_target(_llama())
     calls: list[int] = []
     inner = target.native_step.forward
 

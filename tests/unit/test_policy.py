@@ -6,6 +6,7 @@ import pytest
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
+from ragspec.params import RequestParams
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree, VerifyResult
 from ragspec_testing import ScriptedDrafter, greedy_reference, make_tiny_llama, oracle_plan, wrong_plan
@@ -205,7 +206,6 @@ class _SlowWrongSession:
 def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tokenizer):
     # in a batch every request waits for every other's drafting: slow drafts that are never
     # accepted are skipped (with a retry now and then); outputs stay the solo greedy ones
-    from ragspec.config import DecodeConfig
 
     model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
     prompts = [char_tokenizer(p)["input_ids"] for p in ("Hello there, friend", "The cat sat", "abc abc abc abc")]
@@ -221,7 +221,7 @@ def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tok
             policy=PolicyConfig(draft_time_gate=gate, prefix_cache_tokens=0),
             latency=LatencyModel(dict(GPU_LIKE), ema=0.0),  # rows ~free: only the drafting time is a cost
         )
-        reqs = [eng.start(p, DecodeConfig(max_new_tokens=24), chat=False) for p in prompts]
+        reqs = [eng.start(p, RequestParams(max_new_tokens=24), chat=False) for p in prompts]
         observed = []
         for r in reqs:  # count what each request's gate is fed
             r.draft_gate.observe = lambda *a, _o=r.draft_gate.observe: observed.append(a) or _o(*a)
@@ -245,12 +245,13 @@ def test_batched_requests_stop_drafting_when_drafting_time_does_not_pay(char_tok
 def test_a_batched_step_without_a_proposal_does_not_feed_the_gate_regression(char_tokenizer):
     # a fresh user's trial: a request's last step (a budget of 0 draft tokens) proposed
     # nothing, yet counted in its gate as a drafting step that accepted nothing
-    from ragspec.config import DecodeConfig
 
     model = make_tiny_llama(vocab_size=len(char_tokenizer.get_vocab()) + 3)
     drafter = _SlowWrongDrafter(bad=0, delay=0.0)
     eng = Engine(HFTarget(model), char_tokenizer, drafter=drafter, policy=PolicyConfig(prefix_cache_tokens=0))
-    reqs = [eng.start(char_tokenizer(p)["input_ids"], DecodeConfig(max_new_tokens=2), chat=False) for p in ("ab", "cd")]
+    reqs = [
+        eng.start(char_tokenizer(p)["input_ids"], RequestParams(max_new_tokens=2), chat=False) for p in ("ab", "cd")
+    ]
     while any(r.root is None for r in reqs):
         eng.step([r for r in reqs if not r.done])
     means = [r.draft_gate.mean for r in reqs]
@@ -262,9 +263,8 @@ def test_a_batched_step_without_a_proposal_does_not_feed_the_gate_regression(cha
 def _solo_steps_that_drafted(eng, prompt, drafter, n, **sampling):
     """Step one request alone to its end; the decode steps (0-based) in which its drafter
     was asked for a proposal, and its tokens."""
-    from ragspec.config import DecodeConfig, SamplingParams
 
-    req = eng.start(prompt, DecodeConfig(max_new_tokens=n), SamplingParams(**sampling), chat=False)
+    req = eng.start(prompt, RequestParams(max_new_tokens=n, **sampling), chat=False)
     drafted, tokens, step = [], [], -1
     while not req.done:
         before, prefilling = drafter.calls, req.root is None

@@ -2,7 +2,7 @@
 server: a request's own draft budget (``DecodeConfig.max_draft_tokens``, capped by the
 engine's), its drafting statistics under vLLM's per-request names
 (``GenerationStats.spec_decode_metrics``), and texts added to a datastore on disk
-(``add_texts_to_datastore``, ``ragspec.serving.add_documents``)."""
+(``add_texts_to_datastore``, ``ragspec.serving.add_to_datastore``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from ragspec.backend.hf import HFTarget
 from ragspec.config import DecodeConfig
 from ragspec.datastore import Datastore, add_texts_to_datastore, build_datastore
 from ragspec.drafters import PromptLookupDrafter
-from ragspec.errors import ConfigError, DatastoreInputError, EmptyCorpusError
-from ragspec.serving import add_documents, datastore_engines
+from ragspec.errors import ConfigError, DatastoreInputError, DatastoreNotFoundError, EmptyCorpusError
+from ragspec.loading import engine_over
+from ragspec.serving import add_documents, add_to_datastore
 from ragspec.types import GenerationStats
 from ragspec_testing import ScriptedDrafter, greedy_reference, oracle_plan
 
@@ -131,12 +132,23 @@ def test_a_bad_text_refuses_the_whole_addition_and_writes_nothing(tmp_path, char
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("shard")) == ["shard-00000"]
 
 
-def test_serving_add_documents_gives_a_new_engine_and_leaves_the_old_one(tmp_path, engine):
+def test_serving_add_to_datastore_swaps_it_in_and_requests_started_keep_theirs(tmp_path, engine):
     d = _store(tmp_path, engine.tokenizer)
-    (old,) = datastore_engines(engine, [("kb", str(d))]).values()
-    new, info = add_documents(old, ["the cat sat on the mat."])
-    assert info.num_documents == 2 and new.datastore.num_documents == 2
-    assert old.datastore.num_documents == 1  # requests holding the old engine keep its datastore
-    assert new.target is old.target and new.parts.drafting == old.parts.drafting  # no model loaded
-    with pytest.raises(ConfigError, match="no datastore"):
+    served = engine_over(engine, {"kb": Datastore.open(d, engine.tokenizer)})
+    started = served.request(PROMPT, max_new_tokens=4, chat=False, datastore="kb")
+    before = served.datastores["kb"]
+    info = add_to_datastore(served, "kb", ["the cat sat on the mat."])
+    assert info.num_documents == 2 and served.datastores["kb"].num_documents == 2
+    assert served.datastore is served.datastores["kb"]  # the default: requests naming none see it too
+    assert before.num_documents == 1  # the request started before drafts from the datastore as it was
+    assert served.target is engine.target  # no model loaded
+    while not started.done:
+        served.step([started])
+    with pytest.raises(DatastoreNotFoundError, match="no-such"):
+        add_to_datastore(served, "no-such", ["x"])
+    # the deprecated form: the default datastore, swapped in the same engine
+    with pytest.warns(DeprecationWarning):
+        same, info = add_documents(served, ["a dog ran."])
+    assert same is served and info.num_documents == 3
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="no named datastore"):
         add_documents(engine, ["x"])

@@ -11,11 +11,11 @@ import pytest
 
 from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
-from ragspec.config import DecodeConfig, SamplingParams
 from ragspec.drafters import CompositeDrafter, PromptLookupDrafter, reproducible_drafter
 from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter, ResponseLogError
 from ragspec.errors import ConfigError
-from ragspec.loading import with_response_cache
+from ragspec.loading import engine_over, with_response_cache
+from ragspec.params import RequestParams
 from ragspec.policy import LatencyModel
 from ragspec_testing import greedy_reference
 
@@ -167,7 +167,7 @@ def test_cancelled_requests_are_not_cached(no_eos_setup, char_tokenizer, single_
     model, prompt, _ = no_eos_setup
     cache = ResponseCache(10_000)
     engine = _engine(model, char_tokenizer, cache)
-    req = engine.start(prompt, DecodeConfig(max_new_tokens=40), SamplingParams())
+    req = engine.start(prompt, RequestParams(max_new_tokens=40))
     engine.step([req])
     engine.step([req])
     req.cancel()
@@ -175,16 +175,19 @@ def test_cancelled_requests_are_not_cached(no_eos_setup, char_tokenizer, single_
     assert chunk.finish_reason == "cancelled" and len(cache) == 0
 
 
-def test_with_response_cache_keeps_a_custom_drafter(no_eos_setup, char_tokenizer, single_thread):
+def test_engine_over_keeps_a_custom_drafter_beside_the_cache(no_eos_setup, char_tokenizer, single_thread):
     model, prompt, ref = no_eos_setup
     base = Engine(HFTarget(model), char_tokenizer, drafter=PromptLookupDrafter(), eos_token_ids=())
     cache = ResponseCache(10_000)
-    engine = with_response_cache(base, cache)
+    engine = engine_over(base, None, cache)
     assert engine.parts.response_cache is cache and engine.target is base.target
     assert engine.drafter.name == "prompt+responses"
     assert engine.generate(prompt, max_new_tokens=20).token_ids == ref[:20] and len(cache) == 1
+    assert engine_over(engine, None, cache).drafter is engine.drafter  # the same cache: nothing added
     with pytest.raises(ConfigError):
-        with_response_cache(engine, ResponseCache(100))
+        engine_over(engine, None, ResponseCache(100))
+    with pytest.warns(DeprecationWarning):  # the old name, one release
+        assert with_response_cache(base, cache).drafter.name == "prompt+responses"
 
 
 def test_salted_responses_are_drafted_from_by_their_salt_only():

@@ -205,3 +205,148 @@ def test_a_running_log_is_compacted_as_it_grows(tmp_path, monkeypatch):
     finally:
         cache.close_journal()
     assert [r["output"][0] for r in _lines(log)] == [109, 110, 111]
+
+
+# ---------------------------------------------------------------------- one writer per log
+def _holder(log: Path, extra: str = "") -> subprocess.Popen:
+    """A process that opens ``log`` as its response cache's journal (so holds its lock),
+    says "held" and sleeps."""
+    script = textwrap.dedent(
+        f"""
+        import time
+        from ragspec.drafters.response_cache import ResponseCache
+        cache = ResponseCache(100_000, context_tokens=2, model="m")
+        cache.open_journal({str(log)!r}, flush_interval_s=0.1)
+        {extra}
+        print("held", flush=True)
+        time.sleep(600)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_a_second_writer_of_a_held_log_is_refused_and_a_killed_holders_lock_is_gone(tmp_path):
+    """Regression: two servers on one ``--response-log`` both appended, and whichever shut
+    down last rewrote the log with its own answers only. The second is refused with one
+    line naming the holder; the kernel drops the lock of a holder killed with -9."""
+    from ragspec.drafters.response_journal import check_log_free
+    from ragspec.errors import ResponseLogHeldError
+
+    log = tmp_path / "responses.jsonl"
+    proc = _holder(log)
+    try:
+        second = ResponseCache(100, model="m")
+        with pytest.raises(ResponseLogHeldError) as info:
+            second.open_journal(log)
+        message = str(info.value)
+        assert "\n" not in message and str(log) in message and f"process {proc.pid} " in message
+        assert second.journal is None and len(second) == 0
+        with pytest.raises(ResponseLogHeldError):
+            check_log_free(log)  # the check the server makes before loading its model
+    finally:
+        _kill(proc)
+    assert proc.returncode == -signal.SIGKILL
+    check_log_free(log)  # no stale lock
+    cache = ResponseCache(100, model="m")
+    cache.open_journal(log)
+    cache.close_journal()
+    check_log_free(log)  # released at close
+
+
+def test_the_log_and_its_lock_are_the_owners_only(tmp_path):
+    log = tmp_path / "responses.jsonl"
+    cache = ResponseCache(100, context_tokens=0, model="m")
+    cache.open_journal(log, flush_interval_s=0.02)
+    cache.add([], [1, 2], "an answer")
+    cache.journal.flush()
+    assert (log.stat().st_mode & 0o777, Path(str(log) + ".lock").stat().st_mode & 0o777) == (0o600, 0o600)
+    cache.close_journal()
+    assert log.stat().st_mode & 0o777 == 0o600
+    cache.save(tmp_path / "saved.jsonl")
+    assert (tmp_path / "saved.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------------- tenants' answers
+def test_kill_9_of_a_keyed_writer_keeps_its_answers_for_that_key_only(tmp_path):
+    """Regression: with API keys the response log saved nothing (salted answers were kept
+    in memory only), so a keyed deployment restarted with an empty response cache. Salted
+    answers are journaled under their partition (a digest of the salt, never the salt) and
+    come back in that partition only: the same salt drafts from them, another salt and the
+    unsalted requests draft nothing."""
+    from ragspec.drafters.response_cache import partition_of
+
+    log = tmp_path / "responses.jsonl"
+    salt = "tenant-digest-of-key-one"
+    extra = f"""for i in range(5): cache.add([1, 2, 3], [40 + i, 50, 60], f"answer {{i}}", salt={salt!r})
+        cache.add([7, 8], [70, 71], "shared")
+        deadline = time.monotonic() + 20
+        while cache.journal.num_written < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)"""
+    proc = _holder(log, extra)
+    _kill(proc)
+    text = log.read_text()
+    assert salt not in text  # the salt (with keys: a digest of the key) is never written
+    rows = _lines(log)
+    assert sorted(r.get("partition", "") for r in rows) == [""] + [partition_of(salt)] * 5
+    fresh = ResponseCache(100_000, context_tokens=2, model="m")
+    assert fresh.load(log) == 6
+    cands, _ = fresh.lookup([0, 2, 3], 3, salt=salt)
+    assert cands and all(c[0] in range(40, 45) for c in cands)
+    assert fresh.lookup([0, 2, 3], 3, salt="another tenant") == ([], 0)
+    assert fresh.lookup([0, 2, 3], 3) == ([], 0)
+    assert fresh.lookup([7, 8], 2)[0] == [[70, 71]]  # the unsalted answer: shared, as before
+    assert fresh.lookup([7, 8], 2, salt=salt) == ([], 0)
+
+
+def test_a_log_record_with_a_bad_partition_is_skipped(tmp_path, caplog):
+    log = tmp_path / "responses.jsonl"
+    log.write_text(
+        json.dumps({"model": "m", "output": [1, 2], "partition": "the raw salt"})
+        + "\n"
+        + json.dumps({"model": "m", "output": [3, 4], "partition": "a" * 32})
+        + "\n"
+    )
+    cache = ResponseCache(100, context_tokens=0, model="m")
+    with caplog.at_level(logging.WARNING):
+        assert cache.open_journal(log) == 1
+    cache.close_journal()
+    assert "line 1 " in caplog.text and "partition" in caplog.text
+    assert [r["partition"] for r in _lines(log)] == ["a" * 32]
+
+
+# ---------------------------------------------------------------------- bounded records
+def test_a_record_over_the_size_limit_is_skipped_naming_its_line(tmp_path, caplog):
+    """Regression: a single 44 MB log record was loaded (1.8 GB resident) and rewritten
+    with its ids cut to 8,192 and its text whole. A record over ``MAX_RECORD_BYTES`` is
+    skipped with a warning naming its line, never read whole; the others load."""
+    from ragspec.drafters.response_journal import MAX_RECORD_BYTES, LogSelection, iter_log_texts
+
+    log = tmp_path / "responses.jsonl"
+    small = lambda i: json.dumps({"model": "m", "output": [i, i + 1], "text": f"t{i}"}) + "\n"  # noqa: E731
+    big = json.dumps({"model": "m", "output": [5, 6], "text": "x" * (MAX_RECORD_BYTES + 10)}) + "\n"
+    log.write_text(small(1) + big + small(3))
+    cache = ResponseCache(100, context_tokens=0, model="m")
+    with caplog.at_level(logging.WARNING):
+        assert cache.load(log, skip_bad=True) == 2
+    assert "line 2 " in caplog.text and str(MAX_RECORD_BYTES) in caplog.text
+    sel = LogSelection()
+    assert list(iter_log_texts(log, selection=sel)) == ["t1", "t3"] and sel.oversized == [2]
+    assert ResponseCache(100, model="m").load(log) == 2  # skipped by a strict load too
+
+
+def test_a_response_cut_to_max_response_tokens_keeps_no_text(tmp_path):
+    """The cut ids and the whole text would disagree (a datastore built from the log would
+    hold a text the ids do not say): the cut response is cached without its text."""
+    cache = ResponseCache(100, context_tokens=0, max_response_tokens=4, model="m")
+    cache.add([], [1, 2, 3, 4, 5, 6], "one two three four five six")
+    cache.add([], [7, 8, 9], "seven eight nine")
+    assert [(r["output"], r["text"]) for r in cache.records()] == [([1, 2, 3, 4], ""), ([7, 8, 9], "seven eight nine")]

@@ -18,24 +18,30 @@ from ragspec_testing import make_tiny_llama
 
 def test_cpu_model_gets_the_cpu_backend_with_its_speed_ups():
     target = select_target(make_tiny_llama(layers=1), cpu_kernels=False)
-    assert type(target) is CPUTarget and isinstance(target, Target)
-    # speed_up ran: oneDNN-packed linears (where oneDNN is built in) and the attention routed
-    assert target.route_gqa_attention() and target._attn_impl == GQA_SDPA
+    assert type(target) is CPUTarget and isinstance(target, Target) and target.numerics == "exact"
+    # built with its speed-ups: oneDNN-packed linears (where oneDNN is built in) and the
+    # attention routed
+    assert target.attention_routed and target._attn_impl == GQA_SDPA
     assert target.skinny is None  # cpu_kernels=False
+    speed_ups = target.capability(Capability.SPEED_UPS)
+    assert not speed_ups.compiled_kernel and not speed_ups.batched_verify and speed_ups.gguf_weights == 0
+    assert "switched off" in speed_ups.native_step_off
 
 
 def test_speed_ups_off_gives_the_backend_for_the_device_untouched():
     target = select_target(make_tiny_llama(layers=1), speed_ups=False)
     assert type(target) is CPUTarget
     assert target.packed_linears == 0 and target.skinny is None and target._attn_impl == "sdpa"
+    assert target.capability(Capability.SPEED_UPS).native_step_off == "built without the CPU speed-ups"
 
 
 def test_other_devices_get_the_device_neutral_target():
     model = make_tiny_llama(layers=1).to("meta")
     target = select_target(model)
-    assert type(target) is HFTarget
-    assert target._attn_impl == GQA_SDPA  # as speed_up routed it there before the split
+    assert type(target) is HFTarget and target.numerics == "exact"
+    assert target.attention_routed and target._attn_impl == GQA_SDPA
     assert target.capability(Capability.FAST_LINEAR) is None
+    assert target.capability(Capability.SPEED_UPS) is None  # nothing to report
     with pytest.raises(ConfigError, match="numerics fast"):
         select_target(make_tiny_llama(layers=1).to("meta"), numerics="fast")
 

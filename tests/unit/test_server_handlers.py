@@ -17,12 +17,13 @@ from ragspec import Engine, PolicyConfig
 from ragspec.backend.hf import HFTarget
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.integrations.metrics import ServerMetrics
-from ragspec.integrations.scheduler import Scheduler
 from ragspec.integrations.server import errors, openai, ops, summarize
 from ragspec.integrations.server.errors import APIError
 from ragspec.integrations.server.prepare import prepare_completion
-from ragspec.integrations.server.state import ServerState, check_model, pick_engine, server_state
+from ragspec.integrations.server.state import ServerState, check_datastore, check_model, server_state
 from ragspec.integrations.settings import ServerSettings
+from ragspec.integrations.stepper import Stepper
+from ragspec.params import RequestParams
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
 
@@ -41,14 +42,13 @@ def engine(tiny_model, char_tokenizer, single_thread) -> Engine:
 @pytest.fixture
 def state(engine):
     settings = ServerSettings(calibrate=False)
-    scheduler = Scheduler(max_active=2, max_queue=2)
+    scheduler = Stepper(engine, max_active=2, max_queue=2)
     scheduler.start()
     pool = concurrent.futures.ThreadPoolExecutor(1)
     yield ServerState(
         settings=settings,
         metrics=ServerMetrics(),
         engine=engine,
-        engines={},
         scheduler=scheduler,
         prepare_pool=pool,
         limits=settings.limits(engine.target.max_length),
@@ -110,13 +110,13 @@ def test_state_checks_and_preparation_are_plain_functions(state, engine):
     with pytest.raises(APIError) as e:
         check_model(state, "gpt-4")
     assert e.value.status == 404
-    assert pick_engine(state, None) is engine  # no datastores: the plain engine
+    check_datastore(state, None)  # none named: the default (here, no datastore)
     with pytest.raises(APIError) as e:
-        pick_engine(state, "/etc")  # datastores are named, never paths
+        check_datastore(state, "/etc")  # datastores are named, never paths
     assert e.value.code == "datastore_not_found"
     vocab = engine.target.vocab_size
-    kwargs = {"max_new_tokens": 4, "documents": None}
+    params = RequestParams(max_new_tokens=4)
     with pytest.raises(APIError, match="token ids must be in"):
-        prepare_completion(engine, [1, vocab], kwargs, state.limits, threading.Event())
-    prepared = prepare_completion(engine, [1, 2, 3], kwargs, state.limits, threading.Event())
-    assert prepared.prompt_ids == [1, 2, 3] and prepared.document_ids == []
+        prepare_completion(engine, [1, vocab], params, state.limits, threading.Event())
+    prepared = prepare_completion(engine, [1, 2, 3], params, state.limits, threading.Event())
+    assert prepared.prompt_ids == (1, 2, 3) and prepared.document_ids == ()

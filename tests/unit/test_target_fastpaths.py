@@ -72,10 +72,8 @@ def test_kv_cache_accepts_keys_replaced_from_outside():
 def test_prepacked_linears_keep_one_row_bit_identical_and_many_rows_close():
     model = make_tiny_llama(layers=2)
     ref_model = make_tiny_llama(layers=2)
-    target = CPUTarget(model)
-    n = target.prepack_linears()
-    assert n == 2 * 7  # q, k, v, o, gate, up, down per layer
-    assert target.prepack_linears() == n  # idempotent
+    target = CPUTarget(model, pack_linears=True)
+    assert target.packed_linears == 2 * 7  # q, k, v, o, gate, up, down per layer
     ids = torch.tensor([[5, 9, 12, 40, 33, 2, 17, 80]])
     with torch.inference_mode():
         a = model(ids).logits
@@ -108,8 +106,7 @@ def test_prefill_rows_run_through_the_prepacked_weight_inside_the_target_only(mo
     monkeypatch.setattr(fastpaths, "packed_linear", counting)
     model = make_tiny_llama(layers=2)
     ref_model = make_tiny_llama(layers=2)
-    target = CPUTarget(model)
-    target.prepack_linears()
+    target = CPUTarget(model, pack_linears=True)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, 96, (fastpaths.PACKED_MAX_ROWS + 36,), generator=gen).tolist()
     with torch.inference_mode():
@@ -131,8 +128,7 @@ def test_prepacked_linears_greedy_identical_to_generate():
     from ragspec_testing import make_char_tokenizer
 
     tok = make_char_tokenizer()
-    target = CPUTarget(model)
-    target.prepack_linears()
+    target = CPUTarget(model, pack_linears=True)
     engine = Engine(target, tok, drafter=PromptLookupDrafter(PLDConfig()), eos_token_ids=[2])
     prompt = tok("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     out = engine.generate(prompt, max_new_tokens=40)
@@ -259,10 +255,10 @@ def test_gqa_attention_route_keeps_verification_logits_bit_identical():
 
     reference = make_tiny_llama(layers=2)
     ref_greedy = greedy_reference(reference, prompt, 24, eos_token_id=2)
+    before = verify_all(CPUTarget(make_tiny_llama(layers=2)))
     model = make_tiny_llama(layers=2)
-    target = CPUTarget(model)
-    before = verify_all(target)
-    assert target.route_gqa_attention() and target.route_gqa_attention()  # idempotent
+    target = CPUTarget(model, route_attention=True)
+    assert target.attention_routed
     assert model.config._attn_implementation == "ragspec_sdpa"
     for a, b in zip(before, verify_all(target)):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
@@ -295,6 +291,6 @@ def test_gqa_attention_route_is_a_no_op_without_grouped_heads():
         num_key_value_heads=4,
     )
     model = LlamaForCausalLM(cfg).eval()
-    target = CPUTarget(model)
-    assert not target.route_gqa_attention()
+    target = CPUTarget(model, route_attention=True)
+    assert not target.attention_routed
     assert model.config._attn_implementation == "sdpa"

@@ -1,7 +1,15 @@
-"""The CPU backend: :class:`~ragspec.backend.cpu.target.CPUTarget`, the transformers target
-(:class:`~ragspec.backend.hf.HFTarget`) with ragspec's CPU speed-ups.
+"""The CPU backend: ragspec's CPU speed-ups, chosen when a target is built, and two sibling
+targets built from them.
 
-* ``target.py``: :class:`~ragspec.backend.cpu.target.CPUTarget` and its speed-up installers;
+* ``build.py``: :class:`~ragspec.backend.cpu.build.CPUSpeedUps` (the choice) and
+  :func:`~ragspec.backend.cpu.build.load_cpu_target` (loads the kernels and the GGUF
+  blocks, builds the target whole);
+* ``target.py``: :class:`~ragspec.backend.cpu.target.CPUTarget`, the transformers target
+  whose own forwards run the kernels, verifying several requests in one forward;
+* ``native_target.py``: :class:`~ragspec.backend.cpu.native_target.NativeTarget`, the fused
+  C++ decoder step over the KV buffers it owns, built on a ``CPUTarget``;
+* ``batch.py``: the flat batch of several requests' rows (the per-request cache of the
+  transformers forward, the per-request outputs);
 * ``fastpaths.py``: few-row linear layers through the compiled kernels or pre-packed oneDNN
   weights, only inside the backend's own forwards;
 * ``kernels.py``: building (on first use, cached) and loading the compiled kernels, whose

@@ -6,7 +6,8 @@ transformers' forward of a decoding step runs ~40 modules per layer in Python; w
 ragspec's compiled kernels doing the arithmetic, that Python (module calls, views, the
 cache's bookkeeping) is about a third of a one-row step of SmolLM2-135M on the 2-core CPU.
 Here the per-step Python is the embedding lookup, the rotary cos/sin (the model's own
-``rotary_emb``, so transformers' values), the masks, and the output layer (unchanged, in
+``rotary_emb``, so transformers' values), the masks, and the output layer (unchanged, the
+kernel-routed target's: :class:`~ragspec.backend.cpu.native_target.NativeTarget` is built on
 :class:`~ragspec.backend.cpu.target.CPUTarget`).
 
 Numerics: the step computes what ragspec's transformers path with the compiled kernels
@@ -20,9 +21,9 @@ value, head, position, dimension), grown geometrically; a step writes its new ro
 and values at their cache positions in place, ``commit`` copies the accepted entries of a
 tree into place, ``rollback`` only lowers the length.
 
-Enabled by :meth:`CPUTarget.speed_up <ragspec.backend.cpu.target.CPUTarget.speed_up>` where
-:func:`native_step_unsupported` finds nothing against it; ``RAGSPEC_NATIVE_STEP=0`` keeps
-transformers' forward (:func:`native_step_enabled`).
+Chosen when the CPU backend is built (:func:`ragspec.backend.cpu.build.load_cpu_target`)
+where :func:`native_step_unsupported` finds nothing against it; ``RAGSPEC_NATIVE_STEP=0``
+keeps transformers' forward (:func:`native_step_enabled`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,38 @@
-"""The CPU backend: the transformers target (:class:`~ragspec.backend.hf.HFTarget`) with
-ragspec's CPU speed-ups, installed by :meth:`CPUTarget.speed_up`.
+"""The CPU backend's kernel-routed transformers target: :class:`CPUTarget`, the transformers
+target (:class:`~ragspec.backend.hf.HFTarget`) whose own forwards run ragspec's CPU kernels,
+built whole with the speed-ups chosen for it (:func:`ragspec.backend.cpu.build.load_cpu_target`
+chooses and loads them; nothing is installed afterwards):
 
 * few-row linear layers (decoding, verification) through the compiled kernel
   (:mod:`ragspec.backend.cpu.kernels`) or pre-packed oneDNN weights, the output layer too
   (:mod:`ragspec.backend.cpu.fastpaths`);
-* the linear weights read from the GGUF file's own blocks (:mod:`ragspec.backend.cpu.quant`;
-  the same values bit for bit, fewer bytes a step), and opt-in fast numerics;
+* the linear weights read from the GGUF file's own blocks (:class:`GGUFBlocks`,
+  :mod:`ragspec.backend.cpu.quant`; the same values bit for bit, fewer bytes a step), and
+  opt-in fast numerics;
 * the compiled few-query attention in ragspec's own forwards;
-* the fused C++ decoder step (:mod:`ragspec.backend.cpu.native`): decoding, verification
-  and short prefills of a Llama-architecture model in one call over a per-request KV
-  buffer (:class:`~ragspec.backend.cpu.native.NativeKVState`), several requests' rows in
-  one call (the native verify path).
+* the verification of several requests in one forward over their concatenated rows (a flat
+  batch, :mod:`ragspec.backend.cpu.batch`) where each keeps its solo values bit for bit.
 
 Every speed-up applies inside this object's own forwards only (``model.generate`` and
 training keep transformers' kernels) and changes values by float32 summation order at
-most (the native step: none against this backend's own transformers path); the reference
-values are :class:`~ragspec.backend.hf.HFTarget`'s. :func:`ragspec.loading.select_target`
-chooses this backend for models on the CPU.
+most; the reference values are :class:`~ragspec.backend.hf.HFTarget`'s. The fused C++
+decoder step is a sibling target built on this one
+(:class:`~ragspec.backend.cpu.native_target.NativeTarget`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ...config import NUMERICS
 from ...errors import ConfigError
-from ...tree import tree_attention_mask, tree_position_ids
-from ...types import DraftTree
-from ..attention import ATTENTION_KERNEL_KW, GQA_SDPA, AttentionKernel, register_gqa_attention
-from ..base import Capability, FastLinear, ForwardOutput, VerifyItem
-from ..hf import HFTarget, KVState, growable_cache
+from ..attention import ATTENTION_BATCH_KW, ATTENTION_KERNEL_KW, GQA_SDPA, register_gqa_attention
+from ..base import Capability, FastLinear, ForwardOutput, SpeedUps, VerifyItem
+from ..hf import HFTarget, KVState, is_growable_cache
+from .batch import BATCHED_MODEL_TYPES, BatchCache, batch_outputs
 from .fastpaths import (
     PACKED_MAX_ROWS,
     GGUFLinear,
@@ -48,7 +46,6 @@ from .fastpaths import (
     skinny_linear,
 )
 from .kernels import SKINNY_MAX_ROWS
-from .native import NativeDecoder, NativeKVState, native_step_enabled, native_step_unsupported
 
 if TYPE_CHECKING:
     from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
@@ -56,76 +53,89 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUTarget", "NATIVE_EXTEND_GEMM_ROWS"]
+__all__ = ["CPUTarget", "GGUFBlocks"]
 
 
-# a filled native state extended by more rows than this (a later prefill chunk) goes through
-# transformers' forward (GEMMs) over the state's buffer; fewer: the native step, 16 rows a call
-NATIVE_EXTEND_GEMM_ROWS = 64
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A model's linear weights in the GGUF file's own block formats, matched to the
+    model's float32 weights exactly (:func:`ragspec.backend.cpu.build.read_gguf_blocks`).
 
+    Attributes:
+        kernel: the compiled ``quant_linear`` kernel that computes a linear from blocks.
+        weights: a float32 weight's ``data_ptr()`` -> its blocks (in the kernel's fast
+            formats for ``numerics="fast"``: :meth:`~ragspec.backend.cpu.quant.GGUFWeight.to_fast`).
+        numerics: ``"exact"`` (the same values bit for bit as the float32 kernel) or
+            ``"fast"`` (int8 activations in the Q4_1/Q8_0 linears).
+    """
 
-def _buffer_cache(buffer: torch.Tensor, length: int):
-    """A transformers ``DynamicCache`` over a native KV buffer ``[L, 2, H_kv, C, d]``
-    (:class:`~ragspec.backend.cpu.native.NativeKVState`) holding ``length`` positions: each
-    layer's ``update`` writes the new keys/values into the buffer at their positions and
-    returns views ``[1, H_kv, T, d]`` of it, so transformers' forward extends a native state
-    in place (no copy of the cached entries). The caller makes room first (``reserve``)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    class _BufferLayer(DynamicLayer):
-        keys: torch.Tensor  # views of the buffer from __init__ on (never None)
-        values: torch.Tensor
-
-        def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
-            super().__init__()
-            self._kbuf, self._vbuf = kbuf, vbuf  # [H_kv, C, d] each
-            self.device, self.dtype = kbuf.device, torch.float32
-            self.keys, self.values = self._view(length)
-            self.is_initialized = True
-
-        def _view(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            # a float16 buffer (fast numerics) is read widened to float32, as the native
-            # step reads it: the forward attends to the rounded keys/values, new ones too
-            k, v = self._kbuf[None, :, :n], self._vbuf[None, :, :n]
-            return (k, v) if k.dtype == torch.float32 else (k.float(), v.float())
-
-        def get_seq_length(self) -> int:
-            return int(self.keys.shape[-2])
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            past, q = int(self.keys.shape[-2]), int(key_states.shape[-2])
-            if past + q > self._kbuf.shape[-2]:
-                raise RuntimeError("native KV buffer too small for the new entries")
-            self._kbuf[:, past : past + q] = key_states[0]
-            self._vbuf[:, past : past + q] = value_states[0]
-            self.keys, self.values = self._view(past + q)
-            return self.keys, self.values
-
-    cache = DynamicCache()
-    cache.layers = [_BufferLayer(buffer[i, 0], buffer[i, 1]) for i in range(int(buffer.shape[0]))]
-    return cache
+    kernel: "QuantLinear"
+    weights: Mapping[int, "GGUFWeight"]
+    numerics: str = "exact"
 
 
 class CPUTarget(HFTarget):
-    """The transformers target with ragspec's CPU speed-ups (see the module docstring),
-    installed by :meth:`speed_up` (or one by one: :meth:`use_gguf_weights`,
-    :meth:`prepack_linears`, :meth:`route_gqa_attention`, :meth:`use_attention_kernel`,
-    :meth:`use_native_step`); without them, the output layer's pre-packed weight only.
+    """The transformers target with ragspec's CPU kernels in its own forwards (see the
+    module docstring), built with its speed-ups; without any, the output layer's
+    pre-packed weight only.
 
     Args:
-        model: a loaded ``PreTrainedModel`` for causal LM on the CPU (eval mode).
+        model: a loaded ``PreTrainedModel`` for causal LM on the CPU (eval mode). Its
+            linear layers' ``forward`` (``pack_linears``) and its attention implementation
+            (``route_attention``) are modified in place.
+        pack_linears: route the decoder's few-row linear layers through faster kernels than
+            MKL's. Verification runs every linear layer on 2-17 rows; for such shapes MKL's
+            sgemm re-packs the weight on every call, so a 4-8-row forward costs ~1.5x a
+            one-row one. Each ``nn.Linear`` of the decoder then computes inputs of 2-64 rows
+            with a weight packed once for oneDNN (2-core CPU, 2 threads, 512 tokens of
+            context: 8 new tokens 124 -> 87 ms), and float32 inputs of more than
+            ``PACKED_MAX_ROWS`` rows (prefill chunks) too (prefill of the default model
+            12-15% faster; a 256-token chunk within ~4% of a whole prompt's cost per token).
+            Only inside this object's own forwards; one extra copy of the decoder's linear
+            weights; a no-op without oneDNN or for other dtypes than float32 and bfloat16.
+        skinny: the compiled few-row kernel
+            (:func:`ragspec.backend.cpu.kernels.load_skinny_linear`; float32 models only,
+            implies ``pack_linears``): inputs of 1-16 rows, plain decoding included, and the
+            output layer go through it (decoder linears for one row 36-47 -> 25 ms, for 8
+            rows 49 -> 36 ms). It computes each row on its own, so several requests' rows
+            verify in one forward (:attr:`batches`).
+        attention_kernel: the compiled few-query attention
+            (:func:`ragspec.backend.cpu.kernels.load_few_query_attention`) for ragspec's own
+            decoding and verification forwards (at most ``SKINNY_MAX_ROWS`` new tokens,
+            float32; needs ``route_attention``): it splits the cached keys in blocks over the
+            threads where torch's CPU SDPA splits only heads and query blocks (per layer at
+            790 cached tokens on the 2-core CPU, 1 query 0.13 -> 0.05 ms, 4 queries 0.31 ->
+            0.16 ms). Prefill and ``model.generate`` keep torch's.
+        gguf: the weights in the GGUF file's blocks (with ``skinny``): the same output bit
+            for bit as the float32 kernel, a fifth of the bytes streamed per step (default
+            model, 2-core CPU: decoder linears for one row 22-25 -> 14 ms, the output layer
+            5.3 -> 2.9 ms); ``gguf.numerics`` is this target's :attr:`numerics`.
+        route_attention: as :class:`~ragspec.backend.hf.HFTarget`'s.
+        native_step_off: why this target is not the fused C++ step's (the builder's words,
+            reported by ``ragspec doctor``).
+        min_logit_rows: as :class:`~ragspec.backend.hf.HFTarget`'s.
         pack_lm_head: multi-row output layer through a pre-packed oneDNN weight (default:
             on for fp32/bf16 where oneDNN packs them; see :meth:`_packed_lm_head`).
-        min_logit_rows: as :class:`~ragspec.backend.hf.HFTarget`'s.
 
     Raises:
         ConfigError: the model is not on the CPU (:func:`ragspec.loading.select_target`
             picks the backend for a device).
     """
 
-    def __init__(self, model: torch.nn.Module, *, min_logit_rows: int = 4, pack_lm_head: Optional[bool] = None) -> None:
-        super().__init__(model, min_logit_rows=min_logit_rows)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pack_linears: bool = False,
+        skinny: Optional["SkinnyLinear"] = None,
+        attention_kernel: Optional["FewQueryAttention"] = None,
+        gguf: Optional[GGUFBlocks] = None,
+        route_attention: bool = False,
+        native_step_off: str = "built without the CPU speed-ups",
+        min_logit_rows: int = 4,
+        pack_lm_head: Optional[bool] = None,
+    ) -> None:
+        super().__init__(model, route_attention=route_attention, min_logit_rows=min_logit_rows)
         if self.device.type != "cpu":
             raise ConfigError(f"CPUTarget runs models on the CPU, this one is on {self.device} (use HFTarget)")
         if pack_lm_head is None:
@@ -133,35 +143,89 @@ class CPUTarget(HFTarget):
         self.pack_lm_head = bool(pack_lm_head)
         self._packed: Optional[torch.Tensor] = None
         self._packed_bias: Optional[torch.Tensor] = None
-        self.packed_linears = 0
-        self._gguf: dict[int, GGUFLinear] = {}  # weight data_ptr -> GGUF-block twin, see use_gguf_weights
-        self._gguf_weights: dict[int, "GGUFWeight"] = {}  # the same twins' blocks (for the native step)
-        self._native: Optional[NativeDecoder] = None  # the fused decoder step, see use_native_step
-        self._native_off: Optional[str] = "the CPU speed-ups are not installed (speed_up)"  # see native_step_off
-        self.numerics = "exact"  # "fast": GGUF-block linears with int8 activations, see use_gguf_weights
-        # prompts of more tokens than this on an empty state prefill through transformers'
-        # forward (multi-row GEMMs: 700 tokens of the default model in ~0.8 s on the 2-core
-        # CPU, natively in chunks of 16 ~1.5 s), shorter ones and extensions of a filled
-        # state natively in chunks; 0: every first prefill through transformers' forward
-        # (its linears on the pre-packed weights, see prepack_linears)
-        self.native_prefill_rows = 0
-        self._skinny: Optional["SkinnyLinear"] = None  # compiled few-row kernel, see prepack_linears
-        self._attention_kernel: Optional["FewQueryAttention"] = None  # see use_attention_kernel
-        self._attention: Optional[AttentionKernel] = None  # the same, as the attention function takes it
+        self.native_step_off = native_step_off
         self._scope = KernelScope()  # fast linear kernels apply inside our own forwards only
+        # the GGUF-block twins (float32 models only): weight data_ptr -> bound kernel / blocks
+        twins = gguf if gguf is not None and self.dtype == torch.float32 else None
+        self._gguf_weights: dict[int, "GGUFWeight"] = dict(twins.weights) if twins is not None else {}
+        self._gguf: dict[int, GGUFLinear] = (
+            {ptr: bind_gguf_linear(twins.kernel, q) for ptr, q in twins.weights.items()} if twins is not None else {}
+        )
+        self.numerics = twins.numerics if twins is not None else "exact"
+        self._skinny: Optional["SkinnyLinear"] = None
+        self.packed_linears = self._pack_linears(skinny) if pack_linears or skinny is not None else 0
+        self._attention_kernel = attention_kernel
+        self._extras: dict[str, Any] = (
+            {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel)}
+            if attention_kernel is not None and self._attn_impl == GQA_SDPA
+            else {}
+        )
+        self._batches = self._batch_exact()
 
-    # ------------------------------------------------------------------ state
-    def new_state(self) -> Union[KVState, NativeKVState]:  # type: ignore[override]
-        """A fresh, empty KV cache for one request (a :class:`NativeKVState` once
-        :meth:`use_native_step` is on)."""
-        if self._native is not None:
-            return self._native.new_state()
-        return super().new_state()
+    def _pack_linears(self, skinny: Optional["SkinnyLinear"]) -> int:
+        """The decoder's linears through the packed weights / ``skinny`` (see ``pack_linears``);
+        returns the number of layers routed."""
+        if not can_pack(self.device, self.dtype):
+            return 0
+        self._skinny = skinny if self.dtype == torch.float32 else None
+        gguf = self._gguf if self._skinny else None
+        # --numerics fast: prefill rows through the int8 twins too (each row alone)
+        many = {ptr: f for ptr, f in (gguf or {}).items() if self._gguf_weights[ptr].fast}
+        n = pack_linear_forwards(
+            self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope, gguf=gguf, prefill_gguf=many or None
+        )
+        logger.debug(
+            "routed %d decoder linear layers through %s",
+            n,
+            "the compiled few-row kernel" if self._skinny is not None else "pre-packed oneDNN weights",
+        )
+        return n
+
+    def _batch_exact(self) -> bool:
+        """Whether several requests' rows verify in one forward (:attr:`batches`)."""
+        if self._skinny is None or self._attn_impl != GQA_SDPA:
+            return False
+        cfg = getattr(self._decoder, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in BATCHED_MODEL_TYPES:
+            return False
+        if getattr(cfg, "use_bidirectional_attention", False):
+            return False
+        heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+        hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+        head_dim = int(getattr(cfg, "head_dim", 0) or (hidden // heads if heads else 0))
+        inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+        if not (head_dim and hidden and inter) or head_dim % 32 or hidden % 32 or inter % 32:
+            return False
+        w = self._lm_head.weight
+        return w.dtype == torch.float32 and w.is_contiguous()
+
+    # ------------------------------------------------------------------ what it was built with
+    @property
+    def skinny(self) -> Optional["SkinnyLinear"]:
+        """The compiled few-row linear kernel this model's forwards use, or None."""
+        return self._skinny
+
+    @property
+    def attention_kernel(self) -> Optional["FewQueryAttention"]:
+        """The compiled few-query attention it was built with, or None."""
+        return self._attention_kernel
+
+    @property
+    def gguf_weights(self) -> int:
+        """How many linear weights ragspec's forwards read from GGUF blocks."""
+        return len(self._gguf) if self._skinny is not None else 0
+
+    @property
+    def gguf_blocks(self) -> Mapping[int, "GGUFWeight"]:
+        """The GGUF-block twins: a float32 weight's ``data_ptr()`` -> its blocks (empty
+        without)."""
+        return self._gguf_weights
 
     # ------------------------------------------------------------------ capabilities
     def capability(self, name: str) -> Any:
-        """:class:`~ragspec.backend.hf.HFTarget`'s capabilities and, once :meth:`speed_up`
-        routed this model's linears, its fast few-row linear kernels (``FAST_LINEAR``)."""
+        """:class:`~ragspec.backend.hf.HFTarget`'s capabilities, what it was built with
+        (``SPEED_UPS``) and, where its linears are routed, its fast few-row linear kernels
+        (``FAST_LINEAR``)."""
         if name == Capability.FAST_LINEAR:
             if not self.packed_linears:
                 return None
@@ -169,34 +233,16 @@ class CPUTarget(HFTarget):
                 route=self._route_linears,
                 linear=self._fast_linear,
                 attention=register_gqa_attention(),
-                layer_step=self._layer_step if self._native is not None else None,
                 int8_linear=self._int8_linear,
             )
+        if name == Capability.SPEED_UPS:
+            return SpeedUps(
+                compiled_kernel=self._skinny is not None,
+                gguf_weights=self.gguf_weights,
+                batched_verify=self.batches,
+                native_step_off=self.native_step_off,
+            )
         return super().capability(name)
-
-    def _layer_step(
-        self, layers: Sequence[torch.nn.Module], config: Any, rotary_emb: Any, int8: bool = False
-    ) -> Optional[NativeDecoder]:
-        """A drafter's decoder layers (an EAGLE head's) through the fused C++ step this
-        model's decoding uses, no final norm, float32 KV, the weights float32 or (``int8``)
-        Q8_0 blocks; None where the step cannot run them (the reason at debug level)."""
-        if self._native is None:
-            return None
-        blocks = None
-        if int8:
-            from .native import _linear_modules
-            from .quant import quantize_q8_0
-
-            blocks = {}
-            for layer in layers:
-                for m in _linear_modules(layer).values():
-                    if int(m.weight.shape[1]) % 32 == 0:
-                        blocks[m.weight.data_ptr()] = quantize_q8_0(m.weight)
-        try:
-            return NativeDecoder.for_layers(type(self._native.step), layers, config, rotary_emb, gguf=blocks)
-        except ValueError as e:
-            logger.debug("drafter layers stay on transformers' forward: %s", e)
-            return None
 
     def _int8_linear(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -231,125 +277,7 @@ class CPUTarget(HFTarget):
     ) -> Optional[torch.Tensor]:
         return skinny_linear(self._skinny, x, weight, bias)
 
-    # ------------------------------------------------------------------ speed-ups
-    def speed_up(
-        self,
-        cpu_kernels: Optional[bool] = None,
-        cache: Optional[Union[str, os.PathLike]] = None,
-        gguf: Optional[Union[str, os.PathLike]] = None,
-        numerics: str = "exact",
-    ) -> None:
-        """Make this model's own forwards fast (the model is ragspec's from here on): few-row
-        linear layers (decoding, verification) through the compiled kernel or pre-packed
-        weights, grouped-query attention without key/value head copies, and on CPU the
-        compiled few-query attention.
-
-        With the compiled kernels on a Llama-architecture model, decoding and verification
-        run every decoder layer in one C++ call (:meth:`use_native_step`), unless
-        ``RAGSPEC_NATIVE_STEP=0``.
-
-        Args:
-            cpu_kernels: route few-row linears and attention through ragspec's compiled CPU
-                kernels (:mod:`ragspec.backend.cpu.kernels`: built on first use, ~45 s, then
-                cached); None: on unless ``RAGSPEC_CPU_KERNELS=0``; where they cannot be
-                built, torch's kernels are used. Only with float32 weights.
-            cache: ragspec's cache folder (default: ``$RAGSPEC_CACHE`` or ``~/.cache/ragspec``).
-            gguf: the GGUF file the model was loaded from: with the compiled kernel, the
-                linear weights it holds exactly are read from its blocks
-                (:meth:`use_gguf_weights`; the same output bit for bit, fewer bytes per step).
-            numerics: ``"exact"`` (default: float32 arithmetic, the values above) or
-                ``"fast"`` (opt-in: the GGUF-block linears with int8 activations, see
-                :meth:`use_gguf_weights`, and the native step's KV cache in float16, see
-                :class:`~ragspec.backend.cpu.native.NativeDecoder`).
-
-        Raises:
-            ConfigError: ``numerics`` is unknown, or ``"fast"`` cannot be served here (no
-                GGUF file, no compiled kernel, a CPU without AVX-512 VNNI).
-        """
-        from .kernels import (
-            cpu_kernels_enabled,
-            load_decoder_step,
-            load_few_query_attention,
-            load_quant_linear,
-            load_skinny_linear,
-        )
-
-        cache_dir = Path(cache) if cache else None
-        skinny = None
-        wanted = cpu_kernels if cpu_kernels is not None else cpu_kernels_enabled()
-        if self.dtype == torch.float32 and wanted:
-            skinny = load_skinny_linear(cache_dir)
-        if numerics not in NUMERICS:
-            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-        if numerics == "fast" and (skinny is None or gguf is None):
-            raise ConfigError(
-                "--numerics fast needs a GGUF model and ragspec's compiled CPU kernels on a float32 CPU model"
-            )
-        if skinny is not None and gguf is not None:
-            self.use_gguf_weights(gguf, load_quant_linear(cache_dir), numerics=numerics)
-        self.prepack_linears(skinny)
-        self.route_gqa_attention()
-        if skinny is not None:
-            # the same compiled library: already built and imported above
-            self.use_attention_kernel(load_few_query_attention(cache_dir))
-            if native_step_enabled():
-                self.use_native_step(load_decoder_step(cache_dir))
-            else:
-                self._native_off = "switched off: RAGSPEC_NATIVE_STEP=0"
-        elif self.dtype != torch.float32:
-            self._native_off = f"needs float32 weights, the model's are {str(self.dtype).removeprefix('torch.')}"
-        elif not wanted:
-            self._native_off = "the compiled CPU kernels are switched off (RAGSPEC_CPU_KERNELS=0)"
-        else:
-            self._native_off = "the compiled CPU kernels are not available (ragspec doctor says why)"
-
-    def use_native_step(self, step_cls: Optional[type]) -> bool:
-        """Run decoding, verification and short prefills through the fused C++ decoder step
-        (:mod:`ragspec.backend.cpu.native`; ``step_cls`` from
-        :func:`ragspec.backend.cpu.kernels.load_decoder_step`, None: off again). States made
-        from here on are :class:`NativeKVState` (states made before keep transformers'
-        path). The values are those of this object's transformers forward with the compiled
-        kernels, bit for bit; where a step is ~20-25 ms (one row of the default model on the
-        2-core CPU) it saves the per-module Python of its 30 layers. Needs the compiled
-        few-row kernel in use (:meth:`prepack_linears`) and a decoder that
-        :func:`~ragspec.backend.cpu.native.native_step_unsupported` accepts; otherwise a no-op
-        (logged at debug level).
-
-        Returns:
-            whether the native step is in use.
-        """
-        if step_cls is None:
-            self._native = None
-            self._native_off = "the compiled library holds no decoder step"
-            return False
-        if self._skinny is None or self.dtype != torch.float32:
-            logger.debug("native decoder step off: needs the compiled kernel and float32 weights")
-            self._native_off = "needs the compiled few-row kernel in use and float32 weights"
-            return False
-        reason = native_step_unsupported(self._decoder)
-        if reason is not None:
-            logger.debug("native decoder step off: %s", reason)
-            self._native_off = f"the model is not one it runs: {reason}"
-            return False
-        # fast numerics keep the KV cache in float16 (as llama.cpp's default), exact float32
-        kv_dtype = torch.float16 if self.numerics == "fast" else torch.float32
-        self._native = NativeDecoder(step_cls, self._decoder, self._gguf_weights, kv_dtype=kv_dtype)
-        logger.debug("native decoder step on (%d layers)", self._native.num_layers)
-        self._native_off = None
-        return True
-
-    @property
-    def native_step(self) -> Optional[NativeDecoder]:
-        """The fused decoder step in use (:meth:`use_native_step`), or None."""
-        return self._native
-
-    @property
-    def native_step_off(self) -> Optional[str]:
-        """Why the fused decoder step is not in use (:meth:`speed_up`,
-        :meth:`use_native_step`), in words; None when it is."""
-        return None if self._native is not None else self._native_off
-
-    # ------------------------------------------------------------------ forwards
+    # ------------------------------------------------------------------ the output layer
     def _packed_lm_head(self) -> Optional[torch.Tensor]:
         """The output layer's weight re-laid out once for oneDNN (CPU only), or None.
 
@@ -360,7 +288,7 @@ class CPUTarget(HFTarget):
         decoding: 9.9 -> 5.1 ms at two threads, a plain step 56 -> 52 ms), so every step
         uses it; its logits equal the ordinary linear's up to float rounding (~1e-4), which
         can flip an argmax only between near-equal logits. Costs one extra copy of the
-        output weight.
+        output weight, made on first use.
         """
         if not self.pack_lm_head:
             return None
@@ -369,146 +297,6 @@ class CPUTarget(HFTarget):
             self._packed = pack_weight(w)
             self._packed_bias = None if getattr(self._lm_head, "bias", None) is None else self._lm_head.bias.detach()
         return self._packed
-
-    def prepack_linears(self, skinny: Optional["SkinnyLinear"] = None) -> int:
-        """Route the decoder's few-row linear layers through faster kernels than MKL's.
-
-        Verification runs every linear layer on 2-17 rows; for such shapes MKL's sgemm
-        re-packs the weight on every call, so a 4-8-row forward costs ~1.5x a one-row one on
-        a CPU. After this call each ``nn.Linear`` of the decoder computes inputs of 2-64 rows
-        with a weight packed once for oneDNN (measured on the 2-core CPU, 2 threads, 512
-        tokens of context: 8 new tokens 124 -> 87 ms). With ``skinny`` (the compiled kernel
-        from :func:`ragspec.backend.cpu.kernels.load_skinny_linear`), inputs of 1-16 rows, plain
-        decoding included, go through it instead (decoder linears for one row 36-47 -> 25
-        ms, for 8 rows 49 -> 36 ms) and so does the output layer. Float32 inputs of more
-        than ``PACKED_MAX_ROWS`` rows (prefill chunks) take the packed weight too: MKL
-        re-packs it on every call, so its cost per row grows as chunks shrink (prefill of
-        the default model 12-15% faster, and a 256-token chunk within ~4% of a whole
-        prompt's cost per token). Either way only inside
-        this object's own forwards: ``model.generate`` and other callers of the model keep
-        transformers' kernels. Values change by float32 rounding only (summation order), so
-        greedy output equals ``model.generate``'s except where two logits tie to ~1e-5.
-        Modifies the model in place (each layer's ``forward``), costs one extra copy of the
-        decoder's linear weights, and is a no-op without oneDNN or for other dtypes than
-        float32 and bfloat16.
-
-        Returns:
-            the number of linear layers routed (0 where not applicable).
-        """
-        if self.packed_linears or not can_pack(self.device, self.dtype):
-            return self.packed_linears
-        self._skinny = skinny if self.dtype == torch.float32 else None
-        gguf = self._gguf if self._skinny else None
-        # --numerics fast: prefill rows through the int8 twins too (each row alone)
-        many = {ptr: f for ptr, f in (gguf or {}).items() if self._gguf_weights[ptr].fast}
-        n = pack_linear_forwards(
-            self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope, gguf=gguf, prefill_gguf=many or None
-        )
-        self.packed_linears = n
-        logger.debug(
-            "routed %d decoder linear layers through %s",
-            n,
-            "the compiled few-row kernel" if self._skinny is not None else "pre-packed oneDNN weights",
-        )
-        return n
-
-    def use_gguf_weights(
-        self, path: "str | os.PathLike", kernel: Optional["QuantLinear"], numerics: str = "exact"
-    ) -> int:
-        """Keep the decoder's linear weights and the output layer's in the GGUF file's own
-        block formats (:mod:`ragspec.backend.cpu.quant`: Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) for
-        ragspec's few-row forwards, through the compiled ``quant_linear`` kernel: the same output bit for bit as the
-        float32 kernel, a fifth of the bytes streamed per step (default model, 2-core CPU:
-        decoder linears for one row 22-25 -> 14 ms, the output layer 5.3 -> 2.9 ms). Each
-        weight is matched to the file by content and checked for exact equality; weights
-        without an exact twin keep float32. Call before :meth:`prepack_linears`, with
-        ``path`` the GGUF the model was loaded from. Costs ~0.75-1.25 bytes of memory per
-        weight; the matches are cached beside the converted model (``<stem>.hf/``: the
-        first load ~7 s, later ones well under a second). A no-op without ``kernel``, off
-        for other dtypes than float32.
-
-        ``numerics="fast"`` (opt-in, ``--numerics fast``) keeps the Q4_1 and Q8_0 weights in
-        the kernel's fast formats (:meth:`~ragspec.backend.cpu.quant.GGUFWeight.to_fast`): their
-        linears quantize each activation row to int8 per block of 32 and sum integer dot
-        products (AVX-512 VNNI), as llama.cpp does, but every row alone, so a verification
-        forward still gives each row what a one-row step gives it (speculative == plain
-        decoding within the mode, bit for bit); its values differ from float32 by the
-        activations' rounding (~0.5% of a linear's output), so greedy output can differ from
-        transformers'. Other formats (Q6_K) keep float32 arithmetic.
-
-        Returns:
-            the number of weights served from GGUF blocks (0 where the file cannot be read:
-            a warning says why, the float32 weights serve).
-
-        Raises:
-            ConfigError: ``numerics="fast"`` on a CPU without AVX-512 VNNI (or with AVX-512
-                masked off), or where the file cannot be read.
-        """
-        if kernel is None or self.dtype != torch.float32 or self.packed_linears:
-            return len(self._gguf)
-        from ...models import converted_model_dir
-        from .quant import load_gguf_weights
-
-        weights = {
-            name: module.weight for name, module in self._decoder.named_modules() if type(module) is torch.nn.Linear
-        }
-        weights["lm_head"] = self._lm_head.weight
-        cache = converted_model_dir(Path(path)).parent / "gguf_blocks.safetensors"
-        try:
-            matched = load_gguf_weights(path, weights, cache)
-        except Exception as e:  # gguf-py raises many types on a file it cannot parse
-            if numerics == "fast":
-                raise ConfigError(f"--numerics fast: cannot read GGUF blocks from {path} ({type(e).__name__}: {e})")
-            logger.warning(
-                "cannot read GGUF blocks from %s (%s: %s); float32 weights are used", path, type(e).__name__, e
-            )
-            return 0
-        if numerics == "fast":
-            from .kernels import fast_numerics_supported
-
-            if not fast_numerics_supported():
-                raise ConfigError(
-                    "--numerics fast needs AVX-512 VNNI (and AVX-512 not masked off by RAGSPEC_CPU_ISA=avx2); "
-                    "this CPU runs --numerics exact only"
-                )
-            matched = {name: q.to_fast() for name, q in matched.items()}
-            self.numerics = "fast"
-        self._gguf = {weights[name].data_ptr(): bind_gguf_linear(kernel, q) for name, q in matched.items()}
-        self._gguf_weights = {weights[name].data_ptr(): q for name, q in matched.items()}
-        logger.debug("%d of %d linear weights served from GGUF blocks of %s", len(matched), len(weights), path)
-        return len(self._gguf)
-
-    @property
-    def gguf_weights(self) -> int:
-        """How many linear weights ragspec's forwards read from GGUF blocks
-        (:meth:`use_gguf_weights`)."""
-        return len(self._gguf) if self._skinny is not None else 0
-
-    @property
-    def skinny(self) -> Optional["SkinnyLinear"]:
-        """The compiled few-row linear kernel this model's forwards use, or None."""
-        return self._skinny
-
-    @property
-    def attention_kernel(self) -> Optional["FewQueryAttention"]:
-        """The compiled few-query attention in use (:meth:`use_attention_kernel`), or None."""
-        return self._attention_kernel
-
-    def use_attention_kernel(self, kernel: Optional["FewQueryAttention"]) -> bool:
-        """Compute the attention of ragspec's own decoding and verification forwards (at most
-        ``SKINNY_MAX_ROWS`` new tokens, float32) with the compiled few-query kernel of
-        :mod:`ragspec.backend.cpu.kernels` (None: torch's SDPA again). It splits the cached keys in
-        blocks over the threads where torch's CPU SDPA splits only heads and query blocks:
-        per layer at 790 cached tokens on the 2-core CPU, 1 query 0.13 -> 0.05 ms, 4
-        queries 0.31 -> 0.16 ms. Other calls (``model.generate``, prefill) keep torch's.
-        Needs the attention routed through ragspec's function (:meth:`route_gqa_attention`).
-
-        Returns:
-            whether the kernel is in use.
-        """
-        self._attention_kernel = kernel
-        self._attention = None if kernel is None else compiled_attention(kernel)
-        return self._attention_kernel is not None and self._attn_impl == GQA_SDPA
 
     # ------------------------------------------------------------------ hooks of HFTarget
     def _decoder_forward(self, chunked: bool = False, **kwargs: Any) -> Any:
@@ -525,18 +313,7 @@ class CPUTarget(HFTarget):
 
     def _attention_extras(self) -> dict[str, Any]:
         """The compiled few-query attention for ragspec's own forwards, where in use."""
-        if self._attention is not None and self._attn_impl == GQA_SDPA:
-            return {ATTENTION_KERNEL_KW: self._attention}
-        return {}
-
-    def _rows_independent(self) -> bool:
-        """The compiled few-row kernel computes every row on its own (csrc/linear.cpp)."""
-        return self._skinny is not None
-
-    def _batchable(self, item: VerifyItem) -> bool:
-        """At most ``SKINNY_MAX_ROWS`` rows (its solo forward then runs every linear layer
-        through the compiled kernel) and a cache of transformers' path."""
-        return item.tree.num_nodes + 1 <= SKINNY_MAX_ROWS and super()._batchable(item)
+        return self._extras
 
     def _output_rows(self, hidden: torch.Tensor, chunked: bool = False) -> torch.Tensor:
         """hidden: [R, H] -> the output layer's rows [R, V]: through the compiled kernel
@@ -561,156 +338,120 @@ class CPUTarget(HFTarget):
             return packed_linear(hidden, packed, self._packed_bias)
         return super()._output_rows(hidden, chunked)
 
-    # ------------------------------------------------------------------ the native step
-    def _prefill_hidden(self, state: Any, ids: torch.Tensor) -> torch.Tensor:
-        """ids int64 [1, T] -> hidden [T, H] (a native state: :meth:`_native_prefill`)."""
-        if isinstance(state, NativeKVState):
-            return self._native_prefill(state, ids[0])
-        return super()._prefill_hidden(state, ids)
+    # ------------------------------------------------------------------ batched verification
+    def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
+        """The verification forward of every item (see
+        :meth:`~ragspec.backend.hf.HFTarget.verify_one`; each request attends to its own KV
+        cache only).
 
-    def _native_decoder(self) -> NativeDecoder:
-        if self._native is None:
-            raise ConfigError("a native KV state needs the native decoder step (use_native_step)")
-        return self._native
+        Two or more items of at most ``SKINNY_MAX_ROWS`` rows each run as one forward over
+        their concatenated rows (a flat batch: request i's root and draft nodes at rows
+        ``bounds[i]``, each row with its own position id), the linear layers over all rows
+        at once and the attention of each request over its own cache, where that gives
+        every request exactly the output of its own forward (:attr:`batches`). Other items
+        run one after another through ``verify_one``, as does a single item.
 
-    def _native_prefill(self, state: NativeKVState, ids: torch.Tensor) -> torch.Tensor:
-        """ids int64 [T] -> hidden [T, H]. An empty state and more than
-        ``native_prefill_rows`` tokens: transformers' forward (multi-row GEMMs) into a
-        transformers cache whose entries are then copied into the state's buffer; else the
-        native step over chunks of at most ``SKINNY_MAX_ROWS`` tokens (causal). A filled state
-        and more than ``NATIVE_EXTEND_GEMM_ROWS`` tokens (a later chunk of a chunked prefill):
-        transformers' forward over a cache of views of the state's buffer
-        (:func:`_buffer_cache`), the same multi-row GEMMs as the first chunk."""
-        native = self._native_decoder()
-        t = int(ids.shape[0])
-        if state.length == 0 and t > self.native_prefill_rows:
-            tmp = KVState(cache=growable_cache(), length=0)
-            hidden = self._run(tmp, ids[None], None, None)  # [T, H]
-            native.load_cache(state, tmp.cache, tmp.length)
-            return hidden
-        if state.length > 0 and t > max(self.native_prefill_rows, NATIVE_EXTEND_GEMM_ROWS):
-            # a later chunk of a chunked prefill: transformers' forward (multi-row GEMMs, as
-            # the first chunk) writing straight into the state's buffer, not 16-row steps
-            past = state.length
-            native.reserve(state, past + t)
-            tmp = KVState(cache=_buffer_cache(state.buffer, past), length=past)
-            pos = torch.arange(past, past + t, device=ids.device)[None]
-            hidden = self._run(tmp, ids[None], pos, None)  # [T, H]
-            state.length = past + t
-            return hidden
-        parts = []
-        for a in range(0, t, SKINNY_MAX_ROWS):
-            chunk = ids[a : a + SKINNY_MAX_ROWS]
-            q = int(chunk.shape[0])
-            pos = torch.arange(state.length, state.length + q)
-            parts.append(native.forward([state], chunk, pos, [0, q], [None]))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        Returns:
+            one :class:`~ragspec.backend.base.ForwardOutput` per item, in order; each state
+            grew by its N + 1 rows.
 
-    def _native_rows(self, item: VerifyItem) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """An item's tokens int64 [N + 1], position ids int64 [N + 1] and attention mask
-        (bool [N + 1, past + N + 1] for a branching tree; None: causal)."""
-        tree, past = item.tree, item.state.length
-        n = tree.num_nodes
-        ids = torch.empty(n + 1, dtype=torch.long)
-        ids[0] = item.root_token
-        if n:
-            ids[1:] = tree.tokens
-        if n == 0 or tree.is_chain:
-            return ids, torch.arange(past, past + n + 1), None
-        mask = tree_attention_mask(tree, past)[0, 0]  # [N+1, past+N+1]
-        return ids, tree_position_ids(tree, past)[0], mask
-
-    def _native_verify(self, items: Sequence[VerifyItem]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """One native step over the rows of all ``items`` -> (hidden [R, H], each item's
-        rows ``(start, stop)``); each state grew by its rows."""
-        ids, pos, masks, bounds = [], [], [], [0]
-        for it in items:
-            i, p, m = self._native_rows(it)
-            ids.append(i)
-            pos.append(p)
-            masks.append(m)
-            bounds.append(bounds[-1] + int(i.shape[0]))
-        hidden = self._native_decoder().forward(
-            [it.state for it in items],
-            ids[0] if len(ids) == 1 else torch.cat(ids),
-            pos[0] if len(pos) == 1 else torch.cat(pos),
-            bounds,
-            masks,
-        )
-        return hidden, list(zip(bounds[:-1], bounds[1:]))
-
-    def _verify_together(self, items: Sequence[VerifyItem], outs: list[Optional[ForwardOutput]]) -> None:
-        """Items over native KV states (:meth:`use_native_step`) of at most
-        ``SKINNY_MAX_ROWS`` rows share one native step (each request attends to its own
-        buffer; the kernels compute every row on its own, so each gets exactly its solo
-        values); then transformers' batched forward for the others (:attr:`batches`)."""
-        native = [
-            i
-            for i, it in enumerate(items)
-            if isinstance(it.state, NativeKVState) and it.tree.num_nodes + 1 <= SKINNY_MAX_ROWS
+        Raises:
+            ConfigError: the same state appears in two items.
+        """
+        items = list(items)
+        outs: list[Optional[ForwardOutput]] = [None] * len(items)
+        if len(items) > 1:
+            if len({id(it.state) for it in items}) != len(items):
+                raise ConfigError("verify: the same KV state appears in two items")
+            group = [i for i, it in enumerate(items) if self._batchable(it)] if self.batches else []
+            if len(group) > 1:
+                for i, out in zip(group, self._verify_batch([items[i] for i in group])):
+                    outs[i] = out
+        return [
+            out
+            if out is not None
+            else self.verify_one(it.state, it.root_token, it.tree, return_hidden=it.hidden, lazy_logits=it.lazy_logits)
+            for it, out in zip(items, outs)
         ]
-        if len(native) > 1:
-            batch = [items[i] for i in native]
-            hidden, bounds = self._native_verify(batch)
-            for i, out in zip(native, self._batch_outputs(batch, bounds, hidden)):
-                outs[i] = out
-        super()._verify_together(items, outs)
 
-    def _verify_hidden(self, state: Any, root_token: int, tree: DraftTree) -> torch.Tensor:
-        """:meth:`verify_one`'s forward -> hidden [N + 1, H] (a native state: the native step)."""
-        if isinstance(state, NativeKVState):
-            hidden, _ = self._native_verify([VerifyItem(state, root_token, tree)])
-            return hidden
-        return super()._verify_hidden(state, root_token, tree)
+    @staticmethod
+    def _batchable(item: VerifyItem) -> bool:
+        """At most ``SKINNY_MAX_ROWS`` rows (its solo forward then runs every linear layer
+        through the compiled kernel) and a cache of this backend."""
+        return item.tree.num_nodes + 1 <= SKINNY_MAX_ROWS and is_growable_cache(getattr(item.state, "cache", None))
 
-    def commit(self, state: Any, past_len: int, accepted_nodes: Sequence[int]) -> None:
-        """As :meth:`HFTarget.commit <ragspec.backend.hf.HFTarget.commit>`, native states too."""
-        if isinstance(state, NativeKVState):
-            self._native_decoder().commit(state, past_len, accepted_nodes)
-            return
-        super().commit(state, past_len, accepted_nodes)
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`verify` runs several requests' rows in one forward.
 
-    def rollback(self, state: Any, length: int) -> None:
-        """As :meth:`HFTarget.rollback <ragspec.backend.hf.HFTarget.rollback>`, native states
-        too (only the length drops)."""
-        if isinstance(state, NativeKVState):
-            NativeDecoder.rollback(state, length)
-            return
-        super().rollback(state, length)
-
-    def export_kv(self, state: Any, start: int, stop: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`HFTarget.export_kv <ragspec.backend.hf.HFTarget.export_kv>`, native
-        states too (their buffer's dtype: float16 in fast numerics).
-
-        Raises:
-            ConfigError: the positions are not all in ``state``.
+        Only where each request's output is then bit for bit that of its own forward:
+        linear layers and output layer computing each row on its own (the compiled few-row
+        kernel, float32; BLAS may sum differently for other row counts), the attention
+        through ragspec's function (``route_attention``: each request's rows attend to its
+        own keys through the call its solo forward makes), a decoder whose forward ragspec
+        knows (Llama, Gemma-3 text: masks built as transformers builds them), and head
+        size, hidden and intermediate sizes multiples of 32 (element-wise functions such as
+        SiLU and the rotary cos/sin take ATen's vector path for every element of such rows,
+        whatever the number of rows; a scalar tail may round differently). Decided when the
+        target is built.
         """
-        if not isinstance(state, NativeKVState):
-            return super().export_kv(state, start, stop, out)
-        if not 0 <= start <= stop <= state.length:
-            raise ConfigError(f"export_kv: positions {start}..{stop} not in a state of {state.length}")
-        src = state.buffer[:, :, :, start:stop]  # [L, 2, H_kv, n, d]
-        if out is None or out.shape != src.shape or out.dtype != src.dtype or out.device != src.device:
-            out = torch.empty(tuple(src.shape), dtype=src.dtype, device=src.device)
-        out.copy_(src)
-        return out
+        return self._batches
 
-    def import_kv(self, state: Any, blocks: Sequence[torch.Tensor]) -> None:
-        """As :meth:`HFTarget.import_kv <ragspec.backend.hf.HFTarget.import_kv>`, native states too.
+    def _causal_masks(self, state: KVState, rows: int) -> Any:
+        """The attention mask(s) transformers' own forward builds for ``rows`` new tokens of
+        plain causal decoding over ``state`` (None where it lets SDPA mask by itself; a dict
+        per layer type for models with local layers)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        Raises:
-            ConfigError: an export of another shape or dtype than this target's cache.
-        """
-        if not isinstance(state, NativeKVState):
-            super().import_kv(state, blocks)
-            return
-        if not blocks:
-            return
-        kv = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=3)
-        past, n = state.length, int(kv.shape[3])
-        want = (*state.buffer.shape[:3], state.buffer.shape[4])
-        if (*kv.shape[:3], kv.shape[4]) != want or kv.dtype != state.buffer.dtype:
-            raise ConfigError(f"import_kv: entries of shape {tuple(kv.shape)} do not fit this model's cache")
-        self._native_decoder().reserve(state, past + n)
-        state.buffer[:, :, :, past : past + n].copy_(kv)
-        state.length = past + n
+        kwargs = dict(
+            config=self._decoder.config,
+            inputs_embeds=torch.empty((1, rows, 0), dtype=self.dtype, device=self.device),  # shape/dtype only
+            attention_mask=None,
+            cache=state.cache,
+            position_ids=(torch.arange(rows, device=self.device) + state.length)[None],
+        )
+        full = create_causal_mask(**kwargs)
+        if self._sliding_window is None:
+            return full
+        return {"full_attention": full, "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
+
+    def _verify_batch(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:
+        """One forward over the rows of all ``items`` (see :meth:`verify`)."""
+        bounds: list[tuple[int, int]] = []
+        tokens: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        masks: list[Any] = []
+        start = 0
+        for it in items:
+            tree, past = it.tree, it.state.length
+            n = tree.num_nodes
+            tokens.append(torch.tensor([it.root_token], dtype=torch.long))
+            if n:
+                tokens.append(tree.tokens.to(torch.long))
+            if n == 0 or tree.is_chain:
+                # plain causal attention: the mask transformers would build for it alone
+                positions.append(torch.arange(past, past + n + 1, device=self.device))
+                masks.append(self._causal_masks(it.state, n + 1))
+            else:
+                pos, attn = self._tree_masks(tree, past)
+                positions.append(pos[0])
+                masks.append(attn)
+            bounds.append((start, start + n + 1))
+            start += n + 1
+        ids = torch.cat(tokens).to(self.device)[None]  # [1, R]
+        pos_ids = torch.cat(positions)[None]  # [1, R]
+        layer_types = tuple(getattr(self._decoder.config, "layer_types", None) or ())
+        batch = BatchCache([it.state for it in items], bounds, masks, layer_types)
+        extra = {self._cache_kw: batch, ATTENTION_BATCH_KW: batch, **self._attention_extras()}
+        # a prepared 4-D mask stops transformers from building one over the flat batch; the
+        # attention reads each request's own mask from the batch instead
+        unused = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        attn_arg: Any = unused
+        if self._sliding_window is not None:
+            attn_arg = {"full_attention": unused, "sliding_attention": unused}
+        out = self._decoder_forward(
+            chunked=True, input_ids=ids, position_ids=pos_ids, attention_mask=attn_arg, use_cache=True, **extra
+        )
+        for it, (a, b) in zip(items, bounds):
+            it.state.length += b - a
+        return batch_outputs(items, bounds, out.last_hidden_state[0], self.logits)

@@ -20,9 +20,12 @@ the size limit (413), a body that is not JSON (415), a full queue, too many bodi
 too many requests of one client (429, with ``Retry-After``), and a model still loading (503,
 with ``Retry-After``).
 
-The engine loads in the app's lifespan, in the background, into ``app.state.engine`` (tests
-pass a ready one to :func:`create_app`). One worker thread (:class:`..scheduler.Scheduler`) owns the model and
-interleaves the requests step by step; each request's output is what it gives alone. What a
+The engine (every named datastore in it: a request names the one it drafts from) loads in
+the app's lifespan, in the background, into ``app.state.engine`` (tests pass a ready one to
+:func:`create_app`). One worker thread (:class:`..stepper.Stepper`, the stepper the LangChain
+classes use too) owns the model and interleaves the requests step by step, each a
+:class:`~ragspec.params.RequestParams` built from its body; each request's output is what
+it gives alone. What a
 request costs before any work is bounded, and none of it runs on the event loop or the
 worker (:mod:`.generation`); a client that disconnects cancels its request at any stage.
 
@@ -32,7 +35,7 @@ off) and ``/metrics`` (unless ``--public-metrics``) need ``Authorization: Bearer
 ``/health`` and ``/ready`` stay open. Each key is a tenant: its requests' caches are
 partitioned by a digest of the key (``cache_salt``), and it has its own share of the places
 (:mod:`.admission`). A request may name only the datastores the server was started with, by
-name.
+name; with keys, only the ``--admin-key`` keys may add documents to them (:mod:`.datastores`).
 
 The modules, by role:
 

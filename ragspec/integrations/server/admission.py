@@ -17,7 +17,7 @@ the API key check) before any handler runs:
    ``request_timeout`` and the connection is closed.
 
 So a client sending one byte a second holds one reading place for ``read_timeout_s`` and no
-place in the queue at all (issue 42: 40 such sockets held every place for 53 s).
+place in the queue at all (before this rule, 40 such sockets held every place for 53 s).
 Headers are read by uvicorn before the app is called: they hold no place (their size is
 bounded by uvicorn).
 """

@@ -3,10 +3,11 @@
 :func:`create_app` builds the FastAPI app: the middleware (:mod:`.middleware`), the error
 handlers (:mod:`.errors`), the routers of each API surface (:mod:`.openai`,
 :mod:`.summarize`, :mod:`.datastores`, :mod:`.ops`) and the request bodies in the OpenAPI schema
-(:mod:`.openapi`). Its lifespan loads what is served (:mod:`ragspec.serving`; tests and the
-CLI pass a ready engine), starts the worker (:class:`..scheduler.Scheduler`) and the
-prepare pool, and puts them on ``app.state`` (:class:`.state.ServerState`); at shutdown it
-stops them and saves the response cache to ``response_log``.
+(:mod:`.openapi`). Its lifespan loads what is served (:mod:`ragspec.serving`: one engine
+with every named datastore and the response cache; tests pass a ready engine), starts the
+worker (:class:`..stepper.Stepper`) and the prepare pool, and puts them on ``app.state``
+(:class:`.state.ServerState`); at shutdown it stops them and saves the response cache to
+``response_log``.
 
 Readiness: when the lifespan loads the model itself, it does so in a background task and
 the app serves at once: ``/health`` (liveness) answers 200 from the first moment, ``/ready``
@@ -31,14 +32,15 @@ from fastapi import APIRouter, FastAPI
 
 from ragspec import serving
 from ragspec.backend.threads import release_openmp_pool
+from ragspec.deprecation import warn_deprecated
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.engine import Engine
-from ragspec.loading import with_response_cache
+from ragspec.loading import open_datastores
 from ragspec.types import StreamChunk
 
 from ..metrics import ServerMetrics
-from ..scheduler import Job, Scheduler
 from ..settings import ServerSettings
+from ..stepper import Job, Stepper
 from . import datastores, openai, ops, summarize
 from .admission import Admission
 from .errors import install_error_handlers
@@ -53,8 +55,8 @@ _UNSET: Any = object()
 T = TypeVar("T")
 
 
-def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
-    """The worker, its hooks feeding ``metrics``."""
+def _scheduler(engine: Engine, settings: ServerSettings, metrics: ServerMetrics) -> Stepper:
+    """The worker stepping ``engine``, its hooks feeding ``metrics``."""
 
     def on_finish(job: Job, chunk: StreamChunk) -> None:
         if chunk.finish_reason == "cancelled":
@@ -62,7 +64,8 @@ def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
         if chunk.stats is not None:
             metrics.observe_generation(chunk.stats)
 
-    return Scheduler(
+    return Stepper(
+        engine,
         max_active=settings.max_active,
         max_queue=settings.max_queue,
         on_finish=on_finish,
@@ -70,7 +73,26 @@ def _scheduler(settings: ServerSettings, metrics: ServerMetrics) -> Scheduler:
         max_step_tokens=settings.max_step_tokens,
         on_step=metrics.observe_step,
         on_activate=lambda job: metrics.queue_time.observe(job.activated_s - job.submitted_s),
+        thread_name="ragspec-worker",
     )
+
+
+def _ready_engine(
+    engine: Engine,
+    datastores: tuple[tuple[str, str], ...],
+    variants: Optional[dict[str, Engine]],
+    response_cache: Optional[ResponseCache],
+) -> Engine:
+    """A ready ``engine`` as served: with the named ``datastores`` opened (none when it has
+    its own), the deprecated ``variants``' datastores, and ``response_cache``
+    (:func:`ragspec.serving.serve_engine`)."""
+    if variants:
+        named = {name: e.datastore for name, e in variants.items() if e.datastore is not None}
+    elif engine.datastores or not datastores:
+        named = dict(engine.datastores)
+    else:
+        named = open_datastores(datastores, engine.tokenizer)
+    return serving.serve_engine(engine, named, response_cache)
 
 
 def _metrics(app: FastAPI) -> ServerMetrics:
@@ -133,53 +155,49 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app. ``engine``: a ready :class:`ragspec.Engine` (None: the lifespan loads
     ``settings.model``). ``settings``: None reads ``RAGSPEC_*`` environment variables.
-    ``datastore_engines``: the named datastores' engines, already built by
-    :func:`ragspec.serving.datastore_engines` (None: the lifespan builds them).
-    ``response_cache``: the cache of the server's own responses, already built by
-    :func:`ragspec.serving.open_response_cache` (None: none; unset: the lifespan builds it
-    from the settings when it loads the engine itself, and a ready ``engine`` is served as
-    given). Without ``engine`` the model loads in the background while the app already
+    A ready ``engine`` is served with its own datastores, or else those the settings name
+    (opened by the lifespan). ``datastore_engines`` (deprecated: one engine serves every
+    datastore) adds the named datastores of engines built by
+    :func:`ragspec.serving.datastore_engines`. ``response_cache``: the cache of the
+    server's own responses, already built by :func:`ragspec.serving.open_response_cache`
+    (None: none; unset: the lifespan builds it from the settings when it loads the engine
+    itself, and a ready ``engine`` is served with its own). Without ``engine`` the model
+    loads in the background while the app already
     serves (``/health`` 200, ``/ready`` and the API 503); ``on_loaded(error)`` is called
     when that load ends (``error``: None, or what it raised; logged here only without
     ``on_loaded``)."""
     settings = settings if settings is not None else ServerSettings.from_env()
+    if datastore_engines is not None:
+        warn_deprecated(
+            "create_app(datastore_engines=...)",
+            "an engine with its datastores (ragspec.serving.serve_engine), or the datastores in the settings",
+        )
 
     async def load(app: FastAPI) -> Optional[ResponseCache]:
         """Load what is served and start the worker; ``app.state.ready`` once done."""
         config = settings.serving_config()
-        eng = engine
-        if eng is None:
+        if engine is None:
             logger.info("loading model %s", settings.model or "(default)")
             eng = await _in_daemon_thread(serving.load_serving_engine, config)
-        variants = datastore_engines
-        if variants is None:
-            variants = await _in_daemon_thread(serving.datastore_engines, eng, config.datastores)
-        cache = response_cache
-        if cache is _UNSET:
-            cache = None
-            if engine is None:
-                tokens, log = config.response_cache_tokens, config.response_log
-                cache = await _in_daemon_thread(serving.open_response_cache, eng, tokens, log)
-        if cache is not None:
-            eng = with_response_cache(eng, cache)
-            variants = {name: with_response_cache(e, cache) for name, e in variants.items()}
-        app.state.response_cache = cache
-        scheduler = _scheduler(settings, metrics)
+        else:
+            cache = engine.parts.response_cache if response_cache is _UNSET else response_cache
+            eng = await _in_daemon_thread(_ready_engine, engine, config.datastores, datastore_engines, cache)
+        app.state.response_cache = eng.parts.response_cache
+        scheduler = _scheduler(eng, settings, metrics)
         scheduler.start()
         # the worker computes from here on: a pool this thread holds (a model handed over,
         # loaded or warmed up here) would slow its every step (ragspec.backend.threads)
         release_openmp_pool()
         pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")
         app.state.engine = eng
-        app.state.engines = variants
         app.state.scheduler = scheduler
         app.state.prepare_pool = pool
-        app.state.limits = settings.limits(getattr(eng.target, "max_length", None))
+        app.state.limits = settings.limits(eng.target.max_length)
         app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
         app.state.started = int(time.time())
         logger.info("request limits: %s", app.state.limits)
         app.state.ready = True
-        return cache
+        return app.state.response_cache
 
     async def load_in_background(app: FastAPI) -> Optional[ResponseCache]:
         try:
@@ -220,6 +238,8 @@ def create_app(
             pool = getattr(app.state, "prepare_pool", None)
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+            for writer in list(app.state.datastore_writers.values()):
+                await asyncio.to_thread(writer.close)  # a merge running is abandoned
             if cache is not None and settings.response_log and app.state.ready:
                 await _save_response_cache(cache, settings.response_log)
 
@@ -227,6 +247,7 @@ def create_app(
     app = FastAPI(title="ragspec", version="0.1.0", lifespan=lifespan, **docs)  # type: ignore[arg-type]
     app.state.settings = settings
     app.state.datastore_lock = threading.Lock()
+    app.state.datastore_writers = {}
     metrics = _metrics(app)
     app.state.metrics = metrics
     # the last added runs first: count, check the key, then admit (limits, read deadline)

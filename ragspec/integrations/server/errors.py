@@ -15,7 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragspec.errors import CapacityError, PromptTooLongError, RagspecError
+from ragspec.errors import (
+    CapacityError,
+    DatastoreNotFoundError,
+    IsolationError,
+    PromptTooLongError,
+    RagspecError,
+    UnsupportedParameterError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +66,20 @@ class ClientGone(Exception):
 
 def api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
     """The API error a generation failure becomes: 400 for a prompt too long
-    (``context_length_exceeded``) and for typed ragspec, value and type errors, 429 with
-    ``Retry-After: retry_after_s`` for a full queue, 500 (logged) for anything else."""
+    (``context_length_exceeded``), a parameter ragspec does not implement
+    (``unsupported_parameter``, naming it), an unknown datastore (``datastore_not_found``)
+    and for typed ragspec, value and type errors, 429 with ``Retry-After: retry_after_s``
+    for a full queue, 500 (logged) for a drafter that does not declare its tenant isolation
+    (the server's configuration, not the request) and anything else."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, UnsupportedParameterError):
+        return APIError(400, str(exc), param=exc.param, code="unsupported_parameter")
+    if isinstance(exc, DatastoreNotFoundError):
+        return APIError(400, str(exc), param="datastore", code="datastore_not_found")
+    if isinstance(exc, IsolationError):
+        logger.error("refused a salted request: %s", exc)
+        return APIError(500, f"this server cannot isolate tenants: {exc}", type="server_error")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded", param="max_tokens")
     if isinstance(exc, CapacityError):

@@ -12,7 +12,8 @@ the worker:
    holds no place in the queue;
 3. the prompt is prepared in the same pool (:mod:`.prepare`: sizes checked, then
    tokenized);
-4. the job goes to the worker (:class:`..scheduler.Scheduler`) with token ids only.
+4. the job goes to the worker (:class:`..stepper.Stepper`) with token ids and its
+   :class:`~ragspec.params.RequestParams` only: ``engine.start(prepared, params)``.
 
 A client that disconnects cancels its request at any stage: the disconnect watcher
 (:func:`.middleware.watch_disconnect`) sees ``http.disconnect`` as it happens; a request
@@ -31,16 +32,16 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from ragspec.engine import Engine
 from ragspec.engine import Request as EngineRequest
 from ragspec.errors import CapacityError
+from ragspec.params import RequestParams
+from ragspec.prompts import PreparedPrompt
 from ragspec.types import StreamChunk
 
-from ..scheduler import CHUNK, ERROR, GONE, Job, Ticket
+from ..stepper import CHUNK, ERROR, GONE, AsyncOutbox, Job, Ticket
 from .admission import cache_salt
 from .errors import ClientGone, api_error
 from .middleware import read_body, watch_disconnect
-from .prepare import Prepared
 from .state import ServerState
 from .validation import validate_body
 
@@ -70,6 +71,7 @@ class Generation:
         self.settings = state.settings
         self.metrics = state.metrics
         self.limits = state.limits
+        self.engine = state.engine
         self._pool = state.prepare_pool
         self._scheduler = state.scheduler
         self.t0 = time.perf_counter()
@@ -103,22 +105,27 @@ class Generation:
             raise api_error(e, self.settings.retry_after_s) from None
         return body
 
-    async def start(self, engine: Engine, prepare: Callable[[threading.Event], Prepared], kwargs: dict) -> None:
-        """Prepare the token ids off the event loop (``prepare(cancel)``), submit the job,
-        wait until the worker accepted it; raise the request's error if it did not.
+    def cache_salt(self, asked: Optional[str]) -> str:
+        """The request's cache salt: the one its body ``asked`` for, within its API key's
+        partition when the server has keys (:func:`.admission.cache_salt`)."""
+        return cache_salt(self.request.scope, bool(self.settings.api_keys), asked)
+
+    async def start(self, prepare: Callable[[threading.Event], PreparedPrompt], params: RequestParams) -> None:
+        """Prepare the token ids off the event loop (``prepare(cancel)``), submit the job
+        (``engine.start(prepared, params)`` in the worker), wait until the worker accepted
+        it; raise the request's error if it did not.
 
         Raises:
             APIError: the request is invalid (400), the queue is full (429).
             ClientGone: the client left.
         """
-        prepared: Prepared = await self._off_loop(prepare, self._cancel)
-        kw = {k: v for k, v in kwargs.items() if k != "documents"}
-        kw["cache_salt"] = cache_salt(self.request.scope, bool(self.settings.api_keys), kwargs.get("cache_salt"))
+        prepared: PreparedPrompt = await self._off_loop(prepare, self._cancel)
+        engine = self.engine
 
-        def make_request() -> tuple[Engine, EngineRequest]:
-            return engine, engine.request(prepared.prompt_ids, chat=False, document_ids=prepared.document_ids, **kw)
+        def make_request() -> EngineRequest:
+            return engine.start(prepared, params)
 
-        self.job = self._scheduler.submit(make_request, ticket=self._ticket)
+        self.job = self._scheduler.submit(make_request, AsyncOutbox(), ticket=self._ticket)
         kind, value = await self._next()
         if kind == ERROR:
             self._done = True
@@ -192,7 +199,7 @@ class Generation:
         self._cancel.set()
         if self.job is not None and not self._done:
             self.job.cancel()  # the worker drops it before its next step
-            self.job.queue.put_nowait((GONE, None))  # wakes the handler now
+            self.job.outbox.queue.put_nowait((GONE, None))  # wakes the handler now
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the prepare pool; raise :class:`ClientGone` as soon as the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 from typing import Any, Callable, Sequence, Union
 
 from starlette.requests import Request
@@ -21,12 +22,44 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..metrics import ServerMetrics
 from .errors import APIError, ClientGone
 
-__all__ = ["CountRequests", "RequireApiKey", "ENDPOINTS", "DOC_PATHS", "is_json", "read_body", "watch_disconnect"]
+__all__ = [
+    "CountRequests",
+    "RequireApiKey",
+    "ENDPOINTS",
+    "endpoint_label",
+    "DOC_PATHS",
+    "is_json",
+    "read_body",
+    "watch_disconnect",
+]
 
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """The API docs' paths: behind the API key when one is set."""
-ENDPOINTS = ("/v1/summarize", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health", "/ready")
-"""The endpoints counted by name in ``ragspec_requests_total`` (any other path: "other")."""
+ENDPOINTS = (
+    "/v1/summarize",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/datastores",
+    "/v1/datastores/{name}/documents",
+    "/metrics",
+    "/health",
+    "/ready",
+)
+"""The endpoints counted by name in ``ragspec_requests_total``, a path with a parameter by
+its template (any other path: "other"; see :func:`endpoint_label`)."""
+_DATASTORE_DOCUMENTS = re.compile(r"^/v1/datastores/[^/]+/documents$")
+
+
+def endpoint_label(path: str) -> str:
+    """The ``endpoint`` label of a request to ``path``: the path of a fixed endpoint, the
+    template of one with a parameter (``/v1/datastores/{name}/documents``: one label for
+    every datastore, so the label's values stay few), else ``"other"``."""
+    if path in ENDPOINTS:
+        return path
+    if _DATASTORE_DOCUMENTS.match(path):
+        return "/v1/datastores/{name}/documents"
+    return "other"
 
 
 class CountRequests:
@@ -52,8 +85,7 @@ class CountRequests:
             await self.app(scope, receive, send_status)
         finally:
             path = scope.get("path", "")
-            endpoint = path if path in ENDPOINTS else "other"
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
+            self.metrics.requests.labels(endpoint=endpoint_label(path), status=str(status[0])).inc()
 
 
 class RequireApiKey:

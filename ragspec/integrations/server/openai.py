@@ -3,8 +3,10 @@
 
 Each handler is a module-level function on :data:`router` (mounted under ``/v1`` by
 :func:`.app.create_app`): it admits and reads the request (:class:`.generation.Generation`),
-checks the model and the datastore it names, prepares its token ids off the event loop
-(:mod:`.prepare`), and answers from the chunks the worker's ``Engine.step`` produces.
+checks the model and the datastore it names, builds its
+:class:`~ragspec.params.RequestParams` (:func:`.prepare.request_params`), prepares its token
+ids off the event loop (:mod:`.prepare`), and answers from the chunks the worker's
+``Engine.step`` produces.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from ragspec.types import StreamChunk
 from ..schemas import ChatCompletionRequest, CompletionRequest
 from .errors import APIError
 from .generation import Generation
-from .prepare import engine_kwargs, prepare_chat, prepare_completion
+from .prepare import prepare_chat, prepare_completion, request_params
 from .responses import collect_and_close, finish_reason, stats_dict, stream_events, usage
-from .state import ServerState, check_model, pick_engine, server_state
+from .state import ServerState, check_datastore, check_model, server_state
 
 __all__ = ["router", "models", "completions", "chat_completions", "COMPLETIONS_DEFAULT_MAX_TOKENS"]
 
@@ -50,7 +52,7 @@ async def models(state: State) -> dict:
                 "object": "model",
                 "created": state.started,
                 "owned_by": "ragspec",
-                "datastores": sorted(state.engines),
+                "datastores": sorted(state.engine.datastores),
                 # the default for requests that do not set "speculative"
                 "drafting": state.engine.drafting if state.settings.speculative else "off",
             }
@@ -82,11 +84,11 @@ async def completions(request: Request, state: State) -> Union[dict, StreamingRe
     with gen.closing_on_error():
         body = await gen.read(CompletionRequest)
         check_model(state, body.model)
-        kwargs = engine_kwargs(body, COMPLETIONS_DEFAULT_MAX_TOKENS, state.settings)
-        engine = pick_engine(state, body.datastore)
+        params = request_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, state.settings, gen.cache_salt(body.cache_salt))
+        check_datastore(state, body.datastore)
         prompt = _completion_prompt(body.prompt)
-        limits = gen.limits
-        await gen.start(engine, lambda cancel: prepare_completion(engine, prompt, kwargs, limits, cancel), kwargs)
+        engine, limits = state.engine, gen.limits
+        await gen.start(lambda cancel: prepare_completion(engine, prompt, params, limits, cancel), params)
     rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
     def envelope(choices: list[dict], usage_: Optional[dict] = None) -> dict[str, Any]:
@@ -128,16 +130,18 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
     with gen.closing_on_error():
         body = await gen.read(ChatCompletionRequest)
         check_model(state, body.model)
-        kwargs = engine_kwargs(body, state.settings.default_max_tokens, state.settings)
-        engine = pick_engine(state, body.datastore)
+        params = request_params(
+            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt)
+        )
+        check_datastore(state, body.datastore)
         try:
             messages = [
                 {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
             ]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        limits = gen.limits
-        await gen.start(engine, lambda cancel: prepare_chat(engine, messages, kwargs, limits, cancel), kwargs)
+        engine, limits = state.engine, gen.limits
+        await gen.start(lambda cancel: prepare_chat(engine, messages, params, limits, cancel), params)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
     def envelope(obj: str, choices: list[dict], usage_: Optional[dict] = None) -> dict[str, Any]:

@@ -1,20 +1,24 @@
-"""A request's generation arguments and token ids, prepared before the worker sees it.
+"""A request's parameters and token ids, prepared before the worker sees it.
 
-The ``prepare_*`` functions run in the prepare pool (never on the event loop, never on the
-worker); the size checks come first, so no request costs more than its limits allow:
+:func:`request_params` is the server's builder of a request's
+:class:`~ragspec.params.RequestParams` from its body (the settings' defaults where it gives
+none). The ``prepare_*`` functions run in the prepare pool (never on the event loop, never
+on the worker); the size checks come first, so no request costs more than its limits allow:
 characters are counted against the limits (400 without tokenizing), then the texts are
-tokenized and the prompt checked against the context length. Each takes ``cancel`` (set
-when the client leaves) and stops before tokenizing once it is set.
+tokenized (:meth:`ragspec.Engine.prepare`: the request's documents laid in for the model)
+and the prompt checked against the context length. Each takes ``cancel`` (set when the
+client leaves) and stops before tokenizing once it is set.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError, PromptTooLongError
+from ragspec.params import RequestParams
+from ragspec.prompts import PreparedPrompt, grounded_text
 
 from ..schemas import ChatCompletionRequest, CompletionRequest, SummarizeRequest, unsupported
 from ..settings import RequestLimits, ServerSettings
@@ -25,7 +29,7 @@ __all__ = [
     "Prepared",
     "Cancelled",
     "build_summary_prompt",
-    "engine_kwargs",
+    "request_params",
     "prepare_completion",
     "prepare_chat",
     "prepare_summary",
@@ -36,59 +40,90 @@ SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
 AnyBody = Union[CompletionRequest, ChatCompletionRequest, SummarizeRequest]
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A request's token ids, ready for the worker."""
-
-    prompt_ids: list[int]
-    document_ids: list[list[int]]
+Prepared = PreparedPrompt
+"""A request's token ids, ready for the worker (:class:`ragspec.prompts.PreparedPrompt`)."""
 
 
 class Cancelled(Exception):
     """The client left while its request was being prepared."""
 
 
-def build_summary_prompt(documents: list[str], instruction: Optional[str] = None) -> str:
-    """The summary prompt (as ``ragspec summarize``): numbered documents, then the
-    instruction."""
-    body = "\n\n".join(f"Document {i + 1}:\n{d.strip()}" for i, d in enumerate(documents))
-    return body + "\n\n" + (instruction or SUMMARY_INSTRUCTION)
+def build_summary_prompt(documents: Sequence[str], instruction: Optional[str] = None) -> str:
+    """The summary prompt (as ``ragspec summarize``): the documents in ragspec's default
+    layout (:func:`ragspec.prompts.grounded_text`: numbered), then the instruction."""
+    return grounded_text(documents, instruction or SUMMARY_INSTRUCTION)
 
 
-def engine_kwargs(body: AnyBody, default_max_tokens: int, settings: ServerSettings) -> dict[str, Any]:
-    """The keyword arguments of :meth:`ragspec.Engine.request` a body asks for (plus
-    ``documents``: texts, tokenized by the ``prepare_*`` functions), the settings' defaults
-    where it gives none.
+def _logit_bias(value: Optional[Mapping[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias) with integer ids.
+
+    Raises:
+        APIError: 400 for a key that is not a token id.
+    """
+    if not value:
+        return None
+    try:
+        return {int(k): float(v) for k, v in value.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def _logprobs(body: AnyBody) -> tuple[bool, int]:
+    """``(logprobs, top_logprobs)`` of a body: chat's boolean and ``top_logprobs``, or
+    completions' count of top log-probabilities (0: none)."""
+    value = getattr(body, "logprobs", None)
+    top = getattr(body, "top_logprobs", None) or 0
+    if isinstance(value, bool) or value is None:
+        return bool(value), top
+    return value > 0, max(top, value)
+
+
+def request_params(
+    body: AnyBody, default_max_tokens: int, settings: ServerSettings, cache_salt: str = ""
+) -> RequestParams:
+    """The :class:`~ragspec.params.RequestParams` a body asks for, the settings' defaults
+    where it gives none; ``cache_salt``: the request's partition
+    (:func:`.admission.cache_salt`). A summary's documents are its prompt's input
+    (:func:`prepare_summary`), not grounding of another prompt.
 
     Raises:
         APIError: 400 for an OpenAI parameter ragspec does not support.
+        ConfigError: a value out of range; UnsupportedParameterError (400 with its
+            ``param``): a field the engine does not implement yet.
     """
     bad = unsupported(body)
     if bad is not None:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max_tokens
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    return dict(
+    logprobs, top_logprobs = _logprobs(body)
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.get("type") in (None, "text"):
+        response_format = None  # free text, the default
+    return RequestParams(
         max_new_tokens=max_tokens,
-        stop=stop or None,
-        documents=getattr(body, "documents", None) or None,
+        stop=body.stop or (),
+        documents=() if isinstance(body, SummarizeRequest) else (body.documents or ()),
         speculative=settings.speculative if body.speculative is None else body.speculative,
         max_draft_tokens=body.max_draft_tokens,
         temperature=settings.default_temperature if body.temperature is None else body.temperature,
         top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
-        cache_salt=body.cache_salt,
+        datastore=body.datastore,
+        cache_salt=cache_salt,
+        n=getattr(body, "n", None) or 1,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
+        frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0,
+        logit_bias=_logit_bias(getattr(body, "logit_bias", None)),
+        response_format=response_format,
     )
-
-
-def _context_of(engine: Engine) -> Optional[int]:
-    return getattr(engine.target, "max_length", None)
 
 
 def _check_chars(n: int, limit: int, what: str, param: str, engine: Engine) -> None:
     if n > limit:
-        ctx = _context_of(engine)
+        ctx = engine.target.max_length
         why = f"cannot fit the context of {ctx} tokens: " if ctx else ""
         raise APIError(
             400,
@@ -110,16 +145,8 @@ def _check_documents(documents: Optional[Sequence[str]], limits: RequestLimits) 
         )
 
 
-def _encode_documents(engine: Engine, documents: Optional[Sequence[str]], cancel: threading.Event) -> list[list[int]]:
-    if not documents:
-        return []
-    if cancel.is_set():
-        raise Cancelled()
-    return [list(ids) for ids in engine.tokenizer(list(documents), add_special_tokens=False)["input_ids"]]
-
-
 def _check_fits(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    limit = _context_of(engine)
+    limit = engine.target.max_length
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
         raise PromptTooLongError(
             f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context length of "
@@ -130,39 +157,46 @@ def _check_fits(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) 
 def prepare_completion(
     engine: Engine,
     prompt: Union[str, list[int]],
-    kwargs: dict[str, Any],
+    params: RequestParams,
     limits: RequestLimits,
     cancel: threading.Event,
-) -> Prepared:
-    """Token ids of a completion's prompt (text, or ids checked against the vocabulary).
+) -> PreparedPrompt:
+    """Token ids of a completion's prompt (text, with the request's documents laid before
+    it; or ids checked against the vocabulary) and of the drafter's documents.
 
     Raises:
-        APIError: 400 for a prompt or documents over the limits, or an id out of the
-            vocabulary.
+        APIError: 400 for a prompt or documents over the limits, an id out of the
+            vocabulary, or documents with a prompt of token ids (they cannot be laid in).
         PromptTooLongError: the prompt and ``max_new_tokens`` do not fit the context.
         Cancelled: ``cancel`` was set.
     """
-    documents = kwargs.get("documents")
     if isinstance(prompt, str):
         _check_chars(len(prompt), limits.prompt_chars, "prompt", "prompt", engine)
     else:
-        _check_fits(engine, prompt, kwargs["max_new_tokens"])  # before looking at every id
+        if params.documents:
+            raise APIError(
+                400,
+                "documents are read by the model, and a prompt of token ids cannot take them: send the prompt as text",
+                param="documents",
+            )
+        _check_fits(engine, prompt, params.max_new_tokens)  # before looking at every id
         vocab = engine.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-    _check_documents(documents, limits)
+    _check_documents(params.documents, limits)
     if cancel.is_set():
         raise Cancelled()
-    ids = engine.encode_prompt(prompt, chat=False)
-    _check_fits(engine, ids, kwargs["max_new_tokens"])
-    return Prepared(ids, _encode_documents(engine, documents, cancel))
+    prepared = engine.prepare(prompt, params, chat=False)
+    _check_fits(engine, prepared.prompt_ids, params.max_new_tokens)
+    return prepared
 
 
 def prepare_chat(
-    engine: Engine, messages: list[dict], kwargs: dict[str, Any], limits: RequestLimits, cancel: threading.Event
-) -> Prepared:
+    engine: Engine, messages: list[dict], params: RequestParams, limits: RequestLimits, cancel: threading.Event
+) -> PreparedPrompt:
     """Token ids of a chat (``messages``: ``{"role", "content"}`` dicts) through the
-    model's chat template.
+    model's chat template, the request's documents laid in (the template's documents, or
+    before the last user message: :mod:`ragspec.prompts`), and of the drafter's documents.
 
     Raises:
         APIError: 400 for messages or documents over the limits.
@@ -171,25 +205,24 @@ def prepare_chat(
         Cancelled: ``cancel`` was set.
     """
     _check_chars(sum(len(m["content"]) for m in messages), limits.prompt_chars, "messages", "messages", engine)
-    documents = kwargs.get("documents")
-    _check_documents(documents, limits)
+    _check_documents(params.documents, limits)
     if not getattr(engine.tokenizer, "chat_template", None):
         raise ConfigError("this model has no chat template: use /v1/completions")
     if cancel.is_set():
         raise Cancelled()
-    ids = engine.encode_messages(messages)
-    _check_fits(engine, ids, kwargs["max_new_tokens"])
-    return Prepared(ids, _encode_documents(engine, documents, cancel))
+    prepared = engine.prepare(messages, params)
+    _check_fits(engine, prepared.prompt_ids, params.max_new_tokens)
+    return prepared
 
 
 def prepare_summary(
     engine: Engine,
     documents: list[str],
     instruction: Optional[str],
-    kwargs: dict[str, Any],
+    params: RequestParams,
     limits: RequestLimits,
     cancel: threading.Event,
-) -> Prepared:
+) -> PreparedPrompt:
     """Token ids of the summary prompt (the documents are in it, chat-templated; see
     :func:`build_summary_prompt`).
 
@@ -202,6 +235,6 @@ def prepare_summary(
     _check_chars(total, limits.prompt_chars, "documents and instruction", "documents", engine)
     if cancel.is_set():
         raise Cancelled()
-    ids = engine.encode_prompt(build_summary_prompt(documents, instruction), chat=True)
-    _check_fits(engine, ids, kwargs["max_new_tokens"])
-    return Prepared(ids, [])
+    prepared = engine.prepare(build_summary_prompt(documents, instruction), params, chat=True)
+    _check_fits(engine, prepared.prompt_ids, params.max_new_tokens)
+    return prepared

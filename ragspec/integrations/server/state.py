@@ -12,14 +12,15 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
+from ragspec.deprecation import warn_deprecated
 from ragspec.engine import Engine
 
 from ..metrics import ServerMetrics
-from ..scheduler import Scheduler
 from ..settings import RequestLimits, ServerSettings
+from ..stepper import Stepper
 from .errors import APIError
 
-__all__ = ["ServerState", "server_state", "not_ready", "check_model", "pick_engine"]
+__all__ = ["ServerState", "server_state", "not_ready", "check_model", "check_datastore", "pick_engine"]
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,9 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     engine: Engine
-    """The served engine (with the response cache, when there is one)."""
-    engines: dict[str, Engine]
-    """One engine per named datastore (the first is the default of requests naming none)."""
-    scheduler: Scheduler
+    """The served engine: every named datastore (``engine.datastores``; a request names
+    its own), the response cache when there is one."""
+    scheduler: Stepper
     """The worker that steps every generation."""
     prepare_pool: concurrent.futures.Executor
     """Threads that parse, validate and tokenize requests."""
@@ -42,8 +42,10 @@ class ServerState:
     started: int
     """Unix time the app started (``/v1/models``' ``created``)."""
     datastore_lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held while documents are added to a served datastore and its engine replaced
-    (:mod:`.datastores`): one addition at a time."""
+    """Held while a served datastore's writer is made (:mod:`.datastores`)."""
+    datastore_writers: dict = field(default_factory=dict)
+    """The writers of the served datastores that took additions, by name
+    (:class:`ragspec.datastore.live.DatastoreWriter`; closed at shutdown)."""
 
     @classmethod
     def of(cls, app: FastAPI) -> "ServerState":
@@ -53,13 +55,13 @@ class ServerState:
             settings=s.settings,
             metrics=s.metrics,
             engine=s.engine,
-            engines=s.engines,
             scheduler=s.scheduler,
             prepare_pool=s.prepare_pool,
             limits=s.limits,
             model_name=s.model_name,
             started=s.started,
             datastore_lock=s.datastore_lock,
+            datastore_writers=s.datastore_writers,
         )
 
 
@@ -102,22 +104,33 @@ def check_model(state: ServerState, model: Optional[str]) -> None:
     )
 
 
-def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
-    """The engine of the datastore a request names (None: the first datastore's, else the
-    plain engine).
+def check_datastore(state: ServerState, datastore: Optional[str]) -> None:
+    """Accept a request's ``datastore``: none (the default), or a name the server was started
+    with.
 
     Raises:
-        APIError: 400 ``datastore_not_found`` for a name the server was not started with
-            (datastores are named, never paths).
+        APIError: 400 ``datastore_not_found`` for any other name (datastores are named, never
+            paths).
     """
-    if datastore is None:
-        return next(iter(state.engines.values())) if state.engines else state.engine
-    if datastore in state.engines:
-        return state.engines[datastore]
-    names = sorted(state.engines)
+    names = state.engine.datastores
+    if datastore is None or datastore in names:
+        return
     raise APIError(
         400,
-        f"unknown datastore {datastore!r}: this server has {names if names else 'none'} (datastores are named, never paths)",
+        f"unknown datastore {datastore!r}: this server has {sorted(names) if names else 'none'} "
+        "(datastores are named, never paths)",
         param="datastore",
         code="datastore_not_found",
     )
+
+
+def pick_engine(state: ServerState, datastore: Optional[str]) -> Engine:
+    """Deprecated: one engine serves every datastore (:func:`check_datastore`, then
+    ``RequestParams.datastore``). Checks ``datastore`` and returns the served engine.
+
+    Raises:
+        APIError: 400 ``datastore_not_found``, as :func:`check_datastore`.
+    """
+    warn_deprecated("pick_engine", "check_datastore and RequestParams.datastore (one engine serves every datastore)")
+    check_datastore(state, datastore)
+    return state.engine

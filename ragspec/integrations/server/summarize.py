@@ -3,7 +3,9 @@ events (``summary.chunk``, ``[DONE]`` last).
 
 The handler is a module-level function on :data:`router` (mounted under ``/v1`` by
 :func:`.app.create_app`). The documents go into the prompt (:func:`.prepare.build_summary_prompt`,
-chat-templated), where prompt lookup copies from them.
+chat-templated), where prompt lookup copies from them; the same layout puts a chat's or a
+completion's ``documents`` before its prompt where the chat template takes none
+(:mod:`ragspec.prompts`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from ragspec.types import StreamChunk
 
 from ..schemas import SummarizeRequest
 from .generation import Generation
-from .prepare import engine_kwargs, prepare_summary
+from .prepare import prepare_summary, request_params
 from .responses import collect_and_close, finish_reason, stats_dict, stream_events, usage
-from .state import ServerState, check_model, pick_engine, server_state
+from .state import ServerState, check_datastore, check_model, server_state
 
 __all__ = ["router", "summarize"]
 
@@ -39,15 +41,14 @@ async def summarize(
     with gen.closing_on_error():
         body = await gen.read(SummarizeRequest)
         check_model(state, body.model)
-        kwargs = engine_kwargs(body, state.settings.default_max_tokens, state.settings)
-        # the documents are in the prompt: prompt lookup copies from them already
-        kwargs["documents"] = None
-        engine = pick_engine(state, body.datastore)
-        limits = gen.limits
-        docs, instruction = body.documents, body.instruction
-        await gen.start(
-            engine, lambda cancel: prepare_summary(engine, docs, instruction, kwargs, limits, cancel), kwargs
+        # the documents are the prompt's input: prompt lookup copies from them already
+        params = request_params(
+            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt)
         )
+        check_datastore(state, body.datastore)
+        engine, limits = state.engine, gen.limits
+        docs, instruction = body.documents, body.instruction
+        await gen.start(lambda cancel: prepare_summary(engine, docs, instruction, params, limits, cancel), params)
     rid, created, name = f"sum-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if not body.stream:
         text, last = await collect_and_close(gen)

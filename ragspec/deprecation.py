@@ -1,0 +1,46 @@
+"""Deprecated aliases: a public name removed or moved stays one release, warns, and says
+what replaces it (then it goes; CHANGELOG.md lists each under "Deprecated").
+
+:func:`warn_deprecated` is the warning; :func:`moved_names` makes the module-level
+``__getattr__`` (PEP 562) of a module whose names moved elsewhere, so that
+``from ragspec.drafting import PromptLookupDrafter`` still works, with a warning naming
+``ragspec.drafters``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Callable, Mapping
+
+__all__ = ["warn_deprecated", "moved_names"]
+
+
+def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn (``DeprecationWarning``, shown for scripts and notebooks) that ``old`` is
+    deprecated and ``new`` replaces it. ``stacklevel``: 3 points at the caller of the
+    function that calls this."""
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new} instead",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module`` whose names moved: ``moved`` maps each old name to
+    the module that holds it now. Looking one up warns (:func:`warn_deprecated`) and
+    returns the object from its new module.
+
+    Raises (from the returned function):
+        AttributeError: a name that never moved (as any missing attribute).
+    """
+
+    def __getattr__(name: str) -> Any:
+        target = moved.get(name)
+        if target is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_deprecated(f"{module}.{name}", f"{target}.{name}")
+        return getattr(importlib.import_module(target), name)
+
+    return __getattr__

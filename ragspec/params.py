@@ -1,0 +1,268 @@
+"""One request's parameters: :class:`RequestParams`, a frozen value validated once.
+
+Everything a request can ask is here (vLLM's ``SamplingParams`` and llama.cpp's slot
+parameters are the models): how tokens are chosen (``temperature``, ``top_k``, ``top_p``,
+``seed``), when generation ends (``max_new_tokens``, ``stop``), how it drafts
+(``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
+reads besides the prompt (``documents``), the tenant partition of the shared caches
+(``cache_salt``), and, named already, what the engine does not do yet (``n``,
+``logprobs``/``top_logprobs``, penalties, ``logit_bias``, ``min_tokens``,
+``response_format``): setting one of those to anything but its neutral value raises
+:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored.
+
+Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
+body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
+:meth:`ragspec.Engine.generate` and :meth:`~ragspec.Engine.stream` take one, or keywords
+that build one here (:func:`request_params`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from .config import DecodeConfig, SamplingParams
+from .errors import ConfigError, UnsupportedParameterError
+
+__all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
+
+UNSUPPORTED_FIELDS = (
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+)
+"""Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
+their neutral value (the defaults), refused otherwise."""
+
+
+def _texts(value: Union[None, str, Sequence[str]], name: str) -> tuple[str, ...]:
+    """``value`` as a tuple of strings (a single string is a tuple of one).
+
+    Raises:
+        ConfigError: an item is not a string.
+    """
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else tuple(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ConfigError(f"{name}[{i}] must be a string, got {type(item).__name__}")
+    return items
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What one request asks for; frozen, validated at construction (a
+    :class:`~ragspec.errors.ConfigError` for a value out of range,
+    :class:`~ragspec.errors.UnsupportedParameterError` for a field the engine does not
+    implement set to anything but its neutral value).
+
+    Lists given for ``stop``, ``documents`` and ``draft_documents`` are kept as tuples; a
+    single string counts as a list of one.
+    """
+
+    # ------------------------------------------------------------------ limits
+    max_new_tokens: int = 128
+    """Most tokens generated (never exceeded, whatever the draft length)."""
+    stop: Sequence[str] = ()
+    """Stop strings, matched on decoded text; the text from the first match on is dropped."""
+    # ------------------------------------------------------------------ sampling
+    temperature: float = 0.0
+    """Softmax temperature; 0 is greedy decoding (never draws a random number)."""
+    top_k: int = 0
+    """Sample among the k likeliest tokens only (0: off)."""
+    top_p: float = 1.0
+    """Sample among the smallest set of tokens whose probability reaches top_p (1.0: off)."""
+    seed: Optional[int] = None
+    """Seed of the request's own ``torch.Generator`` (sampling only; None: a fresh seed)."""
+    # ------------------------------------------------------------------ drafting
+    speculative: bool = True
+    """Draft and verify; False: plain decoding (one token per target forward)."""
+    max_draft_tokens: Optional[int] = None
+    """Most draft tokens verified per step, under the engine's own budget
+    (``PolicyConfig.max_draft_tokens``); None: the engine's; 0: plain decoding."""
+    datastore: Optional[str] = None
+    """Name of the datastore this request drafts from (one the engine was built with:
+    ``Engine.datastores``); None: the engine's default."""
+    draft_documents: Sequence[str] = ()
+    """Texts only the drafter reads (the model does not): for passages the prompt already
+    holds in some form, so the model never reads them twice."""
+    # ------------------------------------------------------------------ grounding
+    documents: Sequence[str] = ()
+    """Texts the model reads as grounding and the drafter copies from: through the chat
+    template's ``documents`` where the template takes them, else laid out before the
+    prompt (``Document 1:`` ..., :func:`ragspec.prompts.grounded_text`)."""
+    # ------------------------------------------------------------------ isolation
+    cache_salt: str = ""
+    """The request's partition of what requests share (the prefix cache, the response
+    cache: vLLM's ``cache_salt``): it reuses and feeds only its own salt's ("": the shared
+    partition). A salted request starts only on drafters that declare how they partition
+    (:class:`~ragspec.drafters.base.TenantIsolation`)."""
+    # ------------------------------------------------------------------ reporting
+    return_steps: bool = False
+    """Keep per-step stats in ``GenerationStats.steps``."""
+    # ------------------------------------------------------------------ not implemented yet
+    n: int = 1
+    """Completions per request (only 1 is implemented)."""
+    logprobs: bool = False
+    """Return each generated token's log-probability (not implemented: False only)."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also the k likeliest tokens' (not implemented: 0 only)."""
+    presence_penalty: float = 0.0
+    """OpenAI's presence penalty (not implemented: 0 only)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's frequency penalty (not implemented: 0 only)."""
+    repetition_penalty: float = 1.0
+    """transformers' multiplicative repetition penalty (not implemented: 1 only)."""
+    logit_bias: Optional[Mapping[int, float]] = None
+    """Token id -> bias added to its logit (not implemented: None or empty only)."""
+    min_tokens: int = 0
+    """Tokens generated before EOS or a stop string may end the request (not implemented: 0 only)."""
+    response_format: Optional[Mapping[str, Any]] = None
+    """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
+    grammar); None: free text (not implemented: None only)."""
+
+    _decode: DecodeConfig = field(init=False, repr=False, compare=False, hash=False)
+    _sampling: SamplingParams = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place, once
+        set_(self, "stop", _texts(self.stop, "stop"))
+        set_(self, "documents", _texts(self.documents, "documents"))
+        set_(self, "draft_documents", _texts(self.draft_documents, "draft_documents"))
+        for name in ("speculative", "return_steps", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.datastore is not None and (not isinstance(self.datastore, str) or not self.datastore):
+            raise ConfigError(f"datastore must be a datastore's name, got {self.datastore!r}")
+        if self.cache_salt is None:
+            set_(self, "cache_salt", "")
+        if not isinstance(self.cache_salt, str):
+            raise ConfigError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "n", "top_logprobs", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        # the component settings validate their own ranges (ConfigError)
+        set_(
+            self,
+            "_decode",
+            DecodeConfig(
+                max_new_tokens=self.max_new_tokens,
+                stop=tuple(self.stop),
+                speculative=self.speculative,
+                return_steps=self.return_steps,
+                max_draft_tokens=self.max_draft_tokens,
+            ),
+        )
+        set_(
+            self,
+            "_sampling",
+            SamplingParams(
+                temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p), seed=self.seed
+            ),
+        )
+        self._refuse_unimplemented()
+
+    def _refuse_unimplemented(self) -> None:
+        """Raise :class:`UnsupportedParameterError` for the first field of
+        :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
+        checks = (
+            ("n", self.n != 1, "only n=1 is supported"),
+            ("logprobs", self.logprobs, "logprobs are not supported"),
+            ("top_logprobs", self.top_logprobs != 0, "logprobs are not supported"),
+            ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported"),
+            ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported"),
+            ("repetition_penalty", self.repetition_penalty != 1, "repetition_penalty is not supported"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
+            ("response_format", self.response_format is not None, "only free-text output is supported"),
+        )
+        for name, bad, message in checks:
+            if bad:
+                raise UnsupportedParameterError(message, param=name)
+
+    # ------------------------------------------------------------------ component views
+    @property
+    def decode(self) -> DecodeConfig:
+        """The limits and drafting switches as the decode loop reads them."""
+        return self._decode
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """How tokens are chosen, as the verifiers read it."""
+        return self._sampling
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: argmax decoding, no random number drawn."""
+        return self._sampling.greedy
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the request drafts at all (``speculative`` and a budget above 0)."""
+        return self.speculative and self.max_draft_tokens != 0
+
+    @classmethod
+    def from_configs(
+        cls, decode: Optional[DecodeConfig] = None, sampling: Optional[SamplingParams] = None, **fields: Any
+    ) -> "RequestParams":
+        """The parameters of a request given as the component settings (``decode``,
+        ``sampling``; None: their defaults) and any other ``fields``."""
+        d = decode if decode is not None else DecodeConfig()
+        s = sampling if sampling is not None else SamplingParams()
+        return request_params(
+            max_new_tokens=d.max_new_tokens,
+            stop=d.stop,
+            speculative=d.speculative,
+            return_steps=d.return_steps,
+            max_draft_tokens=d.max_draft_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            **fields,
+        )
+
+    def replace(self, **changes: Any) -> "RequestParams":
+        """A copy with ``changes`` (validated again).
+
+        Raises:
+            TypeError: an unknown field. ConfigError, UnsupportedParameterError: as the constructor.
+        """
+        return dataclasses.replace(self, **changes)
+
+
+def request_params(params: Optional[RequestParams] = None, **fields: Any) -> RequestParams:
+    """The one place keywords become a :class:`RequestParams`: ``params`` with ``fields``
+    replaced, or a new one from ``fields`` (None values of ``stop``, ``documents``,
+    ``draft_documents`` and ``cache_salt`` mean their defaults).
+
+    Raises:
+        TypeError: an unknown keyword (the message names the accepted ones).
+        ConfigError, UnsupportedParameterError: as :class:`RequestParams`.
+    """
+    known = {f.name for f in dataclasses.fields(RequestParams) if f.init}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"unexpected request parameter(s) {unknown}; accepted: {sorted(known)}")
+    for name in ("stop", "documents", "draft_documents", "cache_salt"):
+        if name in fields and fields[name] is None:
+            del fields[name]
+    if params is None:
+        return RequestParams(**fields)
+    return params.replace(**fields) if fields else params
