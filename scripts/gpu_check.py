@@ -1,11 +1,10 @@
-"""The Python half of scripts/gpu_check.sh: a random-weights model, the forward
-micro-benchmarks (transformers backend; CUDA backend eager and under graphs), the bench with
+"""The Python half of scripts/gpu_check.sh: a random-weights model, the CUDA backend's step
+time against rows (eager and under graphs), the bench with
 results written after every prompt (the CUDA backend beside, with its drafting as `auto`
 picks it and retrieval alone), the concurrency run (8 requests stepped together), the
 final table, and the plan of the lent machine's two calls.
 
     python scripts/gpu_check.py random-model (--config-tar .gpu/c/model-config.tar.gz | --from-default) --out DIR [--layers N]
-    python scripts/gpu_check.py micro --model M --device cuda --dtypes bf16,fp32 --out micro.json [--smoke]
     python scripts/gpu_check.py cuda-micro --model M --device cuda --modes exact,fast --out cuda-micro.json [--smoke]
     python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [--cuda-modes exact]
     python scripts/gpu_check.py concurrent --model M --device cuda --data P --modes exact --out concurrent.json
@@ -106,88 +105,6 @@ def cmd_random_model(args) -> int:
         f"saved to {out} in {time.perf_counter() - t0:.1f} s"
     )
     return 0
-
-
-# ---------------------------------------------------------------------------- micro
-def _branchy_tree(nodes: int, branches: int):
-    """``branches`` chains below the root sharing the nodes (a tree, not a chain)."""
-    from ragspec.tree import interleaved_tree
-
-    return interleaved_tree([100 + 7 * j for j in range(nodes)], branches, "micro")
-
-
-def cmd_micro(args) -> int:
-    """Forward time against new tokens (1-64 on CUDA) at two contexts, per dtype, and the
-    attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
-    ``ragspec.load_engine`` sets them up."""
-    from ragspec import models
-    from ragspec.bench.runner import profile_attention
-    from ragspec.calibrate import measure_latency
-    from ragspec.loading import select_target
-    from ragspec.types import DraftTree
-
-    _no_tf32()
-    spec = models.resolve_model(args.model)
-    results = {"env": _env(), "model": spec.name, "model_path": str(spec.path), "dtypes": {}}
-    for dt in [d for d in args.dtypes.split(",") if d]:
-        t0 = time.perf_counter()
-        model, _tok = models.load_model(spec, device=args.device, dtype=dt)
-        target = select_target(model)
-        kw = dict(qs=(1, 2, 4, 8, 16), contexts=(128, 256), repeats=1) if args.smoke else {}
-        table = measure_latency(target, model_name=spec.name, **kw)
-        ctx = table.contexts[-1]
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(3, target.vocab_size, (ctx,), generator=gen).tolist()
-        cases = {
-            "step (1 token)": DraftTree.empty(),
-            "chain 16": DraftTree.chain(ids[:15]),
-            "tree 16 (4 branches)": _branchy_tree(16, 4),
-        }
-        if not args.smoke:
-            cases["tree 64 (8 branches)"] = _branchy_tree(64, 8)
-        attention = {}
-        with torch.inference_mode():
-            state = target.new_state()
-            target.prefill(state, ids)
-            for name, tree in cases.items():
-                target.verify_one(state, ids[-1], tree)  # warm-up
-                target.rollback(state, ctx)
-                prof = profile_attention(lambda: target.verify_one(state, ids[-1], tree))
-                target.rollback(state, ctx)
-                attention[name] = prof
-            x = torch.tensor([ids[:ctx]], device=target.device)
-            attention["model.generate (prefill + 3 steps)"] = profile_attention(
-                lambda: model.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    max_new_tokens=4,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )  # fmt: skip
-            )
-        results["dtypes"][dt] = {
-            "latency": table.to_dict(),
-            "attention": attention,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "seconds": time.perf_counter() - t0,
-        }
-        _print_micro(dt, results["dtypes"][dt])
-        model = target = state = None  # freed before the next dtype loads
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        _write_json(Path(args.out), results)
-    return 0
-
-
-def _print_micro(dt: str, r: dict) -> None:
-    lat = r["latency"]
-    print(f"# forward ms vs new tokens, {dt}, {lat['device']} ({r['attn_implementation']} attention)")
-    for ctx, row in sorted(lat["full"].items(), key=lambda kv: int(kv[0])):
-        print(f"  context {ctx:>5}: " + "  ".join(f"{q}:{s * 1e3:.2f}" for q, s in row.items()))
-    for case, prof in r["attention"].items():
-        ops = ", ".join(f"{k.removeprefix('aten::')} x{v}" for k, v in prof["ops"].items()) or "none seen"
-        print(f"  attention, {case}: {ops}; device kernels {prof['device_kernels']}")
 
 
 # ---------------------------------------------------------------------------- CUDA backend
@@ -633,8 +550,8 @@ def cmd_table(args) -> int:
     from ragspec.bench.records import format_identity
 
     dirs = args.dir
-    bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "micro.json")
-    env = (bf16 or fp32 or micro or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
+    bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "cuda-micro.json")
+    env = (bf16 or fp32 or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
     lines = ["", "=" * 100]
     st = (bf16 or fp32 or {}).get("settings", {})
     lines.append(
@@ -720,27 +637,6 @@ def cmd_table(args) -> int:
             f"  {ident(rs, budgets[0]) + ' | ' + ident(rs, budgets[-1]):<26}{ident(fr, budgets[0]) + ' | ' + ident(fr, budgets[-1]):<24}"
         )
     lines += _cuda_lines(dirs, gb, group_rows(fp32), st)
-    if micro:
-        for dt, r in micro.get("dtypes", {}).items():
-            lat = r["latency"]["full"]
-            qs = [q for q in ("1", "4", "16", "32", "64") if any(q in row for row in lat.values())]
-            cells = "; ".join(
-                f"ctx {c}: " + " ".join(f"q{q} {row[q] * 1e3:.2f}" for q in qs if q in row)
-                for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
-            )
-            lines.append(
-                f"forward ms {dt}{' (random weights)' if 'random' in micro.get('model_path', '') else ''}: {cells}"
-            )
-            att = r["attention"]
-            kinds = {
-                case: ",".join(k.removeprefix("aten::_scaled_dot_product_") for k in p["ops"]) or "no SDPA op"
-                for case, p in att.items()
-            }
-            kern = {case: p["device_kernels"] for case, p in att.items()}
-            lines.append(
-                f"attention {dt} ({r['attn_implementation']}): "
-                + "; ".join(f"{c}: {k} [{kern[c]} kernels]" for c, k in kinds.items())
-            )
 
     for name, label in (
         ("tests-gpu.xml", "tests/gpu/test_cuda_backend.py"),
@@ -833,13 +729,6 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--layers", type=int, default=0)
     r.set_defaults(func=cmd_random_model)
-    m = sub.add_parser("micro")
-    m.add_argument("--model", required=True)
-    m.add_argument("--device", default="cuda")
-    m.add_argument("--dtypes", default="bf16,fp32")
-    m.add_argument("--out", required=True)
-    m.add_argument("--smoke", action="store_true")
-    m.set_defaults(func=cmd_micro)
     b = sub.add_parser("bench")
     b.add_argument("--model", default=None)
     b.add_argument("--random-weights", action="store_true")
