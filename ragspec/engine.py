@@ -537,6 +537,7 @@ class Engine:
             if req.done:
                 raise ConfigError("request already finished: its final chunk was returned")
         t_step = time.perf_counter()
+        counts = self.target.capability(Capability.STEP_COUNTS)
         pending: list[Pending] = []
         prefill_tokens = chunks = 0
         with torch.inference_mode():
@@ -600,6 +601,7 @@ class Engine:
                 results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
                 if any(g is not None for g in gates):
                     observe_gates(pending, results, gates, time.perf_counter() - t_decode)
+        after = self.target.capability(Capability.STEP_COUNTS)
         self.last_step = StepReport(
             requests=len(requests),
             verified=len(pending),
@@ -607,6 +609,8 @@ class Engine:
             prefill_tokens=prefill_tokens,
             prefill_chunks=chunks,
             seconds=time.perf_counter() - t_step,
+            graph_steps=after.graph_steps - counts.graph_steps if after else 0,
+            eager_steps=after.eager_steps - counts.eager_steps if after else 0,
         )
         return [take_chunk(req) for req in requests]
 

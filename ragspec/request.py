@@ -150,6 +150,9 @@ class StepReport:
         prefill_tokens: prompt tokens prefilled in it (all chunks).
         prefill_chunks: prefill forwards run in it.
         seconds: wall time of the step.
+        graph_steps: its forwards replayed from a CUDA graph (the CUDA backend; 0 elsewhere).
+        eager_steps: its forwards a graph-replaying backend ran eagerly (a batch larger than
+            its largest graph, a failed capture; 0 elsewhere).
     """
 
     requests: int = 0
@@ -158,6 +161,8 @@ class StepReport:
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     seconds: float = 0.0
+    graph_steps: int = 0
+    eager_steps: int = 0
 
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:

@@ -23,6 +23,7 @@ __all__ = [
     "follow_path",
     "merge_trees",
     "drop_invalid_nodes",
+    "interleaved_tree",
     "select_nodes",
 ]
 
@@ -315,4 +316,26 @@ def select_nodes(tree: DraftTree, kept_mask: Sequence[bool]) -> tuple[DraftTree,
             node_match_len=None if tree.node_match_len is None else tree.node_match_len[idx],
         ),
         dropped,
+    )
+
+
+def interleaved_tree(tokens: Sequence[int], branches: int, source: str = "synthetic") -> DraftTree:
+    """A draft tree of ``tokens``: ``branches`` children of the root, each later node below
+    the node ``branches`` before it (``branches`` chains, interleaved in node order): a tree,
+    not a chain, of a given size, for timing a verification and for tests.
+
+    Example: 7 tokens, 3 branches -> parents [-1, -1, -1, 0, 1, 2, 3], depths [0, 0, 0, 1, 1,
+    1, 2]. No tokens: the empty tree.
+    """
+    n = len(tokens)
+    if n == 0:
+        return DraftTree.empty()
+    parents = [-1 if j < branches else j - branches for j in range(n)]
+    depth = [j // branches for j in range(n)]
+    return DraftTree(
+        tokens=torch.tensor([int(t) for t in tokens], dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depth=torch.tensor(depth, dtype=torch.long),
+        sources=(source,) * n,
+        scores=torch.ones(n),
     )
