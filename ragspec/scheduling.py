@@ -78,6 +78,9 @@ class Work:
         started: it has had a step (it is in flight).
         done: it finishes without a forward (finished or cancelled): no candidate.
         tenant: whose it is (an API key's digest, a client address; "" for one tenant).
+        blocked: it cannot work in this step (a choice waiting for the prefill it shares
+            with another choice of its request): no candidate.
+        forked: its prefill is a copy of another request's (no forward of its own).
     """
 
     index: int
@@ -89,6 +92,8 @@ class Work:
     started: bool = False
     done: bool = False
     tenant: str = ""
+    blocked: bool = False
+    forked: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -249,9 +254,10 @@ class StepComposer:
         return tokens / chunk * self.latency(chunk)
 
     def remaining_s(self, w: Work) -> float:
-        """Seconds of work ``w`` has left alone: its prompt's prefill and a one-row step
-        per token it may still generate."""
-        return self.prefill_seconds(w.prompt_left, w.chunk or 256) + max(0, w.tokens_left) * self.latency(1)
+        """Seconds of work ``w`` has left alone: its prompt's prefill (none when it copies
+        another's) and a one-row step per token it may still generate."""
+        prefill = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
+        return prefill + max(0, w.tokens_left) * self.latency(1)
 
     def row_s(self) -> float:
         """Seconds a verification row adds to a forward: the latency model's mean over its
@@ -289,7 +295,8 @@ class StepComposer:
         decoders = [w for w in work if w.decoding]
         decode = tuple(w.index for w in decoders)
         turns = fair_turns(work, self._rank)
-        candidates = sorted((w for w in work if w.prefilling), key=lambda w: (turns[w.index], *self._rank(w)))
+        ready = (w for w in work if w.prefilling and not w.blocked)
+        candidates = sorted(ready, key=lambda w: (turns[w.index], *self._rank(w)))
         in_flight = sum(w.started for w in work if not w.done)
         busy_tenants = {w.tenant for w in work if w.started and not w.done}
         shortest = min((self.remaining_s(w) for w in decoders), default=math.inf)
@@ -331,7 +338,8 @@ class StepComposer:
             return "idle"
         if self.remaining_s(w) < shortest:
             return "shorter"
-        if self.joins_cheaply(w.rows, group, self.prefill_seconds(w.prompt_left, w.chunk or 256), steps_left):
+        prefill_s = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
+        if self.joins_cheaply(w.rows, group, prefill_s, steps_left):
             return "batched"
         if new_tenant:
             return "tenant"
