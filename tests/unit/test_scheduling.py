@@ -148,6 +148,15 @@ def test_max_active_holds_new_requests_of_a_busy_tenant_not_a_new_tenant():
     assert c.plan([_decoding(0, tenant="a"), dataclasses.replace(short, started=True)]).prefill == (1,)
 
 
+def test_a_blocked_request_is_no_candidate_and_a_forked_prefill_costs_nothing():
+    c = _composer(CPU)
+    source, waiting = _prefilling(0, 700, arrival=1.0), dataclasses.replace(_prefilling(1, 700), blocked=True)
+    assert c.plan([waiting, source]).prefill == (0,)  # the one it waits for runs, though younger
+    forked = dataclasses.replace(_prefilling(2, 700, tokens=8), forked=True)
+    assert c.remaining_s(forked) == pytest.approx(8 * c.latency(1))
+    assert c.plan([_decoding(0, tokens=100), forked]).why == ("shorter",)
+
+
 def test_max_step_tokens_bounds_the_chunks_after_the_first():
     c = _composer(GPU, max_prefills=4, max_step_tokens=600)
     work = [_decoding(0, rows=9)] + [_prefilling(i, 700, arrival=float(i)) for i in range(1, 4)]
@@ -339,3 +348,33 @@ def test_one_tenants_thirty_streams_do_not_hold_up_anothers_small_request(engine
     steps, seconds = _tenant_steps(engine, table, 30)
     assert steps <= 3 * alone_steps, (steps, alone_steps)
     assert seconds <= 3 * alone_s, (seconds, alone_s)
+
+
+def test_choices_sharing_a_prefill_are_scheduled_and_keep_their_outputs(engine):
+    """A request's n choices share one prefill: the ones waiting for it are no candidates
+    (a plan never hands them the step's chunk, so the prefill they wait for runs), then
+    they copy it at no prefill cost; their outputs equal ``generate_choices``'."""
+    from ragspec.params import RequestParams
+
+    params = RequestParams(max_new_tokens=8, temperature=0.8, top_k=20, seed=5, n=3)
+    prompt = _text(150, 3)
+    want = [o.token_ids for o in engine.generate_choices(prompt, params, chat=False)]
+    choices = engine.start_choices(prompt, params, chat=False)
+    work = engine.work(choices)
+    assert [w.blocked for w in work] == [False, True, True] and not any(w.forked for w in work)
+    composer = StepComposer(_latency(CPU), prefill_ema=0.0)
+    assert composer.plan(work).prefill == (0,)
+    outs: dict[int, list[int]] = collections.defaultdict(list)
+    live = list(range(3))
+    forked_seen = False
+    for _ in range(200):
+        if not live:
+            break
+        reqs = [choices[i] for i in live]
+        work = engine.work(reqs)
+        forked_seen |= any(w.forked and w.prefilling for w in work)
+        for i, c in zip(live, engine.step(reqs, composer.plan(work))):
+            outs[i].extend(c.token_ids)
+        live = [i for i in live if not choices[i].done]
+    assert not live and forked_seen
+    assert [outs[i] for i in range(3)] == want
