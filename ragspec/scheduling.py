@@ -279,31 +279,38 @@ class StepComposer:
         plus one (two requests of equal work then finish, on average, sooner together than
         one after the other). A CPU's rows, requests and prefills cost too much for it; a
         GPU's rows nearly nothing."""
+        return self._joins(rows, decoding, prefill_s, steps_left, self.row_s())
+
+    def _joins(self, rows: int, decoding: int, prefill_s: float, steps_left: float, row_s: float) -> bool:
         rows = max(1, rows)
-        added = rows * self.row_s() + self._per_request
+        added = rows * row_s + self._per_request
         spread = decoding * prefill_s / steps_left if steps_left > 0 else math.inf
         return added <= (self.latency(rows) - spread) / (decoding + 1)
 
     # ------------------------------------------------------------------ the plan
-    def _rank(self, w: Work) -> tuple:
-        return (self.remaining_s(w), w.arrival_s, w.index)
-
     def plan(self, work: Sequence[Work]) -> StepPlan:
         """The next step's plan over ``work`` (each with its ``index`` in the list the plan
         indexes). Never empty while some request can work."""
         cfg = self.config
         decoders = [w for w in work if w.decoding]
         decode = tuple(w.index for w in decoders)
-        turns = fair_turns(work, self._rank)
-        ready = (w for w in work if w.prefilling and not w.blocked)
-        candidates = sorted(ready, key=lambda w: (turns[w.index], *self._rank(w)))
+        ready = [w for w in work if w.prefilling and not w.blocked]
+        if not ready:
+            return StepPlan((), decode, ())
+        left = {w.index: self.remaining_s(w) for w in work if not w.done}
+
+        def rank(w: Work) -> tuple:
+            return (left[w.index], w.arrival_s, w.index)
+
+        turns = fair_turns(work, rank)
+        candidates = sorted(ready, key=lambda w: (turns[w.index], *rank(w)))
         in_flight = sum(w.started for w in work if not w.done)
         busy_tenants = {w.tenant for w in work if w.started and not w.done}
-        shortest = min((self.remaining_s(w) for w in decoders), default=math.inf)
+        shortest = min((left[w.index] for w in decoders), default=math.inf)
         steps_left = min((max(0, w.tokens_left) for w in decoders), default=math.inf)
         group = len(decoders)  # who will decode together: the decoding and the chosen requests
         used = sum(max(1, w.rows) for w in decoders)
-        now = self.clock()
+        now, row_s = self.clock(), self.row_s()
         prefill: list[int] = []
         why: list[str] = []
         for w in candidates:
@@ -314,32 +321,41 @@ class StepComposer:
             new_tenant = w.tenant not in busy_tenants
             if not w.started and cfg.max_active is not None and in_flight >= cfg.max_active and not new_tenant:
                 continue
-            reason = self._reason(w, group, steps_left, shortest, new_tenant, now)
+            reason = self._reason(w, left[w.index], group, steps_left, shortest, new_tenant, now, row_s)
             if reason is None:
                 continue
             prefill.append(w.index)
             why.append(reason)
             used += w.chunk
             group += 1
-            shortest = min(shortest, self.remaining_s(w))
+            shortest = min(shortest, left[w.index])
             if not w.started:
                 in_flight += 1
                 busy_tenants.add(w.tenant)
         return StepPlan(tuple(prefill), decode, tuple(why))
 
     def _reason(
-        self, w: Work, group: int, steps_left: float, shortest: float, new_tenant: bool, now: float
+        self,
+        w: Work,
+        left: float,
+        group: int,
+        steps_left: float,
+        shortest: float,
+        new_tenant: bool,
+        now: float,
+        row_s: float,
     ) -> Optional[str]:
-        """Why candidate ``w`` runs a chunk in this step (None: it waits). ``group``: the
-        requests decoding or chosen to prefill so far; ``steps_left``: the fewest tokens a
-        decoding one has left (inf: none decodes); ``shortest``: the least work left of one
-        of them (inf: none)."""
+        """Why candidate ``w`` (``left`` seconds of work left) runs a chunk in this step
+        (None: it waits). ``group``: the requests decoding or chosen to prefill so far;
+        ``steps_left``: the fewest tokens a decoding one has left (inf: none decodes);
+        ``shortest``: the least work left of one of them (inf: none); ``row_s``: a row's
+        seconds (:meth:`row_s`)."""
         if group == 0:
             return "idle"
-        if self.remaining_s(w) < shortest:
+        if left < shortest:
             return "shorter"
         prefill_s = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
-        if self.joins_cheaply(w.rows, group, prefill_s, steps_left):
+        if self._joins(w.rows, group, prefill_s, steps_left, row_s):
             return "batched"
         if new_tenant:
             return "tenant"
