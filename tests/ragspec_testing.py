@@ -63,6 +63,19 @@ def make_tiny_llama(
     return model
 
 
+WORDS = ("the cat ", "sat on ", "a mat ", "and the dog ", "ran off. ", "to the park ", "while it ", "rained. ")
+
+
+def word_text(n: int, seed: int, words=WORDS) -> str:
+    """``n`` characters of ``words`` drawn at random (seeded): a prompt that repeats itself
+    (prompt lookup drafts from it) and differs per seed."""
+    g = torch.Generator().manual_seed(seed)
+    out = ""
+    while len(out) < n:
+        out += words[int(torch.randint(len(words), (1,), generator=g))]
+    return out[:n]
+
+
 def greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=None, logits_processor=None):
     """Plain transformers greedy decoding: the ground truth of every lossless test
     (``logits_processor``: transformers' processors applied at each step)."""

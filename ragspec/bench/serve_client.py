@@ -243,43 +243,6 @@ class MixedLoad:
         return [self.delay_s + k * self.interval_s for k in range(n)]
 
 
-async def _drive_mixed(
-    url: str,
-    long_texts: Sequence[str],
-    short_texts: Sequence[str],
-    clients: int,
-    max_tokens: int,
-    load: MixedLoad,
-    timeout_s: float,
-) -> tuple:
-    httpx = httpx_module()
-    limits = httpx.Limits(max_connections=clients + len(short_texts), max_keepalive_connections=0)
-    timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s))
-    records: list[RequestRecord] = []
-    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
-        for k, text in enumerate(short_texts):  # alone first: their time and answer without load
-            records.append(_record(k, 0.0, await _chat(client, url, text, load.max_tokens, timeout_s), "alone"))
-        pending = list(range(len(long_texts)))
-        t0 = time.perf_counter()
-
-        async def long_client() -> None:
-            while pending:
-                k = pending.pop(0)
-                sent = time.perf_counter() - t0
-                records.append(_record(k, sent, await _chat(client, url, long_texts[k], max_tokens, timeout_s), "long"))
-
-        async def short_question(k: int, at: float) -> None:
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            sent = time.perf_counter() - t0
-            reply = await _chat(client, url, short_texts[k], load.max_tokens, timeout_s)
-            records.append(_record(k, sent, reply, "short"))
-
-        shorts = [short_question(k, at) for k, at in enumerate(load.send_times(len(short_texts)))]
-        await asyncio.gather(*(long_client() for _ in range(min(clients, len(long_texts)))), *shorts)
-        wall = time.perf_counter() - t0
-    return sorted(records, key=lambda r: (r.kind, r.prompt)), wall
-
-
 def request_mixed(
     url: str,
     long_texts: Sequence[str],
@@ -295,4 +258,34 @@ def request_mixed(
     (``"short"``, at most ``load.max_tokens``), each on its own connection. Returns the
     records (by kind, then text index) and the wall seconds of the load (from its start
     to its last answer)."""
-    return asyncio.run(_drive_mixed(url, long_texts, short_texts, clients, max_tokens, load, timeout_s))
+    httpx = httpx_module()
+    limits = httpx.Limits(max_connections=clients + len(short_texts), max_keepalive_connections=0)
+    timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s))
+    records: list[RequestRecord] = []
+
+    async def drive() -> float:
+        async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
+            for k, text in enumerate(short_texts):  # alone first: their time and answer without load
+                records.append(_record(k, 0.0, await _chat(client, url, text, load.max_tokens, timeout_s), "alone"))
+            pending = list(range(len(long_texts)))
+            t0 = time.perf_counter()
+
+            async def long_client() -> None:
+                while pending:
+                    k = pending.pop(0)
+                    sent = time.perf_counter() - t0
+                    reply = await _chat(client, url, long_texts[k], max_tokens, timeout_s)
+                    records.append(_record(k, sent, reply, "long"))
+
+            async def short_question(k: int, at: float) -> None:
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                sent = time.perf_counter() - t0
+                reply = await _chat(client, url, short_texts[k], load.max_tokens, timeout_s)
+                records.append(_record(k, sent, reply, "short"))
+
+            shorts = [short_question(k, at) for k, at in enumerate(load.send_times(len(short_texts)))]
+            await asyncio.gather(*(long_client() for _ in range(min(clients, len(long_texts)))), *shorts)
+            return time.perf_counter() - t0
+
+    wall = asyncio.run(drive())
+    return sorted(records, key=lambda r: (r.kind, r.prompt)), wall

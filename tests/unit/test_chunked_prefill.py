@@ -10,7 +10,6 @@ import collections
 import dataclasses
 
 import pytest
-import torch
 
 from ragspec.backend.hf import HFTarget
 from ragspec.config import PLDConfig, PolicyConfig
@@ -20,17 +19,9 @@ from ragspec.errors import ConfigError
 from ragspec.params import RequestParams
 from ragspec.policy import AcceptanceModel, LatencyModel, choose_draft
 from ragspec.types import DraftTree
-from ragspec_testing import FakeTarget, FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama
+from ragspec_testing import FakeTarget, FixedDrafter, greedy_reference, make_char_tokenizer, make_tiny_llama, word_text
 
-_WORDS = ["the cat ", "sat on ", "a mat ", "and the dog ", "ran off. ", "to the park ", "while it ", "rained. "]
-
-
-def _text(n: int, seed: int) -> str:
-    g = torch.Generator().manual_seed(seed)
-    out = ""
-    while len(out) < n:
-        out += _WORDS[int(torch.randint(len(_WORDS), (1,), generator=g))]
-    return out[:n]
+_text = word_text
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from ragspec.engine import Engine
 from ragspec.errors import ConfigError
 from ragspec.policy import LatencyModel
 from ragspec.scheduling import REASONS, ComposerConfig, StepComposer, StepPlan, Work, fair_turns
-from ragspec_testing import make_char_tokenizer, make_tiny_llama
+from ragspec_testing import make_char_tokenizer, make_tiny_llama, word_text
 
 # a CPU's table: every row ~8 ms (prefill compute-bound), a GPU's: flat up to 256 rows
 CPU = {1: 0.010, 2: 0.018, 4: 0.034, 8: 0.066, 16: 0.130, 32: 0.258}
@@ -214,15 +214,7 @@ def test_composer_config_rejects_bad_bounds(kwargs):
 
 
 # ---------------------------------------------------------------------------- the engine runs plans
-_WORDS = ["the cat ", "sat on ", "a mat ", "and the dog ", "ran off. ", "to the park "]
-
-
-def _text(n: int, seed: int) -> str:
-    g = torch.Generator().manual_seed(seed)
-    out = ""
-    while len(out) < n:
-        out += _WORDS[int(torch.randint(len(_WORDS), (1,), generator=g))]
-    return out[:n]
+_text = word_text
 
 
 @pytest.fixture(scope="module")
