@@ -449,12 +449,12 @@ class Stepper:
         self.composer.observe(report.prefill_tokens, report.prefill_s, report.verified, report.rows, report.decode_s)
         self._notify(self.on_step, report)
         for job, chunk in zip(list(jobs), chunks):
-            if chunk.text or chunk.token_ids or chunk.finish_reason:
-                self._deliver(job, CHUNK, chunk)
-            if chunk.finish_reason is not None:
+            if chunk.finish_reason is not None:  # settled before its reader sees the end
                 jobs.remove(job)
                 self._release(job)
                 self._notify(self.on_finish, job, chunk)
+            if chunk.text or chunk.token_ids or chunk.finish_reason:
+                self._deliver(job, CHUNK, chunk)
 
     def _in_flight(self, jobs: Sequence[Job]) -> int:
         return sum(1 for j in jobs if j.activated_s)
