@@ -44,12 +44,13 @@ class TextAssembler:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token_id: int, *, with_text: bool = True) -> bool:
+    def add(self, token_id: int, *, with_text: bool = True, stop: bool = True) -> bool:
         """Append one committed token. Returns True when a stop string completed (the text is
         then cut right before it and no later token may be added).
 
         ``with_text=False`` records the id without text (an EOS token ends the output and
-        is never shown, special or not)."""
+        is never shown, special or not); ``stop=False``: stop strings are not looked for
+        after this token (a request's ``min_tokens`` not reached yet)."""
         if self.stopped:
             raise RuntimeError("TextAssembler.add after a stop string matched")
         self.token_ids.append(int(token_id))
@@ -68,7 +69,7 @@ class TextAssembler:
         if delta:
             old_len = len(self.text)
             self.text += delta
-            if self._stop:
+            if self._stop and stop:
                 start = max(0, old_len - self._max_stop + 1)
                 hit = min(
                     (p for p in (self.text.find(s, start) for s in self._stop) if p != -1),
@@ -79,6 +80,11 @@ class TextAssembler:
                     self.stopped = True
         self._token_text_end.append(len(self.text))
         return self.stopped
+
+    @property
+    def emitted_tokens(self) -> int:
+        """Token ids :meth:`take` has returned so far."""
+        return self._emitted_tokens
 
     def _holdback(self) -> int:
         """Characters at the end of the text that could still start a stop string."""

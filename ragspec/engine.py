@@ -49,13 +49,15 @@ from .drafters.base import (
     session_capabilities,
 )
 from .errors import ConfigError, PromptTooLongError
+from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
+from .processing import ProcessorContext, build_processors
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
-from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
+from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
 if TYPE_CHECKING:
@@ -379,9 +381,13 @@ class Engine:
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
         session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
+        processors = build_processors(
+            params, ProcessorContext(tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer)
+        )
         req = Request(
             prompt_ids=prompt_ids,
             params=params,
+            processors=processors,
             state=self.target.new_state(),
             verifier=verifier,
             session=session,
@@ -668,7 +674,8 @@ class Engine:
             should_cancel: asked before each step; True ends the generation.
 
         Returns:
-            GenerationOutput with ``.text``, ``.token_ids`` (generated only) and ``.stats``.
+            GenerationOutput with ``.text``, ``.token_ids`` (generated only), ``.stats``
+            and, when asked (``logprobs``), ``.logprobs`` (one entry per token).
 
         Raises:
             TypeError: an unknown keyword.
@@ -679,14 +686,16 @@ class Engine:
         """
         text_parts: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         stats = None
         for chunk in self.stream(prompt, params, **kwargs):
             text_parts.append(chunk.text)
             tokens.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             if chunk.stats is not None:
                 stats = chunk.stats
         assert stats is not None, "stream ended without a final chunk"
-        return GenerationOutput("".join(text_parts), tokens, stats)
+        return GenerationOutput("".join(text_parts), tokens, stats, logprobs)
 
     # ------------------------------------------------------------------ stages
     def _draft(
@@ -736,11 +745,16 @@ class Engine:
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
         req, tree = p.request, p.tree
+        chain = req.processors
+        row_fn = chain.rows(tree) if chain else None
+        lp = step_logprob_rows(req.params, row_fn)  # None unless the request returns logprobs
+        fn = lp if lp is not None else row_fn
         if req.verifier.greedy:
-            res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
+            logits = out.row_logits if out.row_logits is not None else out.logits
+            res = verify_greedy(tree, logits, fn)
         else:
             logits = out.logits if out.logits is not None else out.row_logits.full()
-            res = req.verifier(tree, logits, req.generator)
+            res = req.verifier(tree, logits, req.generator, fn)
         if req.want_hidden:
             # features of the positions now kept in the cache: root + accepted path
             rows = [0] + [1 + i for i in res.accepted_nodes]
@@ -750,6 +764,10 @@ class Engine:
         t2 = time.perf_counter()
         committed = res.tokens
         kept = commit_tokens(req, committed, self.eos_token_ids)
+        if chain:
+            chain.commit(committed)
+        if lp is not None:
+            req.logprobs.extend(lp.entries(step_rows(logits), res)[:kept])
         # 4. feedback
         if tree.num_nodes:
             req.acceptance.observe(tree, res)

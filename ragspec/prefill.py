@@ -4,7 +4,8 @@
 (:func:`prefill_budget`); chunks already in the engine's
 :class:`~ragspec.prefix_cache.PrefixCache` are loaded instead of run
 (:func:`load_cached_prefix`), and whole chunks run are kept there (:func:`store_chunk`).
-The last chunk's last logits give the request's first token.
+The last chunk's last logits give the request's first token (through the request's
+logit processors, row 0 of an empty draft).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from .backend.base import Target
 from .config import PolicyConfig
+from .logprobs import step_logprob_rows, step_rows
 from .prefix_cache import PrefixCache
 from .request import Request, commit_tokens
 from .types import DraftTree
 
-__all__ = ["prefill", "prefill_budget", "load_cached_prefix", "store_chunk"]
+__all__ = ["prefill", "prefill_budget", "first_token", "load_cached_prefix", "store_chunk"]
 
 
 def prefill_budget(policy: PolicyConfig) -> Optional[int]:
@@ -75,14 +77,30 @@ def prefill(
     # the prefill counts as one forward, also when the prefix cache served all of it
     # (decode steps stay num_forward_passes - 1)
     stats.num_forward_passes += 1
-    res = req.verifier(DraftTree.empty(), logits, req.generator)
+    first_token(req, logits, eos_token_ids)
     stats.prefill_s += time.perf_counter() - t0
     stats.time_to_first_token_s = time.perf_counter() - req.started_s
+    return n
+
+
+def first_token(req: Request, logits: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
+    """The request's first token, chosen from its prompt's last logits float32 [1, V]
+    through its processors (row 0 of an empty draft), committed (stop conditions,
+    processors, log-probabilities, draft session): it becomes the request's root."""
+    chain = req.processors
+    empty = DraftTree.empty()
+    row_fn = chain.rows(empty) if chain else None
+    lp = step_logprob_rows(req.params, row_fn)
+    fn = lp if lp is not None else row_fn
+    res = req.verifier(empty, logits, req.generator, fn)
     req.root = res.bonus_token
     commit_tokens(req, [req.root], eos_token_ids)
+    if chain:
+        chain.commit([req.root])
+    if lp is not None:
+        req.logprobs.extend(lp.entries(step_rows(logits), res))
     if req.session is not None:
         req.session.extend([req.root])
-    return n
 
 
 def load_cached_prefix(target: Target, req: Request, cache: PrefixCache) -> Optional[torch.Tensor]:

@@ -18,7 +18,8 @@ from .detok import TextAssembler
 from .drafters.base import DraftSession, SessionCapability, session_capabilities
 from .params import RequestParams
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
-from .types import DraftTree, GenerationStats, StepStats, StreamChunk, VerifyResult
+from .processors import ProcessorChain
+from .types import DraftTree, GenerationStats, StepStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import Verifier
 
 __all__ = ["Request", "StepReport", "commit_tokens", "take_chunk", "record_step"]
@@ -64,6 +65,10 @@ class Request:
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     solo_draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate.solo)
     """The same for its steps alone (:meth:`DraftTimeGate.solo`)."""
+    processors: ProcessorChain = field(default_factory=lambda: ProcessorChain(()))
+    """Its logit processors (:mod:`ragspec.processors`; empty: none, the unprocessed path)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One entry per generated token when ``params.logprobs`` (else empty)."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -145,18 +150,20 @@ class StepReport:
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:
     """Pass committed tokens one by one through the stop conditions (``eos_token_ids``,
-    stop strings, ``max_new_tokens``).
+    stop strings from the request's ``min_tokens``-th token on, ``max_new_tokens``).
 
     Returns how many of ``tokens`` were kept; sets ``req.finish_reason`` when the
     generation ends (EOS, stop string, max_new_tokens)."""
     kept = 0
+    min_tokens = req.params.min_tokens
     for t in tokens:
         kept += 1
         if t in eos_token_ids:
             req.assembler.add(t, with_text=False)
             req.finish_reason = "stop"
             break
-        if req.assembler.add(t):
+        # stop strings count from the min_tokens-th token on (vLLM's rule)
+        if req.assembler.add(t, stop=len(req.assembler.token_ids) + 1 >= min_tokens):
             req.finish_reason = "stop"
             break
         if len(req.assembler.token_ids) >= req.decode.max_new_tokens:
@@ -170,18 +177,28 @@ def take_chunk(req: Request) -> StreamChunk:
     request is then done, and its draft session told how it finished)."""
     if not req.finish_reason:
         text, toks = req.assembler.take()
-        return StreamChunk(text, toks)
+        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks))
     stats = req.stats
     stats.num_generated_tokens = req.num_generated_tokens
     stats.finish_reason = req.finish_reason
     stats.total_s = time.perf_counter() - req.started_s
     text, toks = req.assembler.take(final=True)
+    logprobs = _logprobs_of(req, toks)
     req.done = True
     session = req.session
     if session is not None and SessionCapability.FINISH in session_capabilities(session):
         tokens = list(req.assembler.token_ids)
         session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
-    return StreamChunk(text, toks, req.finish_reason, stats)
+    return StreamChunk(text, toks, req.finish_reason, stats, logprobs)
+
+
+def _logprobs_of(req: Request, toks: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """The entries of ``toks``, the tokens a chunk emits next (those after the ones
+    already emitted, in :attr:`Request.logprobs` order)."""
+    if not toks or not req.logprobs:
+        return ()
+    end = req.assembler.emitted_tokens
+    return tuple(req.logprobs[end - len(toks) : end])
 
 
 def record_step(
