@@ -48,7 +48,9 @@ from .drafters.base import (
     salted_drafter,
     session_capabilities,
 )
+from .drafters.forced import ForcedTokenSession
 from .errors import ConfigError, PromptTooLongError
+from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
@@ -103,6 +105,8 @@ class Engine:
             drafted from by a drafter composed from ``parts``
             (:class:`~ragspec.composition.DraftSources`); ``parts.datastore``, the default,
             is one of them.
+        grammars: another engine's grammar compiler over the same tokenizer, its compiled
+            grammars shared (None: a new one).
 
     Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
 
@@ -123,6 +127,7 @@ class Engine:
         parts: DrafterParts = DrafterParts(),
         prefix_cache: Optional[PrefixCache] = None,
         datastores: Optional[Mapping[str, "Datastore"]] = None,
+        grammars: Optional[GrammarCompiler] = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -142,6 +147,13 @@ class Engine:
         target without ``Capability.PREFIX_KV``."""
         self.last_step = StepReport()
         """What the latest :meth:`step` call did."""
+        self.grammars = (
+            grammars
+            if grammars is not None and grammars.tokenizer is tokenizer
+            else GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids)
+        )
+        """Compiles and caches the requests' structured-output constraints
+        (``RequestParams.response_format``; :mod:`ragspec.grammar`)."""
 
     @property
     def drafting(self) -> str:
@@ -219,6 +231,7 @@ class Engine:
             parts=parts,
             prefix_cache=self.prefix_cache,  # kept where the new policy's chunks and budget are the same
             datastores=datastores,
+            grammars=self.grammars,
         )
 
     def _new_prefix_cache(self) -> Optional[PrefixCache]:
@@ -298,7 +311,9 @@ class Engine:
         thread than the one that steps): the prompt with ``params.documents`` laid in for
         the model (:mod:`ragspec.prompts`: the chat template's documents where it takes
         them, else the default layout), and, when the request drafts, the token ids of its
-        ``documents`` and ``draft_documents`` for the drafter.
+        ``documents`` and ``draft_documents`` for the drafter. A ``response_format`` is
+        compiled here (into :attr:`grammars`' cache), so a constraint that cannot be served
+        is refused before the request is queued.
 
         Args:
             prompt: text (chat-templated when ``chat``), token ids, or a chat
@@ -309,8 +324,12 @@ class Engine:
         Raises:
             ConfigError: an empty prompt, text that is not valid Unicode, a non-string
                 document, documents with a prompt of token ids.
+            StructuredOutputError: a ``response_format`` that does not compile (naming its
+                field in ``param``).
         """
         params = params if params is not None else RequestParams()
+        if params.response_format is not None:
+            self.grammars.compile(params.response_format)
         if _is_messages(prompt):
             ids = self.encode_messages(prompt, params.documents)  # type: ignore[arg-type]
         else:
@@ -351,6 +370,7 @@ class Engine:
             DatastoreNotFoundError: ``params.datastore`` names no datastore of this engine.
             IsolationError: a salted request that drafts, on a drafter that does not declare
                 whether it reads other requests' tokens.
+            StructuredOutputError: a ``response_format`` that does not compile.
         """
         extra_ids: Sequence[Sequence[int]] = ()
         if sampling is not None or deprecated or isinstance(params, DecodeConfig):
@@ -380,9 +400,14 @@ class Engine:
                 generator.seed()
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
-        session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
+        fmt = params.response_format
+        grammar = self.grammars.compile(fmt) if fmt is not None else None
+        session = self._session(drafter, params, prompt_ids, doc_ids, seeded, grammar)
         processors = build_processors(
-            params, ProcessorContext(tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer)
+            params,
+            ProcessorContext(
+                tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer, grammar=grammar
+            ),
         )
         req = Request(
             prompt_ids=prompt_ids,
@@ -419,18 +444,24 @@ class Engine:
         prompt_ids: Sequence[int],
         doc_ids: Sequence[Sequence[int]],
         seeded: bool,
+        grammar: Optional[Grammar] = None,
     ) -> Optional[DraftSession]:
         """The request's draft session (None: it does not draft): a seeded sampled request
         drafts only from its own tokens (same seed, same output); a salted one from its
         salt's partition (:func:`~ragspec.drafters.base.salted_drafter`, which refuses a
-        drafter that does not declare its isolation)."""
-        if not params.drafts or drafter is None:
+        drafter that does not declare its isolation). A request under a ``grammar`` drafts
+        the tokens it forces first (:class:`~ragspec.drafters.forced.ForcedTokenSession`),
+        also on an engine without a drafter."""
+        if not params.drafts:
             return None
+        session: Optional[DraftSession] = None
         chosen = reproducible_drafter(drafter) if seeded else drafter
         chosen = salted_drafter(chosen, params.cache_salt)
-        if chosen is None:
-            return None
-        return chosen.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        if chosen is not None:
+            session = chosen.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        if grammar is not None:
+            session = ForcedTokenSession(session, grammar.follower())
+        return session
 
     def step_tokens(self, req: Request) -> int:
         """Most tokens ``req`` puts through the model in its next step: its next prefill

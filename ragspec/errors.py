@@ -58,7 +58,7 @@ class UnsupportedParameterError(ConfigError):
         self.param = param
 
 
-class StructuredOutputError(ConfigError):
+class StructuredOutputError(InvalidParameterError):
     """A structured-output constraint cannot be served: a malformed ``response_format``, a
     JSON schema or grammar the grammar engine cannot compile (a keyword it does not
     implement, a schema too large or too deeply nested for its limits), a tool without a
@@ -66,8 +66,7 @@ class StructuredOutputError(ConfigError):
     (``"response_format"``, ``"tools[0].function.parameters"`` ...)."""
 
     def __init__(self, message: str, *, param: str = "response_format") -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 class DatastoreNotFoundError(ConfigError):

@@ -132,7 +132,10 @@ def grammar_source(fmt: ResponseFormat) -> str:
         # a regex; a choice (its strings as literals); a grammar in Lark, or GBNF converted
         return str(llg.grammar_from(fmt.kind, fmt.text))
     except (ValueError, TypeError, RuntimeError) as e:
-        raise StructuredOutputError(f"{fmt.param}: {_first_line(e)}", param=fmt.param) from None
+        what = fmt.kind.replace("_", " ")
+        raise StructuredOutputError(
+            f"{fmt.param}: the {what} does not compile: {_first_line(e)}", param=fmt.param
+        ) from None
 
 
 def _first_line(e: Any) -> str:
@@ -157,6 +160,7 @@ class Grammar:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         template_vocab: int,
+        known_tokens: int,
     ) -> None:
         self.format = fmt
         self._template = template
@@ -165,6 +169,10 @@ class Grammar:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.mask_words = (int(template_vocab) + 31) // 32
         """int32 words of one token bitmask (llguidance's vocabulary, at least V)."""
+        self.known_tokens = int(known_tokens)
+        """Token ids below this have text the grammar engine reads; ids at or above it
+        (rows of a padded output layer) are never allowed, never shown to the engine
+        (an id it does not know puts a matcher in its error state for good)."""
 
     def matcher(self) -> "llguidance.LLMatcher":
         """A new matcher at the start of the output (a copy: each request its own)."""
@@ -198,7 +206,11 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = (), limits: GrammarLimits = GrammarLimits()
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        limits: GrammarLimits = GrammarLimits(),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
@@ -252,7 +264,7 @@ class GrammarCompiler:
         if isinstance(hit, str):  # a refusal, cached too: a hostile schema sent again costs nothing
             raise StructuredOutputError(f"{fmt.param}: {hit}", param=fmt.param)
         if hit.format.param != fmt.param:  # the same constraint from another field
-            hit = Grammar(fmt, hit._template, hit.vocab_size, hit.eos_token_ids, 32 * hit.mask_words)
+            hit = Grammar(fmt, hit._template, hit.vocab_size, hit.eos_token_ids, 32 * hit.mask_words, hit.known_tokens)
         return hit
 
     def _build(self, fmt: ResponseFormat) -> Any:
@@ -268,7 +280,8 @@ class GrammarCompiler:
             return _refusal(fmt, matcher.get_error())
         for warning in matcher.get_grammar_warnings():
             logger.debug("grammar of %s: %s", fmt.param, warning)
-        return Grammar(fmt, matcher, self.vocab_size, self._eos(), tok.vocab_size)
+        known = min(len(self.tokenizer), int(tok.vocab_size))
+        return Grammar(fmt, matcher, self.vocab_size, self._eos(), tok.vocab_size, known)
 
 
 def _refusal(fmt: ResponseFormat, error: str) -> str:
@@ -327,6 +340,7 @@ class _Cursor:
     def __init__(self, grammar: Grammar) -> None:
         self.m = grammar.matcher()
         self.eos = frozenset(grammar.eos_token_ids)
+        self.known = grammar.known_tokens
         self.path: list[int] = []
         self.broken = False
         """The committed output left the grammar (never, unless another processor chose a
@@ -336,6 +350,8 @@ class _Cursor:
         """Whether ``token`` may follow the matcher's state (EOS: where the output is complete)."""
         if token in self.eos:
             return bool(self.m.is_accepting())
+        if not 0 <= token < self.known:
+            return False
         return not self.m.is_stopped() and self.m.validate_tokens([token]) == 1
 
     def goto(self, path: Sequence[int]) -> bool:

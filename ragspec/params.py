@@ -5,9 +5,9 @@ parameters are the models): how tokens are chosen (``temperature``, ``top_k``, `
 ``seed``), when generation ends (``max_new_tokens``, ``stop``), how it drafts
 (``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
 reads besides the prompt (``documents``), the tenant partition of the shared caches
-(``cache_salt``), and, named already, what the engine does not do yet (``n``,
-``logprobs``/``top_logprobs``, penalties, ``logit_bias``, ``min_tokens``,
-``response_format``): setting one of those to anything but its neutral value raises
+(``cache_salt``), what the output must be (``response_format``: a JSON schema, a regex, a
+choice, a grammar; :mod:`ragspec.structured`), and, named already, what the engine does
+not do yet (``n``): setting one of those to anything but its neutral value raises
 :class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
@@ -26,13 +26,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from .config import DecodeConfig, SamplingParams
 from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
 from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
+from .structured import ResponseFormat
+from .structured import response_format as _response_format
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
-UNSUPPORTED_FIELDS = (
-    "n",
-    "response_format",
-)
+UNSUPPORTED_FIELDS = ("n",)
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
 
@@ -142,9 +141,14 @@ class RequestParams:
     """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
     one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
     0: off; greedy decoding ignores it)."""
-    response_format: Optional[Mapping[str, Any]] = None
-    """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
-    grammar); None: free text (not implemented: None only)."""
+    response_format: Union[None, Mapping[str, Any], ResponseFormat] = None
+    """What the output must be: a :class:`~ragspec.structured.ResponseFormat`, or its
+    OpenAI-shaped mapping (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,
+    ``{"type": "json_object"}``, and the ``regex``, ``choice`` and ``grammar`` kinds), kept
+    as a ``ResponseFormat``; None (or ``{"type": "text"}``): free text. Every token is
+    chosen among those the constraint allows (drafts included), and EOS only where the
+    output is complete (:mod:`ragspec.grammar`); the schema compiles when the request is
+    prepared (:meth:`Engine.prepare <ragspec.engine.Engine.prepare>`)."""
 
     _decode: DecodeConfig = field(init=False, repr=False, compare=False, hash=False)
     _sampling: SamplingParams = field(init=False, repr=False, compare=False, hash=False)
@@ -154,6 +158,7 @@ class RequestParams:
         set_(self, "stop", _texts(self.stop, "stop"))
         set_(self, "documents", _texts(self.documents, "documents"))
         set_(self, "draft_documents", _texts(self.draft_documents, "draft_documents"))
+        set_(self, "response_format", _response_format(self.response_format))
         for name in ("speculative", "return_steps", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -252,10 +257,7 @@ class RequestParams:
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
-        checks = (
-            ("n", self.n != 1, "only n=1 is supported"),
-            ("response_format", self.response_format is not None, "only free-text output is supported"),
-        )
+        checks = (("n", self.n != 1, "only n=1 is supported"),)
         for name, bad, message in checks:
             if bad:
                 raise UnsupportedParameterError(message, param=name)

@@ -60,7 +60,9 @@ class ResponseFormat:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise StructuredOutputError(f"unknown constraint kind {self.kind!r}; one of {list(KINDS)}", param=self.param)
+            raise StructuredOutputError(
+                f"unknown constraint kind {self.kind!r}; one of {list(KINDS)}", param=self.param
+            )
         if not isinstance(self.text, str) or not self.text:
             raise StructuredOutputError(f"{self.param}: the {self.kind} constraint is empty", param=self.param)
         if len(self.text) > MAX_FORMAT_CHARS:
@@ -90,6 +92,8 @@ class ResponseFormat:
             )
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except RecursionError:
+            raise StructuredOutputError(f"{param}: the JSON schema is nested too deeply", param=param) from None
         except (TypeError, ValueError) as e:
             raise StructuredOutputError(f"{param}: the JSON schema is not JSON: {e}", param=param) from None
         return cls("json_schema", text, name=name, strict=strict, param=param)

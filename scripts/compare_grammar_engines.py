@@ -101,7 +101,9 @@ def main() -> None:
         x_g = x_comp.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
         x_compile = time.perf_counter() - t0
         t0 = time.perf_counter()
-        l_g = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        l_g = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        )
         l_probe = llguidance.LLMatcher(l_tok, l_g)
         l_compile = time.perf_counter() - t0
         if l_probe.is_error():

@@ -134,6 +134,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "processors",
             "logit_processors",
             "processing",
+            "structured",
+            "grammar",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),

@@ -79,7 +79,6 @@ def test_request_params_validate_once_and_normalise():
         ("n", 2),
         ("logprobs", True),
         ("top_logprobs", 3),
-        ("response_format", {"type": "json_object"}),
     ],
 )
 def test_a_field_the_engine_does_not_implement_is_refused_by_name(field, value):
