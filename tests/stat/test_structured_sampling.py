@@ -15,12 +15,12 @@ from typing import Sequence
 import numpy as np
 import pytest
 import torch
-from ragspec_testing import FakeTarget, make_json_tokenizer, make_tree
 from sampling_fit import exact_first_tokens, goodness_of_fit, hf_processed_probs
 
 from ragspec import DraftTree, Engine, PolicyConfig
 from ragspec.config import SamplingParams
 from ragspec.structured import ResponseFormat
+from ragspec_testing import FakeTarget, make_json_tokenizer, make_tree
 
 EOS = 2
 NUM_TOKENS = 3

@@ -12,7 +12,6 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from ragspec_testing import FakeTarget, ScriptedDrafter, make_json_tokenizer, make_tree, wrong_plan
 
 from ragspec import Engine, PolicyConfig, RequestParams
 from ragspec.drafters import PromptLookupDrafter
@@ -21,6 +20,7 @@ from ragspec.errors import StructuredOutputError, UnsupportedParameterError
 from ragspec.grammar import GrammarCompiler, GrammarLimits
 from ragspec.structured import ResponseFormat, response_format
 from ragspec.types import DraftTree
+from ragspec_testing import FakeTarget, ScriptedDrafter, make_json_tokenizer, make_tree, wrong_plan
 
 EOS = 2
 
