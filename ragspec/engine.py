@@ -286,14 +286,17 @@ class Engine:
         """
         return encode_prompt(self.tokenizer, prompt, chat, documents)
 
-    def encode_messages(self, messages: Messages, documents: Sequence[str] = ()) -> list[int]:
+    def encode_messages(
+        self, messages: Messages, documents: Sequence[str] = (), tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) through the chat template,
-        ``documents`` laid in for the model to read (:func:`ragspec.prompts.encode_messages`).
+        ``documents`` laid in for the model to read, ``tools`` (OpenAI's definitions)
+        shown where the template declares tool use (:func:`ragspec.prompts.encode_messages`).
 
         Raises:
             ConfigError: a message's content is not valid Unicode text (a lone surrogate).
         """
-        return encode_messages(self.tokenizer, messages, documents)
+        return encode_messages(self.tokenizer, messages, documents, tools)
 
     def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
         """Token ids of each document (no special tokens).
@@ -305,7 +308,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def prepare(
-        self, prompt: Union[Prompt, Messages], params: Optional[RequestParams] = None, *, chat: bool = True
+        self,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
+        *,
+        chat: bool = True,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> PreparedPrompt:
         """The token ids a request reads (no forward; a front end may run it on another
         thread than the one that steps): the prompt with ``params.documents`` laid in for
@@ -320,6 +328,8 @@ class Engine:
                 (``{"role", "content"}`` messages, always chat-templated).
             params: the request's parameters (None: the defaults).
             chat: apply the chat template to a text prompt.
+            tools: OpenAI's tool definitions, shown to a chat template that declares tool
+                use (:func:`ragspec.prompts.template_takes_tools`).
 
         Raises:
             ConfigError: an empty prompt, text that is not valid Unicode, a non-string
@@ -328,10 +338,10 @@ class Engine:
                 field in ``param``).
         """
         params = params if params is not None else RequestParams()
-        if params.response_format is not None:
-            self.grammars.compile(params.response_format)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
         if _is_messages(prompt):
-            ids = self.encode_messages(prompt, params.documents)  # type: ignore[arg-type]
+            ids = self.encode_messages(prompt, params.documents, tools)  # type: ignore[arg-type]
         else:
             ids = self.encode_prompt(prompt, chat=chat, documents=params.documents)  # type: ignore[arg-type]
         docs = self.encode_documents([*params.documents, *params.draft_documents]) if params.drafts else []
@@ -400,7 +410,7 @@ class Engine:
                 generator.seed()
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
-        fmt = params.response_format
+        fmt = params.constraint
         grammar = self.grammars.compile(fmt) if fmt is not None else None
         session = self._session(drafter, params, prompt_ids, doc_ids, seeded, grammar)
         processors = build_processors(

@@ -274,6 +274,13 @@ class RequestParams:
         return self._sampling
 
     @property
+    def constraint(self) -> Optional[ResponseFormat]:
+        """``response_format`` as the :class:`~ragspec.structured.ResponseFormat` it was
+        read into (None: free text)."""
+        fmt = self.response_format
+        return fmt if isinstance(fmt, ResponseFormat) else None
+
+    @property
     def greedy(self) -> bool:
         """Temperature 0: argmax decoding, no random number drawn."""
         return self._sampling.greedy
