@@ -101,6 +101,16 @@ class TextAssembler:
         """Text and token ids that are safe to emit now and were not emitted before.
 
         With ``final=True`` everything left is returned (the generation has ended)."""
+        text, toks, _ = self.take_tokens(final)
+        return text, toks
+
+    def take_tokens(self, final: bool = False) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+        """:meth:`take`, with the text each token brings: ``(text, token ids, texts)``,
+        ``texts`` one string per token whose concatenation is ``text`` (text that no
+        emitted token ends, e.g. the start of a character the next token completes, goes
+        with the last token; with no token, ``texts`` is empty). For streaming one token
+        per event."""
+        start_text, start_tok = self._emitted_text, self._emitted_tokens
         limit = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback()
         if limit <= self._emitted_text and not final:
             text = ""
@@ -115,4 +125,12 @@ class TextAssembler:
                 n_tok += 1
         toks = tuple(self.token_ids[self._emitted_tokens : n_tok])
         self._emitted_tokens = n_tok
-        return text, toks
+        texts: list[str] = []
+        at, end = start_text, self._emitted_text
+        for i in range(start_tok, n_tok):
+            stop = min(max(self._token_text_end[i], at), end)
+            texts.append(self.text[at:stop])
+            at = stop
+        if texts and at < end:
+            texts[-1] += self.text[at:end]
+        return text, toks, tuple(texts)

@@ -386,6 +386,8 @@ class Engine:
         if sampling is not None or deprecated or isinstance(params, DecodeConfig):
             params, extra_ids = _deprecated_start(params, sampling, deprecated)
         params = params if params is not None else RequestParams()
+        if params.n != 1:
+            raise ConfigError(f"n={params.n}: a request of several choices starts with Engine.start_choices")
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, params, chat=chat)
         prompt_ids = list(prompt.prompt_ids)
@@ -446,6 +448,61 @@ class Engine:
         if params.max_new_tokens == 0:
             req.finish_reason = "length"
         return req
+
+    def start_choices(
+        self, prompt: Union[Prompt, Messages, PreparedPrompt], params: RequestParams, *, chat: bool = True
+    ) -> list[Request]:
+        """The ``params.n`` choices of one request, each a :class:`Request` of ``n=1``,
+        ready to be stepped together (no forward runs here). Choice i samples with its own
+        generator, seeded ``params.seed + i`` (vLLM's rule; unseeded: fresh seeds); they
+        share one prefill: choice 0 runs it, and where the target copies KV entries
+        (``Capability.PREFIX_KV``) the others copy its prompt's entries once it ran and
+        choose their first token from its last logits (otherwise each prefills itself).
+        Greedy choices are all the same output.
+
+        Raises:
+            as :meth:`start`.
+        """
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare(prompt, params, chat=chat)
+        one = params.replace(n=1)
+        choices = [
+            self.start(prompt, one if params.seed is None else one.replace(seed=params.seed + i))
+            for i in range(params.n)
+        ]
+        if len(choices) > 1 and self.target.capability(Capability.PREFIX_KV):
+            choices[0].shares_prefill = True
+            for req in choices[1:]:
+                req.fork_of = choices[0]
+        return choices
+
+    def generate_choices(
+        self,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
+        *,
+        chat: bool = True,
+        **fields: Any,
+    ) -> list[GenerationOutput]:
+        """:meth:`generate` for a request of ``n`` choices (:meth:`start_choices`, stepped
+        together): one :class:`~ragspec.types.GenerationOutput` per choice, in order.
+
+        Raises:
+            TypeError: an unknown keyword. Others: as :meth:`start`.
+        """
+        choices = self.start_choices(prompt, request_params(params, **fields), chat=chat)
+        outs = [GenerationOutput("", [], GenerationStats()) for _ in choices]
+        running = list(range(len(choices)))
+        while running:
+            for i, chunk in zip(running, self.step([choices[i] for i in running])):
+                out = outs[i]
+                out.text += chunk.text
+                out.token_ids.extend(chunk.token_ids)
+                out.logprobs.extend(chunk.logprobs)
+                if chunk.stats is not None:
+                    out.stats = chunk.stats
+            running = [i for i in running if not choices[i].done]
+        return outs
 
     def _session(
         self,

@@ -6,9 +6,10 @@ parameters are the models): how tokens are chosen (``temperature``, ``top_k``, `
 (``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
 reads besides the prompt (``documents``), the tenant partition of the shared caches
 (``cache_salt``), what the output must be (``response_format``: a JSON schema, a regex, a
-choice, a grammar; :mod:`ragspec.structured`), and, named already, what the engine does
-not do yet (``n``): setting one of those to anything but its neutral value raises
-:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored.
+choice, a grammar; :mod:`ragspec.structured`), and the fields the engine does not do
+yet, if any (:data:`UNSUPPORTED_FIELDS`): setting one of those to anything but its neutral
+value raises :class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently
+ignored.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
 body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
@@ -31,7 +32,7 @@ from .structured import response_format as _response_format
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
-UNSUPPORTED_FIELDS = ("n",)
+UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
 
@@ -107,9 +108,11 @@ class RequestParams:
     # ------------------------------------------------------------------ reporting
     return_steps: bool = False
     """Keep per-step stats in ``GenerationStats.steps``."""
-    # ------------------------------------------------------------------ not implemented yet
+    # ------------------------------------------------------------------ choices, log-probabilities, processing
     n: int = 1
-    """Completions per request (only 1 is implemented)."""
+    """Choices (completions) of the request, >= 1: each its own generation, sampled with
+    its own generator seeded ``seed + i``, sharing one prefill
+    (:meth:`Engine.start_choices <ragspec.engine.Engine.start_choices>`)."""
     logprobs: bool = False
     """Return each generated token's log-probability (``GenerationOutput.logprobs``,
     ``StreamChunk.logprobs``), from the verification row that chose it: equal to plain
@@ -228,6 +231,8 @@ class RequestParams:
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
                 param="logprobs_mode",
             )
+        if self.n < 1:
+            raise InvalidParameterError(f"n must be at least 1, got {self.n}", param="n")
         rp = self.repetition_penalty
         if not _number(rp) or not 0 < rp < math.inf:
             raise InvalidParameterError(
@@ -257,7 +262,7 @@ class RequestParams:
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
-        checks = (("n", self.n != 1, "only n=1 is supported"),)
+        checks: tuple[tuple[str, bool, str], ...] = ()
         for name, bad, message in checks:
             if bad:
                 raise UnsupportedParameterError(message, param=name)

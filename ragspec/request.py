@@ -69,6 +69,18 @@ class Request:
     """Its logit processors (:mod:`ragspec.processors`; empty: none, the unprocessed path)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One entry per generated token when ``params.logprobs`` (else empty)."""
+    fork_of: Optional["Request"] = None
+    """Another choice of the same request (``n`` > 1) whose prefill this one shares: it
+    waits for that prefill, then copies its KV entries instead of running its own
+    (:func:`ragspec.prefill.fork_prefill`); None once forked, or for a request of its own."""
+    shares_prefill: bool = False
+    """Other choices fork from its prefill: it keeps its prompt's last logits
+    (:attr:`fork_logits`) and, where its drafter reads them, hidden states (:attr:`fork_hidden`)."""
+    fork_logits: Optional[torch.Tensor] = None
+    """The prompt's last logits float32 [1, V] once its prefill ran, where :attr:`shares_prefill`."""
+    fork_hidden: list[torch.Tensor] = field(default_factory=list)
+    """The prompt's hidden states, chunk by chunk, where :attr:`shares_prefill` and its
+    drafter reads them."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -113,8 +125,8 @@ class Request:
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens its next step puts through the model (0 once prefilled)."""
-        if not self.prefilling:
-            return 0
+        if not self.prefilling or self.fork_of is not None:
+            return 0  # a choice forking another's prefill runs no prompt token
         left = len(self.prompt_ids) - self.prefilled
         return min(left, self.prefill_chunk) if self.prefill_chunk else left
 
@@ -176,20 +188,20 @@ def take_chunk(req: Request) -> StreamChunk:
     """The chunk of this step: new text and tokens; the last one with the stats (the
     request is then done, and its draft session told how it finished)."""
     if not req.finish_reason:
-        text, toks = req.assembler.take()
-        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks))
+        text, toks, texts = req.assembler.take_tokens()
+        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks), token_texts=texts)
     stats = req.stats
     stats.num_generated_tokens = req.num_generated_tokens
     stats.finish_reason = req.finish_reason
     stats.total_s = time.perf_counter() - req.started_s
-    text, toks = req.assembler.take(final=True)
+    text, toks, texts = req.assembler.take_tokens(final=True)
     logprobs = _logprobs_of(req, toks)
     req.done = True
     session = req.session
     if session is not None and SessionCapability.FINISH in session_capabilities(session):
         tokens = list(req.assembler.token_ids)
         session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
-    return StreamChunk(text, toks, req.finish_reason, stats, logprobs)
+    return StreamChunk(text, toks, req.finish_reason, stats, logprobs, texts)
 
 
 def _logprobs_of(req: Request, toks: Sequence[int]) -> tuple[TokenLogprob, ...]:

@@ -376,7 +376,9 @@ class StreamChunk:
 
     ``finish_reason`` is set on the last chunk only ("stop", "length" or "eos"... see
     :class:`GenerationStats`); ``stats`` too. ``logprobs``: one entry per token of
-    ``token_ids`` when the request asked for them, else empty.
+    ``token_ids`` when the request asked for them, else empty. ``token_texts``: the text
+    each token of ``token_ids`` brings (their concatenation is ``text``; empty when the
+    chunk has no token), for streaming one token per event.
     """
 
     text: str
@@ -384,3 +386,4 @@ class StreamChunk:
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    token_texts: tuple[str, ...] = ()

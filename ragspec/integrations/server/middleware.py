@@ -21,10 +21,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..metrics import ServerMetrics
 from .errors import APIError, ClientGone
 
-__all__ = ["CountRequests", "RequireApiKey", "ENDPOINTS", "DOC_PATHS", "is_json", "read_body", "watch_disconnect"]
+__all__ = [
+    "CountRequests",
+    "RequireApiKey",
+    "ENDPOINTS",
+    "DOC_PATHS",
+    "TOKEN_PATHS",
+    "is_json",
+    "read_body",
+    "watch_disconnect",
+]
 
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """The API docs' paths: behind the API key when one is set."""
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""The tokenizer's endpoints (vLLM's and llama-server's paths, at the root): behind the
+API key when one is set."""
 ENDPOINTS = ("/v1/summarize", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health", "/ready")
 """The endpoints counted by name in ``ragspec_requests_total`` (any other path: "other")."""
 
@@ -57,8 +69,8 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """ASGI middleware: ``/v1/*`` requests, the API docs (``/docs``, ``/redoc``,
-    ``/openapi.json``) and, unless ``public_metrics``, ``/metrics`` (every tenant's traffic)
+    """ASGI middleware: ``/v1/*`` requests, ``/tokenize`` and ``/detokenize``, the API docs
+    (``/docs``, ``/redoc``, ``/openapi.json``) and, unless ``public_metrics``, ``/metrics`` (every tenant's traffic)
     need ``Authorization: Bearer <key>`` with one of the keys (``api_key``: one, or a
     sequence), checked before anything else (body reading included), as vLLM does;
     ``/health`` and ``/ready`` stay open."""
@@ -70,7 +82,9 @@ class RequireApiKey:
 
     def _guarded(self, path: str) -> bool:
         bare = path.rstrip("/")
-        return (path + "/").startswith("/v1/") or bare in DOC_PATHS or (bare == "/metrics" and not self.public_metrics)
+        if (path + "/").startswith("/v1/") or bare in DOC_PATHS or bare in TOKEN_PATHS:
+            return True
+        return bare == "/metrics" and not self.public_metrics
 
     def _valid(self, token: bytes) -> bool:
         # every key compared (no early exit): the time does not tell which key came close
