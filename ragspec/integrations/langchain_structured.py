@@ -58,6 +58,9 @@ def as_response_format(value: Any) -> Optional[ResponseFormat]:
         return value
     if isinstance(value, Mapping) and value.get("type") in ("text", *KINDS):
         return response_format(value)
+    if isinstance(value, Mapping):  # a JSON schema as it is
+        title = value.get("title")
+        return ResponseFormat.json_schema(value, name=title if isinstance(title, str) else "")
     try:
         schema = convert_to_json_schema(value)
     except (TypeError, ValueError) as e:
@@ -154,21 +157,18 @@ class ToolChunks:
         deltas = self._stream.feed(text)
         if last:
             deltas += self._stream.finish()[0]
-        content, parts = "", []
+        content, parts = "", {}  # one part per call: a chunk's fragments of a call joined
         for d in deltas:
             content += d.get("content", "")
             for c in d.get("tool_calls", ()):
                 fn = c.get("function", {})
-                parts.append(
-                    {
-                        "name": fn.get("name"),
-                        "args": fn.get("arguments", ""),
-                        "id": c.get("id"),
-                        "index": c["index"],
-                        "type": "tool_call_chunk",
-                    }
+                part = parts.setdefault(
+                    c["index"], {"name": None, "args": "", "id": None, "index": c["index"], "type": "tool_call_chunk"}
                 )
-        return AIMessageChunk(content=content, tool_call_chunks=parts, **fields)  # type: ignore[arg-type]  # ToolCallChunk dicts
+                part["name"] = part["name"] or fn.get("name")
+                part["id"] = part["id"] or c.get("id")
+                part["args"] += fn.get("arguments", "")
+        return AIMessageChunk(content=content, tool_call_chunks=list(parts.values()), **fields)  # type: ignore[arg-type]  # ToolCallChunk dicts
 
 
 def structured_output(
