@@ -200,8 +200,8 @@ class GrammarCompiler:
             the text of each token).
         vocab_size: V, the target's output rows (masks cover V; ids beyond the tokenizer
             are never allowed).
-        eos_token_ids: the tokens that end a generation (the engine's); none: the
-            tokenizer's EOS.
+        eos_token_ids: the tokens that end a generation (the engine's): a constrained
+            output ends with one where it is complete (none: constraints are refused).
         limits: what one grammar may cost, and the cache size.
     """
 
@@ -220,12 +220,6 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
-    def _eos(self) -> tuple[int, ...]:
-        if self.eos_token_ids:
-            return self.eos_token_ids
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return (int(eos),) if isinstance(eos, int) else ()
-
     def _tokenizer(self) -> Any:
         """llguidance's form of the tokenizer (built once).
 
@@ -234,12 +228,11 @@ class GrammarCompiler:
                 not end), or a tokenizer llguidance cannot read.
         """
         if self._ll_tokenizer is None:
-            eos = self._eos()
-            if not eos:
+            if not self.eos_token_ids:
                 raise StructuredOutputError(
-                    "this model declares no end-of-sequence token: a constrained output could not end"
+                    "this engine stops at no end-of-sequence token: a constrained output could not end"
                 )
-            self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, eos)
+            self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._ll_tokenizer
 
     def compile(self, fmt: ResponseFormat) -> Grammar:
@@ -281,7 +274,22 @@ class GrammarCompiler:
         for warning in matcher.get_grammar_warnings():
             logger.debug("grammar of %s: %s", fmt.param, warning)
         known = min(len(self.tokenizer), int(tok.vocab_size))
-        return Grammar(fmt, matcher, self.vocab_size, self._eos(), tok.vocab_size, known)
+        grammar = Grammar(fmt, matcher, self.vocab_size, self.eos_token_ids, tok.vocab_size, known)
+        # the first mask, computed here once (within the limits): a constraint that no token
+        # of this vocabulary can start is refused, not served as an empty output
+        probe = grammar.matcher()
+        words = np.zeros((1, grammar.mask_words), dtype=np.int32)
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(probe, words)
+        if probe.is_error():
+            return _refusal(fmt, probe.get_error())
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:known]
+        special = {*self.eos_token_ids, *(getattr(self.tokenizer, "all_special_ids", ()) or ())}
+        bits[[t for t in special if 0 <= t < known]] = 0  # (llguidance offers <unk> where nothing fits)
+        if not bits.any() and not probe.is_accepting():
+            return f"the {fmt.kind.replace('_', ' ')} cannot be written with this model's tokens"
+        return grammar
 
 
 def _refusal(fmt: ResponseFormat, error: str) -> str:
@@ -297,7 +305,7 @@ def _refusal(fmt: ResponseFormat, error: str) -> str:
 
 class _TokenTexts:
     """llguidance's ``TokenizerWrapper`` input for a tokenizer it cannot read itself: each
-    token's text (special tokens empty) and an encoder."""
+    token's text (special tokens marked) and an encoder."""
 
     def __init__(self, tokenizer: Any, eos: Sequence[int]) -> None:
         n = len(tokenizer)
@@ -305,7 +313,13 @@ class _TokenTexts:
         self.eos_token_id = int(eos[0])
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.special_token_ids = sorted(special)
-        self.tokens = [b"" if i in special else tokenizer.decode([i]).encode("utf-8") for i in range(n)]
+        # special tokens' text behind a 0xff byte, llguidance's mark of a special token
+        self.tokens = [
+            b"\xff" + str(tokenizer.convert_ids_to_tokens(i)).encode("utf-8")
+            if i in special
+            else tokenizer.decode([i]).encode("utf-8")
+            for i in range(n)
+        ]
         self._tokenizer = tokenizer
 
     def __call__(self, text: Any) -> list[int]:

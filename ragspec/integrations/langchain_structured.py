@@ -157,7 +157,8 @@ class ToolChunks:
         deltas = self._stream.feed(text)
         if last:
             deltas += self._stream.finish()[0]
-        content, parts = "", {}  # one part per call: a chunk's fragments of a call joined
+        content = ""
+        parts: dict[int, Any] = {}  # one part per call: a chunk's fragments of a call joined
         for d in deltas:
             content += d.get("content", "")
             for c in d.get("tool_calls", ()):
@@ -168,7 +169,7 @@ class ToolChunks:
                 part["name"] = part["name"] or fn.get("name")
                 part["id"] = part["id"] or c.get("id")
                 part["args"] += fn.get("arguments", "")
-        return AIMessageChunk(content=content, tool_call_chunks=list(parts.values()), **fields)  # type: ignore[arg-type]  # ToolCallChunk dicts
+        return AIMessageChunk(content=content, tool_call_chunks=list(parts.values()), **fields)
 
 
 def structured_output(

@@ -209,15 +209,14 @@ def test_compiled_grammars_are_cached_and_bounded(tok, target):
     assert compiler.compile(ResponseFormat.regex("a+")) is not a  # evicted, compiled again
 
 
-def test_a_model_without_eos_cannot_serve_constraints(tok, target):
-    class NoEos:
-        eos_token_id = None
-
-        def __len__(self):
-            return len(tok)
-
+def test_an_engine_without_eos_cannot_serve_constraints(tok, target):
     with pytest.raises(StructuredOutputError, match="end-of-sequence"):
-        GrammarCompiler(NoEos(), target.vocab_size).compile(ResponseFormat.regex("a"))
+        GrammarCompiler(tok, target.vocab_size).compile(ResponseFormat.regex("a"))
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_refused(compiler):
+    with pytest.raises(StructuredOutputError, match="cannot be written with this model's tokens"):
+        compiler.compile(ResponseFormat.regex("=+"))  # no token holds "="
 
 
 # ---------------------------------------------------------------------------- the processor

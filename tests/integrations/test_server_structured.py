@@ -17,7 +17,6 @@ import openai
 import pytest
 from _integ_helpers import LiveServer, make_tiny_llama
 from pydantic import BaseModel, ConfigDict, Field
-from ragspec_testing import make_json_tokenizer
 from typing_extensions import TypedDict
 
 from ragspec import Engine, PolicyConfig
@@ -25,6 +24,7 @@ from ragspec.integrations.langchain import ChatRagspec, RagspecLLM
 from ragspec.integrations.server import ServerSettings, create_app
 from ragspec.integrations.tools import ToolPlan, plan_tools
 from ragspec.structured import ResponseFormat
+from ragspec_testing import make_json_tokenizer
 
 MODEL = "tiny-json"
 EOS = 2
