@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -405,6 +406,12 @@ class GrammarProcessor:
         self._vocab = grammar.vocab_size
         self._words = np.zeros((1, grammar.mask_words), dtype=np.int32)
         self._eos = sorted(grammar.eos_token_ids)
+        self.seconds = {"prune": 0.0, "mask": 0.0, "commit": 0.0}
+        """Seconds this request spent in the grammar engine, by part: walking draft trees
+        (``prune``), masking verification rows (``mask``, the matcher's moves between rows
+        included), advancing by the committed tokens (``commit``)."""
+        self.rows_masked = 0
+        """Verification rows masked."""
 
     @property
     def finished(self) -> bool:
@@ -417,6 +424,7 @@ class GrammarProcessor:
         keep = [False] * n
         if n == 0:
             return keep
+        t0 = time.perf_counter()
         paths = row_paths(tree)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         for i in range(n):
@@ -424,6 +432,7 @@ class GrammarProcessor:
             if p >= 0 and not keep[p]:
                 continue
             keep[i] = self._c.goto(paths[p + 1]) and self._c.allows(tokens[i])
+        self.seconds["prune"] += time.perf_counter() - t0
         return keep
 
     def rows(self, tree: DraftTree) -> RowFn:
@@ -431,31 +440,41 @@ class GrammarProcessor:
         paths = row_paths(tree)
 
         def fn(row: int, logits: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
             reached = self._c.goto(paths[row])
             self._mask(logits, eos_only=not reached)
+            self.seconds["mask"] += time.perf_counter() - t0
+            self.rows_masked += 1
             return logits
 
         return fn
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the matcher by the step's committed tokens."""
+        t0 = time.perf_counter()
         self._c.advance(tokens)
+        self.seconds["commit"] += time.perf_counter() - t0
 
     def _mask(self, logits: torch.Tensor, eos_only: bool) -> None:
         """``logits`` (float32 [V]) at ``-inf`` where the state forbids (EOS only past the
-        end, on a path that left the grammar, or after an engine error)."""
+        end, on a path that left the grammar, or after an engine error). On the CPU in
+        numpy: one pass over V values on this thread (a torch op on a row this size waits
+        for its thread pool, slower than the mask itself on a busy machine)."""
         m = self._c.m
         if not (eos_only or self._c.broken or m.is_stopped()):
             import llguidance.numpy
 
             llguidance.numpy.fill_next_token_bitmask(m, self._words)
             if not m.is_error():
-                bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
-                allowed = torch.from_numpy(bits[: logits.shape[-1]])
-                if bool(allowed.any()):
-                    logits.masked_fill_(allowed == 0, float("-inf"))
-                    if logits.shape[-1] > bits.shape[0]:
-                        logits[bits.shape[0] :] = float("-inf")
+                v = logits.shape[-1]
+                # V bits (rows past the grammar engine's vocabulary: zero bits, forbidden)
+                bits = np.unpackbits(self._words.view(np.uint8), bitorder="little", count=v)
+                if bits.any():
+                    forbidden = bits == 0
+                    if logits.device.type == "cpu":
+                        np.putmask(logits.numpy(), forbidden, -np.inf)
+                    else:
+                        logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
                     return
             logger.warning("the grammar engine failed at a mask (%s): ending the output", _first_line(m.get_error()))
             self._c.broken = True
