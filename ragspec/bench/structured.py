@@ -292,7 +292,7 @@ def cmd_structured_bench(args: Any) -> int:
         results.append(run_llama_server(binary, str(gguf), rows, args.max_new_tokens, threads, args.serve_timeout))  # type: ignore[arg-type]
     print(format_report(results, skipped))
     if args.json:
-        out = {"settings": {"data": args.data, "max_tokens": args.max_new_tokens, "threads": threads}}
+        out: dict[str, Any] = {"settings": {"data": args.data, "max_tokens": args.max_new_tokens, "threads": threads}}
         out["modes"] = [r.to_dict() for r in results]
         out["texts"] = {r.mode: r.texts for r in results}
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
