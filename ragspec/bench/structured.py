@@ -54,11 +54,15 @@ __all__ = [
 
 EXTRACTION_SCHEMA = {
     "type": "object",
-    "properties": {"answer": {"type": "string"}, "quotes": {"type": "array", "items": {"type": "string"}}},
+    "properties": {
+        "answer": {"type": "string", "maxLength": 160},
+        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 400}, "maxItems": 3},
+    },
     "required": ["answer", "quotes"],
     "additionalProperties": False,
 }
-"""The extraction's JSON schema."""
+"""The extraction's JSON schema: the answer at most 160 characters (a small model's answer
+otherwise runs past the token budget before any quote), at most 3 quotes."""
 INSTRUCTION = (
     'Answer the question above from the passages, as JSON: "answer", a short answer, and "quotes", the sentences of '
     "the passages that support it, copied word for word."
