@@ -49,9 +49,8 @@ class InvalidParameterError(ConfigError):
 
 
 class UnsupportedParameterError(ConfigError):
-    """A request asks for something the engine does not do yet (``n > 1``, log-probabilities,
-    penalties, ``logit_bias``, ``min_tokens``, a structured ``response_format``): refused,
-    never silently ignored. ``param`` names the field."""
+    """A request asks for something the engine does not do yet (a structured
+    ``response_format``): refused, never silently ignored. ``param`` names the field."""
 
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)

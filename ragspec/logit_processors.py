@@ -61,7 +61,9 @@ class LogitBias:
         return self._apply
 
     def _apply(self, row: int, logits: torch.Tensor) -> torch.Tensor:
-        logits[self._ids] = logits[self._ids] + self._values.to(logits.device)
+        if self._ids.device != logits.device:  # once: the target's device
+            self._ids, self._values = self._ids.to(logits.device), self._values.to(logits.device)
+        logits[self._ids] = logits[self._ids] + self._values
         return logits
 
     def commit(self, tokens: Sequence[int]) -> None:
@@ -102,6 +104,8 @@ class MinTokens:
 
         def fn(row: int, logits: torch.Tensor) -> torch.Tensor:
             if before[row] < left:
+                if self._stop_ids.device != logits.device:  # once: the target's device
+                    self._stop_ids = self._stop_ids.to(logits.device)
                 logits[self._stop_ids] = float("-inf")
             return logits
 

@@ -91,8 +91,12 @@ class LogprobRows:
         self.processed: dict[int, torch.Tensor] = {}
         self._keep = mode.startswith("processed")
 
+    copies = True
+    """It copies a row before the request's processing edits it (the verifiers then pass
+    the row itself: a request with logprobs and no processing copies nothing)."""
+
     def __call__(self, row: int, logits: torch.Tensor) -> torch.Tensor:
-        out = self.fn(row, logits) if self.fn is not None else logits
+        out = self.fn(row, logits.clone()) if self.fn is not None else logits
         if self._keep:
             self.processed[row] = out
         return out

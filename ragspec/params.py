@@ -2,14 +2,16 @@
 
 Everything a request can ask is here (vLLM's ``SamplingParams`` and llama.cpp's slot
 parameters are the models): how tokens are chosen (``temperature``, ``top_k``, ``top_p``,
-``seed``), when generation ends (``max_new_tokens``, ``stop``), how it drafts
-(``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
-reads besides the prompt (``documents``), the tenant partition of the shared caches
-(``cache_salt``), what the output must be (``response_format``: a JSON schema, a regex, a
-choice, a grammar; :mod:`ragspec.structured`), and the fields the engine does not do
-yet, if any (:data:`UNSUPPORTED_FIELDS`): setting one of those to anything but its neutral
-value raises :class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently
-ignored.
+``min_p``, ``seed``, the penalties, ``logit_bias``, ``min_tokens``: the processing of
+:mod:`ragspec.logit_processors`), what comes back (``n`` choices, ``logprobs`` /
+``top_logprobs`` in ``logprobs_mode``), what the output must be (``response_format``: a
+JSON schema, a regex, a choice, a grammar; :mod:`ragspec.structured`), when generation
+ends (``max_new_tokens``, ``stop``), how it drafts (``speculative``, ``max_draft_tokens``,
+``datastore``, ``draft_documents``), what the model reads besides the prompt
+(``documents``), the tenant partition of the shared caches (``cache_salt``). A value out
+of range raises :class:`~ragspec.errors.InvalidParameterError` naming its field; a field
+the engine does not do yet, if any (:data:`UNSUPPORTED_FIELDS`), set to anything but its
+neutral value, :class:`~ragspec.errors.UnsupportedParameterError`, never silently ignored.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
 body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
@@ -108,7 +110,7 @@ class RequestParams:
     # ------------------------------------------------------------------ reporting
     return_steps: bool = False
     """Keep per-step stats in ``GenerationStats.steps``."""
-    # ------------------------------------------------------------------ choices, log-probabilities, processing
+    # ------------------------------------------------------------------ choices and outputs
     n: int = 1
     """Choices (completions) of the request, >= 1: each its own generation, sampled with
     its own generator seeded ``seed + i``, sharing one prefill
@@ -124,6 +126,7 @@ class RequestParams:
     distribution), ``raw_logits``, ``processed_logprobs`` or ``processed_logits`` (after
     penalties, bias, temperature, top-k/top-p/min-p: the distribution the token was chosen
     from)."""
+    # ------------------------------------------------------------------ processing
     presence_penalty: float = 0.0
     """OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every
     token the output holds (0: off)."""
@@ -144,6 +147,7 @@ class RequestParams:
     """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
     one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
     0: off; greedy decoding ignores it)."""
+    # ------------------------------------------------------------------ the output's structure
     response_format: Union[None, Mapping[str, Any], ResponseFormat] = None
     """What the output must be: a :class:`~ragspec.structured.ResponseFormat`, or its
     OpenAI-shaped mapping (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,

@@ -246,7 +246,8 @@ def verify_sampling(
         if all_probs is not None:
             residual = all_probs[row]  # [V]
         elif rows is not None:
-            processed = rows(row, target_logits[row].clone())  # [V]
+            raw = target_logits[row]  # [V]
+            processed = rows(row, raw if getattr(rows, "copies", False) else raw.clone())
             residual = process_logits(processed[None], params)[0].to(dev, torch.float64)  # [V]
         else:
             residual = process_logits(target_logits[row : row + 1], params)[0].to(dev, torch.float64)  # [V]

@@ -14,7 +14,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from .processors import RowFn
+from .processors import RowFn, identity_rows
 from .types import DraftTree, LazyLogits, VerifyResult
 
 __all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
@@ -83,7 +83,7 @@ def verify_greedy(
                 raw = source[row]
             else:
                 raw = source.row(row, [1 + d for d in _descendants(parents, node)] if node >= 0 else ())
-            return int(fn(row, raw.clone()).argmax())
+            return int(fn(row, raw if fn is identity_rows or getattr(fn, "copies", False) else raw.clone()).argmax())
     elif isinstance(target_logits, torch.Tensor):
         preds = target_logits.argmax(dim=-1).tolist()  # [N+1]
 

@@ -351,6 +351,8 @@ def test_penalties_and_n_as_model_or_call_arguments(chat, llm, tiny_engine):
         for i, g in enumerate(gens):
             assert g.text == solo(tiny_engine, p, temperature=1.0, seed=4 + i).text
     assert res.llm_output["token_usage"]["completion_tokens"] == 6 * N
+    ares = asyncio.run(llm.agenerate([prompt], n=3, temperature=1.0, seed=4))
+    assert [g.text for g in ares.generations[0]] == [g.text for g in res.generations[0]]
     chat_res = chat.model_copy(update={"n": 2, "temperature": 1.0, "seed": 1}).generate(
         [[HumanMessage(content=prompt)]]
     )

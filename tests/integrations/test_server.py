@@ -471,6 +471,11 @@ def test_api_key_required_on_v1_and_health_open(tiny_engine):
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/v1/models").status_code == 401
+        for path in ("/tokenize", "/detokenize"):  # the tokenizer's endpoints too
+            assert httpx.post(url + path, json={"content": "a", "tokens": [1]}).status_code == 401
+        assert httpx.post(
+            url + "/tokenize", json={"content": "a"}, headers={"Authorization": "Bearer s3cret"}
+        ).is_success
         # checked before the body is even parsed
         r = httpx.post(url + "/v1/summarize", content="{broken", headers={"content-type": "application/json"})
         assert r.status_code == 401

@@ -7,8 +7,6 @@ logprobs through the server equal drafts on and off bit for bit."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import httpx
 import openai
@@ -16,6 +14,7 @@ import pytest
 from _integ_helpers import CHAT_TEMPLATE, LiveServer, make_char_tokenizer, make_tiny_llama
 
 from ragspec.integrations.server import ServerSettings, create_app
+from ragspec_testing import exact_cpu_target
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the"}]
@@ -231,21 +230,15 @@ def test_tokenize_and_detokenize_in_vllms_and_llama_servers_shapes(live_server, 
 # ---------------------------------------------------------------------- exact numerics
 @pytest.fixture(scope="module")
 def exact_server():
-    from ragspec.backend.cpu.kernels import _cpu_supported, load_few_query_attention, load_skinny_linear
-
-    if not (_cpu_supported() and shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
-        pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
     from ragspec import Engine, PolicyConfig
-    from ragspec.backend.cpu.target import CPUTarget
     from ragspec.drafters import PromptLookupDrafter
 
     tok = make_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     model = make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, layers=2, head_dim=32, eos_token_id=None)
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(load_skinny_linear())
-    assert target.use_attention_kernel(load_few_query_attention())
+    target = exact_cpu_target(model)
+    if target is None:
+        pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
     engine = Engine(target, tok, drafter=PromptLookupDrafter(), policy=PolicyConfig(adaptive=False), model_name=MODEL)
     with LiveServer(create_app(engine=engine, settings=ServerSettings(max_active=8, max_queue=32))) as srv:
         yield srv

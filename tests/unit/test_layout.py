@@ -134,6 +134,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "processors",
             "logit_processors",
             "processing",
+            "logprobs",
             "structured",
             "grammar",
         ),

@@ -7,76 +7,46 @@ through streaming; the processed modes are the distribution the token was chosen
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
 
 from ragspec import Engine, PolicyConfig, RequestParams
-from ragspec.backend.cpu.kernels import _cpu_supported, load_few_query_attention, load_skinny_linear
-from ragspec.backend.cpu.target import CPUTarget
 from ragspec.backend.hf import HFTarget
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.errors import InvalidParameterError
-from ragspec.processors import ProcessorChain, row_paths
+from ragspec.processors import ProcessorChain
 from ragspec.sampling import process_logits
-from ragspec_testing import ScriptedDrafter, make_char_tokenizer, make_tiny_llama, oracle_plan, wrong_plan
+from ragspec_testing import (
+    PROCESSOR_PROMPTS,
+    ForceTokens,
+    ScriptedDrafter,
+    exact_cpu_target,
+    make_char_tokenizer,
+    make_tiny_llama,
+    oracle_plan,
+    wrong_plan,
+)
 
-_BUILDABLE = _cpu_supported() and bool(shutil.which(os.environ.get("CXX", "c++"))) and bool(shutil.which("ninja"))
-PROMPTS = [
-    "the cat sat on the mat. the cat sat on the hat.",
-    "a dog ran to the park. a dog ran to the ",
-    "one two three one two three one",
-    "red blue red blue red",
-]
+PROMPTS = PROCESSOR_PROMPTS
 EOS = 2
 
 
 @pytest.fixture(scope="module")
 def exact(single_thread):
     """(engine factory over an exact-numerics CPU target, tokenizer)."""
-    if not _BUILDABLE:
-        pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
     tok = make_char_tokenizer()
     # head size, hidden and intermediate sizes multiples of 32: every row computed alike
     model = make_tiny_llama(vocab_size=len(tok.get_vocab()) + 3, layers=2, head_dim=32, eos_token_id=None)
-    target = CPUTarget(model)
-    assert target.route_gqa_attention()
-    target.prepack_linears(load_skinny_linear())
-    assert target.use_attention_kernel(load_few_query_attention())
+    target = exact_cpu_target(model)
+    if target is None:
+        pytest.skip("this machine cannot build the kernel (needs Linux x86-64 with AVX2, a C++ compiler and ninja)")
 
     def make(drafter=None, adaptive=False):
         policy = PolicyConfig(max_draft_tokens=8, adaptive=adaptive, prefix_cache_tokens=0)
         return Engine(target, tok, drafter=drafter, policy=policy, eos_token_ids=[])
 
     return make, tok
-
-
-class Force:
-    """A test processor forcing ``tokens`` (every other token -inf): plain decoding then
-    returns the raw log-probabilities of exactly that sequence (teacher forcing)."""
-
-    def __init__(self, tokens):
-        self.tokens, self.generated = list(tokens), 0
-
-    def prune(self, tree):
-        return [True] * tree.num_nodes
-
-    def rows(self, tree):
-        paths = row_paths(tree) if tree.num_nodes else [()]
-
-        def fn(row, logits):
-            keep = self.tokens[self.generated + len(paths[row])]
-            value = logits[keep].clone()
-            logits.fill_(float("-inf"))
-            logits[keep] = value
-            return logits
-
-        return fn
-
-    def commit(self, tokens):
-        self.generated += len(tokens)
 
 
 def _lp(out):
@@ -101,9 +71,18 @@ def test_greedy_logprobs_drafts_on_equal_drafts_off_bit_for_bit(exact, top):
         assert all(e.top[0] == (e.token_id, e.logprob) for e in plain.logprobs)
 
 
-def test_logprobs_of_four_batched_requests_equal_their_solo_ones(exact):
+def test_four_processed_requests_batched_in_one_forward_equal_their_solo_runs(exact):
+    # every processor but min_tokens (no EOS here), 4 requests verified in one forward
     make, tok = exact
-    params = RequestParams(max_new_tokens=20, logprobs=True, top_logprobs=3, frequency_penalty=0.5)
+    params = RequestParams(
+        max_new_tokens=20,
+        logprobs=True,
+        top_logprobs=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={5: 2.0, 9: -100.0},
+    )
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     solo = [make().generate(p, params, chat=False) for p in prompts]
     engine = make(PromptLookupDrafter(), adaptive=True)
@@ -129,7 +108,7 @@ def test_seeded_sampling_logprobs_are_plain_decodings_of_the_same_tokens(exact):
         assert (sampled.stats.num_drafted_tokens > 0) == (drafter is not None)
         # plain greedy decoding forced along the sampled tokens: its raw rows are plain decoding's
         req = make().start(prompt, RequestParams(max_new_tokens=24, logprobs=True, top_logprobs=4), chat=False)
-        req.processors = ProcessorChain([Force(sampled.token_ids)])
+        req.processors = ProcessorChain([ForceTokens(sampled.token_ids)])
         forced = [e for c in make().iterate(req) for e in c.logprobs]
         assert [e.token_id for e in forced] == sampled.token_ids
         assert [(e.token_id, e.logprob, e.top) for e in forced] == _lp(sampled)
@@ -139,25 +118,9 @@ def test_processed_logprobs_are_the_distribution_the_token_came_from(exact):
     make, tok = exact
     prompt = tok(PROMPTS[1])["input_ids"]
     bias = {5: 2.0, 9: -1.0}
-    raw = make().generate(prompt, max_new_tokens=6, logprobs=True, top_logprobs=20, chat=False, logit_bias=bias)
-    logits = make().generate(
-        prompt,
-        max_new_tokens=6,
-        logprobs=True,
-        top_logprobs=20,
-        chat=False,
-        logit_bias=bias,
-        logprobs_mode="raw_logits",
-    )
-    processed = make().generate(
-        prompt,
-        max_new_tokens=6,
-        logprobs=True,
-        top_logprobs=20,
-        chat=False,
-        logit_bias=bias,
-        logprobs_mode="processed_logprobs",
-    )
+    kw = dict(max_new_tokens=6, logprobs=True, top_logprobs=20, chat=False, logit_bias=bias)
+    modes = ("raw_logprobs", "raw_logits", "processed_logprobs")
+    raw, logits, processed = (make().generate(prompt, logprobs_mode=m, **kw) for m in modes)
     assert raw.token_ids == logits.token_ids == processed.token_ids
     for r, lg, pr in zip(raw.logprobs, logits.logprobs, processed.logprobs):
         # the raw logprobs are log_softmax of the raw logits: the same ranks, shifted values

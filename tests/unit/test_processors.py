@@ -21,14 +21,17 @@ from ragspec.errors import ConfigError, InvalidParameterError
 from ragspec.logit_processors import LogitBias, MinTokens, Penalties
 from ragspec.processing import ProcessorContext, build_processors
 from ragspec.processors import row_paths
-from ragspec_testing import ScriptedDrafter, make_tiny_llama, make_tree, oracle_plan, wrong_plan
+from ragspec_testing import (
+    PROCESSOR_PROMPTS,
+    ScriptedDrafter,
+    greedy_reference,
+    make_tiny_llama,
+    make_tree,
+    oracle_plan,
+    wrong_plan,
+)
 
-PROMPTS = [
-    "the cat sat on the mat. the cat sat on the hat.",
-    "a dog ran to the park. a dog ran to the ",
-    "one two three one two three one",
-    "red blue red blue red",
-]
+PROMPTS = PROCESSOR_PROMPTS
 EOS = 2
 
 
@@ -66,18 +69,7 @@ def reference(model, prompt_ids, max_new_tokens, params: RequestParams, eos=None
         procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.frequency_penalty or params.presence_penalty:
         procs.append(_FreqPresence(len(prompt_ids), params.frequency_penalty, params.presence_penalty))
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-            logits_processor=procs,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=eos, logits_processor=procs)
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +202,25 @@ def test_stop_strings_wait_for_min_tokens(setup):
     late = _engine(model, tok).generate(prompt, max_new_tokens=20, stop=[stop], min_tokens=8, chat=False)
     assert late.token_ids[: len(cut.token_ids)] == free.token_ids[: len(cut.token_ids)]
     assert len(late.token_ids) >= 8
+
+
+def test_a_pruned_sampled_draft_is_verified_as_a_deterministic_one(setup):
+    """Pruning by token biases a sampled draft's siblings: the kept tree drops its draft
+    probabilities (the deterministic rule is lossless for any choice of nodes)."""
+    from ragspec.draft_choice import draft_for_step
+    from ragspec_testing import FixedDrafter
+
+    model, tok = setup
+    v = model.config.vocab_size
+    tree = make_tree([7, 8, 9], [-1, -1, 0], draft_probs=[[1.0 / v] * v] * 3, source="sampled")
+    engine = _engine(model, tok, FixedDrafter(tree))
+    params = RequestParams(max_new_tokens=8, temperature=1.0, seed=1, logit_bias={8: -100.0})
+    req = engine.start(PROMPTS[0], params, chat=False)
+    engine.step([req])  # the prefill
+    pending = draft_for_step(engine.target, engine.policy, 0, req, lazy_rows=False, on_invalid=None)
+    assert pending.tree.tokens.tolist() == [7, 9] and pending.tree.draft_probs is None
+    assert req.stats.num_pruned_draft_tokens == 1
+    unpruned = engine.start(PROMPTS[0], params.replace(logit_bias=None), chat=False)
+    engine.step([unpruned])
+    kept = draft_for_step(engine.target, engine.policy, 0, unpruned, lazy_rows=False, on_invalid=None)
+    assert kept.tree.draft_probs is not None  # nothing pruned: drawn as the drafter drew it

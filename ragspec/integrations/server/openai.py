@@ -84,7 +84,8 @@ class _Answer:
     ):
         self.params = params
         self.eos = state.engine.eos_token_ids
-        self.texts = TokenTexts(state.engine.tokenizer)
+        # token texts of the log-probabilities (the tokenizer only touched where asked)
+        self.texts = TokenTexts(state.engine.tokenizer) if params.logprobs else None
         self.smooth = state.settings.smooth_streaming if body.smooth_streaming is None else body.smooth_streaming
         self.with_usage = bool(body.stream_options and body.stream_options.include_usage)
         policy = state.engine.policy.max_draft_tokens
@@ -106,12 +107,12 @@ class _Answer:
         return merge_stats(self.stats)
 
     def chat_logprobs(self, chunks: list[StreamChunk]) -> Optional[dict]:
-        if not self.params.logprobs:
+        if self.texts is None:
             return None
         return chat_logprobs([e for c in chunks for e in shown_entries(c, self.eos)], self.texts)
 
     def completion_logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict]:
-        if not self.params.logprobs:
+        if self.texts is None:
             return None
         entries = [e for c in chunks for e in shown_entries(c, self.eos)]
         out = completion_logprobs(entries, self.texts, [t for c in chunks for t in c.token_texts], self.offsets[index])
