@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from ragspec_testing import FakeTarget, make_json_tokenizer
 
 from ragspec import Engine, PolicyConfig
 from ragspec.bench.cli import _check_bench_outputs
 from ragspec.bench.structured import MODES, ModeResult, check_extraction, format_report, run_engine_modes
 from ragspec.drafters import PromptLookupDrafter
 from ragspec.errors import ConfigError
+from ragspec_testing import FakeTarget, make_json_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
