@@ -391,3 +391,47 @@ def test_an_uncompilable_constraint_is_refused_when_the_request_is_prepared(tok,
         engine.prepare("x", bad, chat=False)
     with pytest.raises(StructuredOutputError):
         engine.request("x", bad, chat=False)
+
+
+def test_constraints_with_a_datastore_a_response_cache_and_a_feature_drafter(tok, target, tmp_path):
+    # the forced-token session wraps any drafter: a datastore's copies, a response cache
+    # (told the finished output), a session taking the target's features (as an EAGLE
+    # head's): output still equals plain constrained decoding, each source drafts
+    from ragspec.backend.hf import HFTarget
+    from ragspec.composition import DrafterParts, compose_drafter
+    from ragspec.config import PLDConfig
+    from ragspec.datastore import Datastore, build_datastore
+    from ragspec.drafters import CompositeDrafter
+    from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
+    from ragspec_testing import FixedDrafter, make_tiny_llama
+
+    fmt = FORMATS["schema"]
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    plain = _engine(target, tok).generate(prompt, max_new_tokens=120, response_format=fmt, speculative=False)
+    assert plain.stats.finish_reason == "stop"
+    # a datastore holding the answer after the prompt's end
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(PROMPT_TEXT[-40:] + plain.text)
+    build_datastore([tmp_path / "docs"], tmp_path / "ds", tok, progress=False)
+    stored = Engine(
+        target,
+        tok,
+        drafter=compose_drafter(PLDConfig(), [Datastore.open(tmp_path / "ds", tok)]),
+        parts=DrafterParts(pld=PLDConfig()),
+        policy=PolicyConfig(max_draft_tokens=8, adaptive=False),
+        eos_token_ids=[EOS],
+    )
+    out = stored.generate(prompt, max_new_tokens=120, response_format=fmt)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted_per_source.get("datastore", 0) > 0, out.stats.drafted_per_source
+    cache = ResponseCache(10_000)
+    cached = _engine(target, tok, CompositeDrafter([PromptLookupDrafter(), ResponseCacheDrafter(cache)]))
+    first = cached.generate(prompt, max_new_tokens=120, response_format=fmt)
+    again = cached.generate(prompt, max_new_tokens=120, response_format=fmt)
+    assert first.token_ids == again.token_ids == plain.token_ids and len(cache) == 1
+    assert again.stats.num_steps < first.stats.num_steps  # the cached answer is drafted
+    # a session taking the target's features, on a target that has them (a tiny Llama)
+    hf = HFTarget(make_tiny_llama(vocab_size=len(tok) + 3, eos_token_id=EOS))
+    ref = _engine(hf, tok).generate(prompt, max_new_tokens=12, response_format=fmt, speculative=False).token_ids
+    feature = _engine(hf, tok, FixedDrafter(DraftTree.chain(ref[3:6], source="eagle")))
+    assert feature.generate(prompt, max_new_tokens=12, response_format=fmt).token_ids == ref
