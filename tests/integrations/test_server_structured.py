@@ -407,6 +407,11 @@ def test_bind_tools_gives_tool_calls_whole_and_streamed(server, engine):
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [("get_weather", call["args"])]
     theirs = chat_openai(server, max_tokens=120).bind_tools([WEATHER, TIME], tool_choice="get_weather")
     assert theirs.invoke(MSGS[0]["content"]).tool_calls[0]["args"] == call["args"]
+    streamed = list(theirs.stream(MSGS[0]["content"]))
+    total = streamed[0]
+    for ch in streamed[1:]:
+        total = total + ch
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [("get_weather", call["args"])]
     # a Pydantic model and a TypedDict as tools; "any" with two of them: one is called
     both = ChatRagspec(engine=engine, max_new_tokens=150).bind_tools([Answer, AnswerDict], tool_choice="any")
     (call,) = both.invoke(MSGS[0]["content"]).tool_calls[:1]
