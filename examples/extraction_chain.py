@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import Runnable, RunnablePassthrough  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
-from rag_chain import format_docs, load_folder, make_embeddings, make_retriever, write_specbench_passages  # noqa: E402
+from rag_chain import add_corpus_args, format_docs, make_embeddings, make_retriever, open_corpus  # noqa: E402
 
 
 class Extraction(BaseModel):
@@ -64,29 +63,13 @@ def build_chain(retriever: Runnable, llm) -> Runnable:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
-    )
-    ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, default=2, help="passages retrieved")
-    ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
+    add_corpus_args(ap, max_new_tokens=256, k=2)
     args = ap.parse_args(argv)
 
     from ragspec.integrations.langchain import ChatRagspec
     from ragspec.loading import load_engine
 
-    tmp = None
-    folder, question = args.docs, args.question
-    if folder is None:
-        tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
-        folder = Path(tmp.name)
-        question = question or write_specbench_passages(folder)[0]
-    if not question:
-        ap.error("--question is required with --docs")
-    docs = load_folder(folder)
-    if not docs:
-        ap.error(f"no .txt/.md documents in {folder}")
+    docs, question, _, tmp = open_corpus(ap, args)
     engine = load_engine(args.model)
     embeddings, _ = make_embeddings(engine)
     retriever, _ = make_retriever(docs, embeddings, k=args.k)

@@ -32,6 +32,19 @@ JSON_TOKENS = ('{"', '": ', '", "', ", ", "true", "false", "null", '"}')
 encoder: a model may still emit them, as a real model emits non-canonical tokenizations)."""
 
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["answer", "quotes"],
+    "additionalProperties": False,
+}
+"""A JSON schema of the structured-output tests: an answer and its quotes, short enough that
+a random model's constrained output ends within a hundred tokens."""
+
+
 def make_json_tokenizer():
     """A character-level fast tokenizer that can spell JSON: ids 0-2 are <unk>, <s>, </s>;
     then printable characters with the brackets and underscores, then :data:`JSON_TOKENS`."""

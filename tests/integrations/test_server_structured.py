@@ -24,7 +24,7 @@ from ragspec.integrations.langchain import ChatRagspec, RagspecLLM
 from ragspec.integrations.server import ServerSettings, create_app
 from ragspec.integrations.tools import ToolPlan, plan_tools
 from ragspec.structured import ResponseFormat
-from ragspec_testing import make_json_tokenizer
+from ragspec_testing import ANSWER_SCHEMA, make_json_tokenizer
 
 MODEL = "tiny-json"
 EOS = 2
@@ -33,15 +33,7 @@ TOOLS_TEMPLATE = (
     "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(', ') }}\n{% endif %}" + TEMPLATE
 )
 MSGS = [{"role": "user", "content": "Weather in Oslo? Answer: Oslo is cold. Quote: it snows."}]
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "maxLength": 12},
-        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
-    },
-    "required": ["answer", "quotes"],
-    "additionalProperties": False,
-}
+ANSWER = ANSWER_SCHEMA
 WEATHER = {
     "type": "function",
     "function": {
@@ -248,7 +240,7 @@ def test_named_tool_choice_generates_the_arguments_under_the_schema(server, engi
 
 def test_required_tool_choice_calls_one_of_the_tools(server):
     c = client(server)
-    r = c.chat.completions.create(
+    kw = dict(
         model=MODEL,
         messages=MSGS,
         max_tokens=150,
@@ -256,20 +248,11 @@ def test_required_tool_choice_calls_one_of_the_tools(server):
         tool_choice="required",
         parallel_tool_calls=False,
     )
+    r = c.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "tool_calls"
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    calls, reason, _ = _accumulate(
-        c.chat.completions.create(
-            model=MODEL,
-            messages=MSGS,
-            max_tokens=150,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            stream=True,
-        )
-    )
+    calls, reason, _ = _accumulate(c.chat.completions.create(**kw, stream=True))
     assert reason == "tool_calls"
     assert [(v["name"], v["arguments"]) for v in calls.values()] == [(call.function.name, call.function.arguments)]
 

@@ -20,19 +20,11 @@ from ragspec.errors import StructuredOutputError, UnsupportedParameterError
 from ragspec.grammar import GrammarCompiler, GrammarLimits
 from ragspec.structured import ResponseFormat, response_format
 from ragspec.types import DraftTree
-from ragspec_testing import FakeTarget, ScriptedDrafter, make_json_tokenizer, make_tree, wrong_plan
+from ragspec_testing import ANSWER_SCHEMA, FakeTarget, ScriptedDrafter, make_json_tokenizer, make_tree, wrong_plan
 
 EOS = 2
 
-ANSWER = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "maxLength": 12},
-        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
-    },
-    "required": ["answer", "quotes"],
-    "additionalProperties": False,
-}
+ANSWER = ANSWER_SCHEMA
 TOOL_CALL = {
     "type": "array",
     "minItems": 1,
