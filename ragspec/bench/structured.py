@@ -55,14 +55,15 @@ __all__ = [
 EXTRACTION_SCHEMA = {
     "type": "object",
     "properties": {
-        "answer": {"type": "string", "maxLength": 160},
-        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 400}, "maxItems": 3},
+        "answer": {"type": "string", "maxLength": 120},
+        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 160}, "maxItems": 2},
     },
     "required": ["answer", "quotes"],
     "additionalProperties": False,
 }
-"""The extraction's JSON schema: the answer at most 160 characters (a small model's answer
-otherwise runs past the token budget before any quote), at most 3 quotes."""
+"""The extraction's JSON schema: the answer at most 120 characters (a small model's answer
+otherwise runs past the token budget before any quote), at most 2 quotes of at most 160
+characters, so a complete answer fits 128 tokens."""
 INSTRUCTION = (
     'Answer the question above from the passages, as JSON: "answer", a short answer, and "quotes", the sentences of '
     "the passages that support it, copied word for word."
@@ -238,7 +239,8 @@ def format_report(results: Sequence[ModeResult], skipped: Optional[str] = None) 
         )
         forced = f"{r.forced_accepted}/{r.forced_drafted}" if r.forced_drafted else "-"
         lines.append(
-            f"| {r.mode} | {r.tok_s:.1f} | {r.decode_tok_s:.1f} | {r.per_step:.2f} | {r.valid}/{r.requests} | "
+            f"| {r.mode} | {r.tok_s:.1f} | {r.decode_tok_s:.1f} | {f'{r.per_step:.2f}' if r.steps else '-'} | "
+            f"{r.valid}/{r.requests} | "
             f"{r.quotes_found}/{r.quotes} | {forced} | {grammar} |"
         )
     by = {r.mode: r for r in results}
