@@ -165,7 +165,7 @@ class Grammar:
     ) -> None:
         self.format = fmt
         self._template = template
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # copies of one template, one at a time
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.mask_words = (int(template_vocab) + 31) // 32
@@ -179,6 +179,15 @@ class Grammar:
         """A new matcher at the start of the output (a copy: each request its own)."""
         with self._lock:
             return self._template.deep_copy()
+
+    def renamed(self, fmt: ResponseFormat) -> "Grammar":
+        """This grammar for the same constraint from another field (``fmt.param``, named
+        by errors), sharing its template."""
+        other = Grammar(
+            fmt, self._template, self.vocab_size, self.eos_token_ids, 32 * self.mask_words, self.known_tokens
+        )
+        other._lock = self._lock
+        return other
 
     def processor(self) -> "GrammarProcessor":
         """A new :class:`GrammarProcessor` of this grammar (one per request)."""
@@ -217,7 +226,8 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.limits = limits
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer's form, once
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -228,12 +238,13 @@ class GrammarCompiler:
             StructuredOutputError: no end-of-sequence token (a constrained output could
                 not end), or a tokenizer llguidance cannot read.
         """
-        if self._ll_tokenizer is None:
-            if not self.eos_token_ids:
-                raise StructuredOutputError(
-                    "this engine stops at no end-of-sequence token: a constrained output could not end"
-                )
-            self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        if not self.eos_token_ids:
+            raise StructuredOutputError(
+                "this engine stops at no end-of-sequence token: a constrained output could not end"
+            )
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._ll_tokenizer
 
     def compile(self, fmt: ResponseFormat) -> Grammar:
@@ -258,7 +269,7 @@ class GrammarCompiler:
         if isinstance(hit, str):  # a refusal, cached too: a hostile schema sent again costs nothing
             raise StructuredOutputError(f"{fmt.param}: {hit}", param=fmt.param)
         if hit.format.param != fmt.param:  # the same constraint from another field
-            hit = Grammar(fmt, hit._template, hit.vocab_size, hit.eos_token_ids, 32 * hit.mask_words, hit.known_tokens)
+            hit = hit.renamed(fmt)
         return hit
 
     def _build(self, fmt: ResponseFormat) -> Any:
