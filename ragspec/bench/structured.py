@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import BenchServerError
+from ..structured import ResponseFormat
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -64,6 +65,8 @@ EXTRACTION_SCHEMA = {
 """The extraction's JSON schema: the answer at most 120 characters (a small model's answer
 otherwise runs past the token budget before any quote), at most 2 quotes of at most 160
 characters, so a complete answer fits 128 tokens."""
+EXTRACTION_FORMAT = ResponseFormat.json_schema(EXTRACTION_SCHEMA, name="extraction")
+"""The schema as the constrained modes' ``response_format``."""
 INSTRUCTION = (
     'Answer the question above from the passages, as JSON: "answer", a short answer, and "quotes", the sentences of '
     "the passages that support it, copied word for word."
@@ -154,9 +157,8 @@ def run_engine_modes(
 ) -> dict[str, ModeResult]:
     """Every prompt through :data:`MODES`, in process (see the module docstring)."""
     from ..params import RequestParams
-    from ..structured import ResponseFormat
 
-    fmt = ResponseFormat.json_schema(EXTRACTION_SCHEMA, name="extraction")
+    fmt = EXTRACTION_FORMAT
     params = {
         "constrained+drafts": RequestParams(max_new_tokens=max_tokens, response_format=fmt),
         "constrained": RequestParams(max_new_tokens=max_tokens, response_format=fmt, speculative=False),
@@ -284,7 +286,9 @@ def cmd_structured_bench(args: Any) -> int:
         + (f"; llama-server: {binary}" if skipped is None else f"; {skipped}"),
         file=sys.stderr,
     )
-    engine.generate(extraction_chat(rows[0]), max_new_tokens=4)  # warm-up (kernels, the tokenizer's grammar form)
+    # warm-up: kernels; the tokenizer's grammar form, the schema's grammar and its first masks
+    engine.generate(extraction_chat(rows[0]), max_new_tokens=4)
+    engine.generate(extraction_chat(rows[0]), max_new_tokens=8, response_format=EXTRACTION_FORMAT)
 
     def progress(mode: str, i: int, stats: Any) -> None:
         print(
