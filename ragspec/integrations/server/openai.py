@@ -165,7 +165,7 @@ async def completions(request: Request, state: State) -> Union[dict, StreamingRe
     with gen.closing_on_error():
         body = await gen.read(CompletionRequest)
         check_model(state, body.model)
-        fmt, _ = output_constraint(body, state.engine.tokenizer)
+        fmt, _ = output_constraint(body, state.engine)
         params = request_params(
             body, COMPLETIONS_DEFAULT_MAX_TOKENS, state.settings, gen.cache_salt(body.cache_salt), fmt
         )
@@ -213,7 +213,7 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
     with gen.closing_on_error():
         body = await gen.read(ChatCompletionRequest)
         check_model(state, body.model)
-        fmt, plan = output_constraint(body, state.engine.tokenizer)
+        fmt, plan = output_constraint(body, state.engine)
         params = request_params(
             body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt), fmt
         )

@@ -63,9 +63,10 @@ def structured_outputs(
     return response_format({"type": key, key: spec}, param=where)
 
 
-def output_constraint(body: Any, tokenizer: Any) -> tuple[Optional[ResponseFormat], Optional[ToolPlan]]:
+def output_constraint(body: Any, engine: Engine) -> tuple[Optional[ResponseFormat], Optional[ToolPlan]]:
     """The constraint a body's output is generated under, and its tools' plan (None: no
-    call asked for; :func:`ragspec.integrations.tools.plan_tools`).
+    call asked for; :func:`ragspec.integrations.tools.plan_tools`). Runs on the event loop:
+    the tokenizer is read (its chat template) only for a request with tools.
 
     Raises:
         StructuredOutputError: a malformed field; ``response_format`` and
@@ -85,7 +86,7 @@ def output_constraint(body: Any, tokenizer: Any) -> tuple[Optional[ResponseForma
         getattr(body, "tool_choice", None),
         parallel_tool_calls=getattr(body, "parallel_tool_calls", None),
         constrained=fmt is not None,
-        template_takes_tools=bool(getattr(body, "tools", None)) and template_takes_tools(tokenizer),
+        template_takes_tools=bool(getattr(body, "tools", None)) and template_takes_tools(engine.tokenizer),
     )
     if plan is not None and plan.constraint is not None:
         fmt = plan.constraint

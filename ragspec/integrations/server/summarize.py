@@ -44,7 +44,7 @@ async def summarize(
         body = await gen.read(SummarizeRequest)
         check_model(state, body.model)
         # the documents are the prompt's input: prompt lookup copies from them already
-        fmt, _ = output_constraint(body, state.engine.tokenizer)
+        fmt, _ = output_constraint(body, state.engine)
         params = request_params(
             body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt), fmt
         )
