@@ -136,6 +136,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "logit_processors",
             "processing",
             "logprobs",
+            "structured",
+            "grammar",
         ),
     ),
     ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
