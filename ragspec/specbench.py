@@ -1,7 +1,8 @@
 """Spec-Bench data: reading its JSONL rows and grouping its categories.
 
-Used by the benchmarks, ``ragspec summarize --specbench`` and the EAGLE trainer's
-hold-out split.
+Used by the benchmarks (:mod:`ragspec.bench`), ``ragspec summarize --specbench`` and the
+EAGLE trainer's hold-out split (:mod:`ragspec.training`): the data's format, on the
+house's lowest floor, so that none of them borrows it from another.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
-from ..jsonl import iter_jsonl
+from .errors import ConfigError
+from .jsonl import iter_jsonl
 
 __all__ = ["DEFAULT_DATA", "MT_BENCH_CATEGORIES", "load_prompts", "category_group"]
 

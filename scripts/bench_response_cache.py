@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from ragspec.bench.data import category_group, load_prompts
 from ragspec.config import PolicyConfig
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.loading import engine_over, load_engine
+from ragspec.specbench import category_group, load_prompts
 
 REWORD = "Please answer the following request.\n\n"
 

@@ -1,6 +1,6 @@
 """What the command groups share: the model options and the engine they describe.
 
-Used by the main CLI (:mod:`ragspec.cli`), the bench commands (:mod:`ragspec.bench.cli`) and
+Used by the main CLI (:mod:`ragspec.cli.commands`), the bench commands (:mod:`ragspec.bench.cli`) and
 ``ragspec serve`` (:mod:`ragspec.integrations.cli`); it imports none of them, so each may
 import it without a cycle.
 """
@@ -13,11 +13,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .config import AUTO_DRAFTING, DRAFTING_MODES
-from .progress import PROGRESS_LOGGER
+from ..config import AUTO_DRAFTING, DRAFTING_MODES
+from ..progress import PROGRESS_LOGGER
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 __all__ = ["add_global_args", "add_global_args_everywhere", "add_model_args", "engine_from_args", "show_progress"]
 
@@ -169,9 +169,9 @@ def engine_from_args(args: argparse.Namespace, calibrate: bool = True) -> "Engin
     Raises:
         RagspecError: the model, datastore or head cannot be loaded (typed subclasses).
     """
-    from .config import PolicyConfig
-    from .loading import load_engine
-    from .serving import ServingConfig, check_config
+    from ..config import PolicyConfig
+    from ..loading import load_engine
+    from ..serving import ServingConfig, check_config
 
     datastore = getattr(args, "datastore", None)
     # every path and option checked in seconds, before the model loads

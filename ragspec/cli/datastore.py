@@ -1,8 +1,8 @@
 """``ragspec datastore ...``: build, extend, compact, describe, query and benchmark datastores.
 
-``ragspec/cli.py`` calls :func:`add_datastore_commands` with its sub-parsers; each command
-sets ``func`` and returns an exit status. Errors print one line on stderr and exit 2.
-``python -m ragspec.datastore.cli datastore ...`` runs the group on its own.
+:func:`ragspec.cli.build_parser` calls :func:`add_datastore_commands` with its sub-parsers;
+each command sets ``func`` and returns an exit status. Errors print one line on stderr and
+exit 2. ``python -m ragspec.cli.datastore datastore ...`` runs the group on its own.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _tokenizer_for(directory: str, model: Optional[str]) -> Any:
     """The tokenizer of ``--model``, else the one named in the datastore's manifest."""
     if model is not None:
         return _load_tokenizer(model)[0]
-    from .format import read_manifest
+    from ..datastore.format import read_manifest
 
     name = read_manifest(directory).tokenizer.name
     try:
@@ -139,11 +139,11 @@ def _load_engine(model: Optional[str]) -> tuple[Any, str]:
 
 @_guard
 def cmd_build(args: argparse.Namespace) -> int:
-    from .builder import build_datastore
+    from ..datastore.builder import build_datastore
 
     t0 = time.perf_counter()
     if args.responses:
-        from .responses import build_response_datastore, read_prompts
+        from ..datastore.responses import build_response_datastore, read_prompts
 
         if "-" in args.inputs:
             raise ConfigError("--responses reads prompt files, not stdin")
@@ -235,7 +235,7 @@ def _log_texts(logs: Sequence[str], partition: str, folder: str) -> list[str]:
 def cmd_add(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .builder import add_to_datastore
+    from ..datastore.builder import add_to_datastore
 
     inputs, field = list(args.inputs), args.field
     if args.partition is not None and not args.from_log:
@@ -262,8 +262,8 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 @_guard
 def cmd_compact(args: argparse.Namespace) -> int:
-    from .shards import compact_datastore
-    from .store import Datastore
+    from ..datastore.shards import compact_datastore
+    from ..datastore.store import Datastore
 
     with Datastore.open(args.directory) as ds:
         before = ds.num_shards
@@ -278,7 +278,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 @_guard
 def cmd_info(args: argparse.Namespace) -> int:
-    from .store import Datastore
+    from ..datastore.store import Datastore
 
     with Datastore.open(args.directory, verify=args.verify) as ds:
         _print_info(ds.info(), args.json, _verified(ds) if args.verify else None)
@@ -287,7 +287,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 @_guard
 def cmd_query(args: argparse.Namespace) -> int:
-    from .store import Datastore
+    from ..datastore.store import Datastore
 
     tokenizer = _tokenizer_for(args.directory, args.model)
     with Datastore.open(args.directory, tokenizer=tokenizer) as ds:
@@ -396,7 +396,7 @@ def _corpus_contexts(ds: Any, num: int, length: int, seed: int) -> list[list[int
 
 def _text_contexts(tokenizer: Any, inputs: Sequence[str], num: int, length: int, seed: int) -> list[list[int]]:
     """Contexts from held-out text: every position of the inputs' token streams, sampled."""
-    from .builder import iter_documents
+    from ..datastore.builder import iter_documents
 
     rng = np.random.default_rng(seed)
     texts = [t for _, docs in iter_documents(inputs) for t in docs if t.strip()]
@@ -411,7 +411,7 @@ def _text_contexts(tokenizer: Any, inputs: Sequence[str], num: int, length: int,
 
 @_guard
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .store import Datastore
+    from ..datastore.store import Datastore
 
     with Datastore.open(args.directory, max_samples=args.max_samples) as ds:
         warm_s = None if args.cold else ds.warm()
@@ -576,7 +576,7 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the datastore commands on their own: ``python -m ragspec.datastore.cli datastore info DIR``."""
+    """Run the datastore commands on their own: ``python -m ragspec.cli.datastore datastore info DIR``."""
     parser = argparse.ArgumentParser(prog="ragspec")
     add_datastore_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS
+from ..config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS
 
 if TYPE_CHECKING:
-    from .backend.base import Target
+    from ..backend.base import Target
 
 __all__ = ["kernel_report", "add_doctor_command", "cmd_doctor"]
 
@@ -58,8 +58,8 @@ def _cpu_flags() -> Optional[list[str]]:
 
 def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
     """Whether ragspec's CUDA backend would serve (``model`` on CUDA when given)."""
-    from .backend.cuda import kernels as cuda_kernels
-    from .backend.cuda import unsupported_reason
+    from ..backend.cuda import kernels as cuda_kernels
+    from ..backend.cuda import unsupported_reason
 
     device = torch.cuda.is_available()
     reason: Optional[str] = None
@@ -119,13 +119,13 @@ def kernel_report(
     Raises:
         RagspecError: ``model`` cannot be loaded, or a bad device / numerics / drafting.
     """
-    from .backend.base import Capability
-    from .backend.cpu import kernels
-    from .backend.cpu.native import native_step_enabled
-    from .errors import ConfigError
-    from .loading import load_target, resolve_drafting
-    from .models import cache_dir
-    from .models.load import resolve_device
+    from ..backend.base import Capability
+    from ..backend.cpu import kernels
+    from ..backend.cpu.native import native_step_enabled
+    from ..errors import ConfigError
+    from ..loading import load_target, resolve_drafting
+    from ..models import cache_dir
+    from ..models.load import resolve_device
 
     numerics = numerics or os.environ.get("RAGSPEC_NUMERICS") or "exact"
     if numerics not in NUMERICS:

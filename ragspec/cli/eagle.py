@@ -1,6 +1,7 @@
 """``ragspec eagle ...``: train, inspect and benchmark EAGLE draft heads.
 
-Registered by :func:`ragspec.cli.build_parser` through :func:`add_eagle_commands`.
+Registered by :func:`ragspec.cli.build_parser` through :func:`add_eagle_commands`; the
+training itself is :mod:`ragspec.training`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import shlex
 import sys
 
 from ..errors import ConfigError
-
-DEFAULT_DATA = "../shared/data/specbench-dev.jsonl"
+from ..specbench import DEFAULT_DATA
 
 
 def cmd_eagle_train(args) -> int:
-    from .train import DataConfig, TrainConfig, run_training
+    from ..training import DataConfig, TrainConfig, run_training
 
     if not args.data:
         raise ConfigError("give training data: --data JSONL [JSONL ...]")
@@ -69,7 +69,7 @@ def cmd_eagle_train(args) -> int:
 
 
 def cmd_eagle_info(args) -> int:
-    from .head import read_head_config
+    from ..eagle.head import read_head_config
 
     cfg = read_head_config(args.head)
     if args.json:
@@ -154,7 +154,7 @@ def add_eagle_commands(subparsers) -> None:
         "--init-head", default=None, help="head folder to start from (fine-tune; keeps its draft vocabulary)"
     )
     t.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu or cuda")
-    # -q/--quiet (no progress bars) is the global option (ragspec.cli_common.add_global_args)
+    # -q/--quiet (no progress bars) is the global option (ragspec.cli.common.add_global_args)
     t.set_defaults(func=cmd_eagle_train)
 
     i = esub.add_parser("info", help="what a head was trained for, and how")

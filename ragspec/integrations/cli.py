@@ -165,7 +165,7 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="REST service: OpenAI-compatible completions and chat, /v1/summarize, /metrics",
         description="Serve the model over HTTP. Options fall back to RAGSPEC_* environment variables.",
     )
-    from ragspec.cli_common import add_model_args
+    from ragspec.cli.common import add_model_args
 
     add_model_args(p, datastore=False)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; RAGSPEC_HOST)")

@@ -1,5 +1,5 @@
 """The training data of an EAGLE draft head: steps 1 and 2 of the recipe in
-:mod:`ragspec.eagle.train`.
+:mod:`ragspec.training.pipeline`.
 
 The prompts of Spec-Bench style JSONL files (the rows the benchmark uses held out), the
 target's own greedy and sampled responses to some of them, and the target's last hidden
@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
+from ..specbench import category_group
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,6 @@ def _sha256(path: Path) -> str:
     return d.hexdigest()
 
 
-def _group(category: str) -> str:
-    from ..bench.data import category_group
-
-    return category_group(category)
-
-
 def load_prompt_texts(
     paths: Sequence[str], tokenizer, holdout_per_category: int = 5
 ) -> tuple[list[TrainSequence], dict]:
@@ -134,7 +129,7 @@ def load_prompt_texts(
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{p}:{i}: not valid JSON ({e})") from e
                 if "turns" in row:
-                    g = _group(str(row.get("category", "")))
+                    g = category_group(str(row.get("category", "")))
                     per_group[g] = per_group.get(g, 0) + 1
                     if per_group[g] <= holdout_per_category:
                         held_out.append(row.get("question_id"))

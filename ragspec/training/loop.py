@@ -1,5 +1,5 @@
 """The loss and the training loop of an EAGLE draft head: steps 3 and 4 of the recipe in
-:mod:`ragspec.eagle.train`.
+:mod:`ragspec.training.pipeline`.
 
 Batches of sequences of similar length, EAGLE's feature and token losses (unrolled over
 EAGLE-3's training-time test), AdamW with warm-up and cosine decay, checkpoints, and the
@@ -185,7 +185,7 @@ def eagle_loss(
     cfg: TrainConfig,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """EAGLE loss of one batch (see :mod:`ragspec.eagle.train`), unrolled over ``cfg.ttt_steps``
+    """EAGLE loss of one batch (see :mod:`ragspec.training.pipeline`), unrolled over ``cfg.ttt_steps``
     self-fed steps (EAGLE-3's training-time test, Li et al. 2025, section 3.2).
 
     Step 0 is EAGLE's: pair t = (target feature t + noise, token t + 1) predicts feature

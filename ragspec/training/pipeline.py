@@ -32,9 +32,9 @@ Recipe (EAGLE, Li et al. 2024, section 4.2, scaled down):
 Costs on the reference 2-core CPU (default model): features ~700 tokens/s, batched greedy
 generation ~100-200 tokens/s, training ~1-2k tokens/s.
 
-The modules: :mod:`ragspec.eagle.train_data` (steps 1 and 2, and the draft vocabulary),
-:mod:`ragspec.eagle.train_loop` (steps 3 and 4); here :func:`run_training`, the whole
-pipeline behind ``ragspec eagle train``. The public names of both are re-exported here.
+The modules: :mod:`ragspec.training.data` (steps 1 and 2, and the draft vocabulary),
+:mod:`ragspec.training.loop` (steps 3 and 4); here :func:`run_training`, the whole
+pipeline behind ``ragspec eagle train``; :mod:`ragspec.training` holds the public names of all three.
 """
 
 from __future__ import annotations
@@ -47,34 +47,10 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from .train_data import (
-    DataConfig,
-    TrainSequence,
-    build_dataset,
-    choose_draft_vocab,
-    extract_features,
-    generate_responses,
-    generate_responses_with_engine,
-    load_prompt_texts,
-)
-from .train_loop import TrainConfig, eagle_loss, make_batches, train_head, ttt_mask, ttt_unroll
+from .data import DataConfig, TrainSequence, build_dataset, choose_draft_vocab
+from .loop import TrainConfig, train_head
 
-__all__ = [
-    "TrainConfig",
-    "DataConfig",
-    "TrainSequence",
-    "load_prompt_texts",
-    "generate_responses",
-    "generate_responses_with_engine",
-    "extract_features",
-    "choose_draft_vocab",
-    "make_batches",
-    "eagle_loss",
-    "ttt_mask",
-    "ttt_unroll",
-    "train_head",
-    "run_training",
-]
+__all__ = ["run_training"]
 
 
 def run_training(
@@ -120,8 +96,8 @@ def run_training(
         the ``training`` record written into ``config.json``.
     """
     from .. import models
+    from ..eagle.head import EagleHead, save_eagle_head, target_fingerprint
     from ..loading import select_target
-    from .head import EagleHead, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
     if model_and_tokenizer is None:
@@ -140,7 +116,7 @@ def run_training(
         raise ConfigError(f"generate_with must be 'engine' or 'hf', got {generate_with!r}")
     start_head = None
     if init_head is not None:
-        from .head import load_eagle_head
+        from ..eagle.head import load_eagle_head
 
         # before any generation or feature work: a wrong folder fails in seconds, not minutes
         start_head = load_eagle_head(init_head, target=target, model_spec=spec).float()
