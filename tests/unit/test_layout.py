@@ -140,8 +140,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafters", ("drafters", "drafting", "eagle", "datastore")),
     ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
     # the front ends: the command line, the integrations, EAGLE training, the measuring wing
-    # (and the deprecated old paths of two moved command modules, cli_common and doctor)
-    ("top", ("", "__main__", "cli", "integrations", "training", "bench", "cli_common", "doctor")),
+    # (and cli_common, the deprecated old path of ragspec.cli.common)
+    ("top", ("", "__main__", "cli", "doctor", "integrations", "training", "bench", "cli_common")),
 )
 
 
