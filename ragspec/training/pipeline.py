@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -96,57 +96,31 @@ def run_training(
         the ``training`` record written into ``config.json``.
     """
     from .. import models
-    from ..eagle.head import EagleHead, save_eagle_head, target_fingerprint
-    from ..loading import select_target
+    from ..eagle.head import load_eagle_head, save_eagle_head, target_fingerprint
 
     t_start = time.perf_counter()
-    if model_and_tokenizer is None:
-        spec = models.resolve_model(model_name)
-        model, tokenizer = models.load_model(spec, device=device, dtype="fp32")
-    else:
-        model, tokenizer = model_and_tokenizer
-        spec = model_spec
-    # the backend for the model's device, no speed-ups: the head trains through the model's own forward
-    target = select_target(model, speed_ups=False)
+    if generate_with not in ("engine", "hf"):
+        raise ConfigError(f"generate_with must be 'engine' or 'hf', got {generate_with!r}")
+    model, tokenizer, spec, target = _load_target(model_name, device, model_and_tokenizer, model_spec)
     info = target_fingerprint(target, spec)
     out = Path(out_dir)
     work = Path(work_dir) if work_dir else out / "work"
     eos_ids = models.eos_token_ids(model, tokenizer)
-    if generate_with not in ("engine", "hf"):
-        raise ConfigError(f"generate_with must be 'engine' or 'hf', got {generate_with!r}")
     start_head = None
     if init_head is not None:
-        from ..eagle.head import load_eagle_head
-
         # before any generation or feature work: a wrong folder fails in seconds, not minutes
         start_head = load_eagle_head(init_head, target=target, model_spec=spec).float()
-    engine_factory = None
-    if generate_with == "engine":
-
-        def engine_factory():
-            from ..loading import engine_for_target, load_engine
-
-            if model_and_tokenizer is None:
-                return load_engine(model_name, device=device, dtype="fp32")
-            return engine_for_target(target, tokenizer, eos_token_ids=eos_ids)
-
+    engine_factory = (
+        _engine_factory(model_name, device, target, tokenizer, eos_ids, loaded=model_and_tokenizer)
+        if generate_with == "engine"
+        else None
+    )
     blob = build_dataset(model, tokenizer, eos_ids, info, data, work, progress, engine_factory)
     seqs = [TrainSequence(**s) for s in blob["seqs"]]
     feats = blob["features"]
-    # validation split by prompt (a prompt's greedy and sampled responses stay together)
-    prompts = sorted({s.source.split("+", 1)[0] for s in seqs})
-    gen = torch.Generator().manual_seed(train.seed)
-    perm = torch.randperm(len(prompts), generator=gen).tolist()
-    val_prompts = {prompts[i] for i in perm[: int(round(len(prompts) * train.val_fraction))]}
-    val_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] in val_prompts]
-    tr_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] not in val_prompts]
-    if start_head is not None:
-        head = start_head
-        draft_vocab = head.draft_vocab.detach().cpu()
-    else:
-        draft_vocab = choose_draft_vocab([seqs[i] for i in tr_idx], target.vocab_size, train.draft_vocab_size)
-        torch.manual_seed(train.seed)  # the head's initial weights
-        head = EagleHead.from_target(target, draft_vocab=draft_vocab).float()
+    tr_idx, val_idx = _split_by_prompt(seqs, train.val_fraction, train.seed)
+    head = start_head if start_head is not None else _new_head(target, [seqs[i] for i in tr_idx], train)
+    draft_vocab = head.draft_vocab.detach().cpu()
     coverage = _coverage([seqs[i] for i in val_idx] or seqs, draft_vocab, target.vocab_size)
     result = train_head(
         head,
@@ -175,6 +149,60 @@ def run_training(
     }
     save_eagle_head(head, out, target_info=info, training=record)
     return record
+
+
+def _load_target(model_name: Optional[str], device: Optional[str], loaded: Any, spec: Any) -> tuple[Any, Any, Any, Any]:
+    """(model, tokenizer, spec, target): the model ``loaded`` already (with its ``spec``),
+    or loaded from ``model_name`` in float32; its target the backend for its device without
+    speed-ups (the head trains through the model's own forward)."""
+    from .. import models
+    from ..loading import select_target
+
+    if loaded is None:
+        spec = models.resolve_model(model_name)
+        model, tokenizer = models.load_model(spec, device=device, dtype="fp32")
+    else:
+        model, tokenizer = loaded
+    return model, tokenizer, spec, select_target(model, speed_ups=False)
+
+
+def _engine_factory(
+    model_name: Optional[str], device: Optional[str], target: Any, tokenizer: Any, eos_ids: Any, *, loaded: Any
+) -> Callable[[], Any]:
+    """How the training data's responses get an engine: loaded from ``model_name`` (float32,
+    with its shipped head), or, for a model the caller ``loaded``, one over ``target``."""
+
+    def engine_factory() -> Any:
+        from ..loading import engine_for_target, load_engine
+
+        if loaded is None:
+            return load_engine(model_name, device=device, dtype="fp32")
+        return engine_for_target(target, tokenizer, eos_token_ids=eos_ids)
+
+    return engine_factory
+
+
+def _new_head(target: Any, train_seqs: Sequence[TrainSequence], train: TrainConfig) -> Any:
+    """A new head for ``target`` (float32; its initial weights from ``train.seed``), its
+    draft vocabulary the ``train.draft_vocab_size`` most frequent tokens of ``train_seqs``."""
+    from ..eagle.head import EagleHead
+
+    draft_vocab = choose_draft_vocab(train_seqs, target.vocab_size, train.draft_vocab_size)
+    torch.manual_seed(train.seed)  # the head's initial weights
+    return EagleHead.from_target(target, draft_vocab=draft_vocab).float()
+
+
+def _split_by_prompt(seqs: Sequence[TrainSequence], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training, validation) indices of ``seqs``: ``val_fraction`` of the prompts, drawn
+    with ``seed``, hold out every sequence of theirs (a prompt's greedy and sampled
+    responses stay together)."""
+    prompts = sorted({s.source.split("+", 1)[0] for s in seqs})
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(prompts), generator=gen).tolist()
+    val_prompts = {prompts[i] for i in perm[: int(round(len(prompts) * val_fraction))]}
+    val_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] in val_prompts]
+    tr_idx = [i for i, s in enumerate(seqs) if s.source.split("+", 1)[0] not in val_prompts]
+    return tr_idx, val_idx
 
 
 def _coverage(seqs: Sequence[TrainSequence], vocab: torch.Tensor, vocab_size: int) -> float:
