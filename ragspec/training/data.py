@@ -319,6 +319,19 @@ def _data_key(info: dict, data: DataConfig, files: list) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _within_budget(seqs: Sequence[TrainSequence], max_seq_len: int, max_tokens: int) -> tuple[list[TrainSequence], int]:
+    """(sequences, their tokens): each of ``seqs`` cut to ``max_seq_len`` tokens, in order,
+    those past ``max_tokens`` in total dropped (0: no budget)."""
+    out, total = [], 0
+    for s in seqs:
+        s = TrainSequence(s.ids[:max_seq_len], min(s.prompt_len, max_seq_len), s.source)
+        if max_tokens and total + len(s.ids) > max_tokens:
+            continue
+        out.append(s)
+        total += len(s.ids)
+    return out, total
+
+
 def build_dataset(
     model,
     tokenizer,
@@ -390,14 +403,7 @@ def build_dataset(
     gen_s = time.perf_counter() - t0
     for i, resp in zip(chosen, responses):
         seqs[i] = TrainSequence(seqs[i].ids + resp, seqs[i].prompt_len, seqs[i].source + "+response")
-    seqs = seqs + sampled
-    out, total = [], 0
-    for s in seqs:
-        s = TrainSequence(s.ids[: data.max_seq_len], min(s.prompt_len, data.max_seq_len), s.source)
-        if data.max_tokens and total + len(s.ids) > data.max_tokens:
-            continue
-        out.append(s)
-        total += len(s.ids)
+    out, total = _within_budget(seqs + sampled, data.max_seq_len, data.max_tokens)
     t1 = time.perf_counter()
     bar = tqdm(total=total, desc="target features", disable=not progress, unit="tok")
     feats = extract_features(model, out, progress=bar.update)

@@ -332,12 +332,7 @@ def train_head(
     lm_weight, lm_bias = head.draft_lm_weight()
     step, history = 0, []
     if resume and checkpoint is not None and checkpoint.is_file():
-        ck = torch.load(checkpoint, map_location=device, weights_only=False)
-        head.load_state_dict(ck["head"])
-        opt.load_state_dict(ck["optimizer"])
-        step, history = int(ck["step"]), list(ck["history"])
-        noise_gen.set_state(ck["noise_rng"].cpu())
-        logger.info("resumed from %s at step %d", checkpoint, step)
+        step, history = _resume(checkpoint, head, opt, noise_gen, device)
     val_start = evaluate(head, val[0], val[1], cfg, lm_weight, lm_bias, device, val_starts) if step == 0 else {}
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.bf16_autocast else _nullcontext()
     t0 = time.perf_counter()
@@ -392,6 +387,19 @@ def train_head(
         "val_start": val_start,
         "val_end": val_end,
     }
+
+
+def _resume(
+    checkpoint: Path, head, opt: torch.optim.Optimizer, noise_gen: torch.Generator, device: torch.device
+) -> tuple[int, list[dict]]:
+    """Load ``checkpoint`` into ``head``, ``opt`` and ``noise_gen``: the (step, history) it
+    was saved at."""
+    ck = torch.load(checkpoint, map_location=device, weights_only=False)
+    head.load_state_dict(ck["head"])
+    opt.load_state_dict(ck["optimizer"])
+    noise_gen.set_state(ck["noise_rng"].cpu())
+    logger.info("resumed from %s at step %d", checkpoint, int(ck["step"]))
+    return int(ck["step"]), list(ck["history"])
 
 
 class _nullcontext:
