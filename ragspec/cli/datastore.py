@@ -455,16 +455,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``datastore`` command group (build, add, compact, info, query, bench) to ``subparsers``."""
-    model_default = os.environ.get("RAGSPEC_MODEL")
-    p = subparsers.add_parser(
-        "datastore",
-        help="build and inspect retrieval datastores",
-        description="Build, extend, compact, describe, query and benchmark datastores.",
-    )
-    sub = p.add_subparsers(dest="datastore_command", required=True)
-
+def _add_build_command(sub: Any, model_default: Optional[str]) -> None:
+    """``ragspec datastore build``: a datastore from texts, or from the target's answers."""
     b = sub.add_parser("build", help="build a datastore from text files, directories or JSONL")
     b.add_argument(
         "inputs",
@@ -497,6 +489,9 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--limit", type=int, default=None, help="first N prompts only")
     b.set_defaults(func=cmd_build)
 
+
+def _add_add_command(sub: Any, model_default: Optional[str]) -> None:
+    """``ragspec datastore add``: texts or a server's response log as a new shard."""
     a = sub.add_parser("add", help="append inputs to a datastore as a new shard")
     a.add_argument("directory", metavar="DIR", help="the datastore to add to")
     a.add_argument(
@@ -524,6 +519,20 @@ def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("--strict", action="store_true", help="fail on binary input or a malformed JSONL line")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_add)
+
+
+def add_datastore_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``datastore`` command group (build, add, compact, info, query, bench) to ``subparsers``."""
+    model_default = os.environ.get("RAGSPEC_MODEL")
+    p = subparsers.add_parser(
+        "datastore",
+        help="build and inspect retrieval datastores",
+        description="Build, extend, compact, describe, query and benchmark datastores.",
+    )
+    sub = p.add_subparsers(dest="datastore_command", required=True)
+
+    _add_build_command(sub, model_default)
+    _add_add_command(sub, model_default)
 
     c = sub.add_parser(
         "compact",

@@ -99,12 +99,9 @@ def cmd_eagle_bench(args) -> int:
     return run_eagle_bench(args)
 
 
-def add_eagle_commands(subparsers) -> None:
-    """Register ``ragspec eagle train|info|bench``."""
-    e = subparsers.add_parser("eagle", help="train, inspect or benchmark an EAGLE draft head")
-    esub = e.add_subparsers(dest="eagle_command", required=True)
-
-    t = esub.add_parser("train", help="train a draft head by self-distillation (teacher-forced target features)")
+def _add_train_command(sub) -> None:
+    """``ragspec eagle train``: :func:`ragspec.training.run_training`'s options."""
+    t = sub.add_parser("train", help="train a draft head by self-distillation (teacher-forced target features)")
     t.add_argument(
         "--model",
         default=os.environ.get("RAGSPEC_MODEL"),
@@ -156,6 +153,14 @@ def add_eagle_commands(subparsers) -> None:
     t.add_argument("--device", default=os.environ.get("RAGSPEC_DEVICE"), help="cpu or cuda")
     # -q/--quiet (no progress bars) is the global option (ragspec.cli.common.add_global_args)
     t.set_defaults(func=cmd_eagle_train)
+
+
+def add_eagle_commands(subparsers) -> None:
+    """Register ``ragspec eagle train|info|bench``."""
+    e = subparsers.add_parser("eagle", help="train, inspect or benchmark an EAGLE draft head")
+    esub = e.add_subparsers(dest="eagle_command", required=True)
+
+    _add_train_command(esub)
 
     i = esub.add_parser("info", help="what a head was trained for, and how")
     i.add_argument("head", help="the head's folder")
