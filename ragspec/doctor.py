@@ -119,9 +119,7 @@ def kernel_report(
     Raises:
         RagspecError: ``model`` cannot be loaded, or a bad device / numerics / drafting.
     """
-    from .backend.base import Capability
     from .backend.cpu import kernels
-    from .backend.cpu.native import native_step_enabled
     from .errors import ConfigError
     from .loading import load_target, resolve_drafting
     from .models import cache_dir
@@ -139,28 +137,8 @@ def kernel_report(
     resolved_drafting = resolve_drafting(drafting, run_device)
     hf_model = target.model if target is not None else None
 
-    native: dict[str, Any] = {"enabled": native_step_enabled(), "in_library": status.decoder_step}
-    if target is not None:
-        # only the CPU backend has a native step (its speed-ups say why not)
-        speed_ups = target.capability(Capability.SPEED_UPS)
-        off = (
-            speed_ups.native_step_off
-            if speed_ups is not None
-            else f"the native step is the CPU backend's; the model is on {run_device}"
-        )
-        native.update(runs=off is None, reason=off)
-    else:
-        native.update(runs=None, reason="give --model to load a model and check its native step")
-
-    fast_off = None
-    if run_device.type == "cuda":
-        fast_off = None  # the CUDA backend's "fast" is cuBLAS linears
-    elif not status.active:
-        fast_off = "needs the compiled CPU kernels"
-    elif not status.fast_numerics:
-        fast_off = "needs a CPU with AVX-512 VNNI (and RAGSPEC_CPU_ISA not avx2)"
-    elif target is not None and gguf is None:
-        fast_off = "needs a GGUF model"
+    native = _native_step_facts(target, run_device, status)
+    fast_off = _fast_numerics_off(target, run_device, status, gguf)
     return {
         "ragspec": _version("ragspec"),
         "python": platform.python_version(),
@@ -197,6 +175,42 @@ def kernel_report(
             "kernel_dir": str(status.kernel_dir) if status.kernel_dir else None,
         },
     }
+
+
+def _native_step_facts(target: Optional["Target"], run_device: torch.device, status: Any) -> dict[str, Any]:
+    """``kernel_report``'s ``"native_step"``: whether it is switched on and compiled, and
+    whether ``target`` runs it (None without a target), and why not."""
+    from .backend.base import Capability
+    from .backend.cpu.native import native_step_enabled
+
+    native: dict[str, Any] = {"enabled": native_step_enabled(), "in_library": status.decoder_step}
+    if target is None:
+        native.update(runs=None, reason="give --model to load a model and check its native step")
+        return native
+    # only the CPU backend has a native step (its speed-ups say why not)
+    speed_ups = target.capability(Capability.SPEED_UPS)
+    off = (
+        speed_ups.native_step_off
+        if speed_ups is not None
+        else f"the native step is the CPU backend's; the model is on {run_device}"
+    )
+    native.update(runs=off is None, reason=off)
+    return native
+
+
+def _fast_numerics_off(
+    target: Optional["Target"], run_device: torch.device, status: Any, gguf: Optional[Path]
+) -> Optional[str]:
+    """Why ``--numerics fast`` cannot be served here (for ``target`` when given), or None."""
+    if run_device.type == "cuda":
+        return None  # the CUDA backend's "fast" is cuBLAS linears
+    if not status.active:
+        return "needs the compiled CPU kernels"
+    if not status.fast_numerics:
+        return "needs a CPU with AVX-512 VNNI (and RAGSPEC_CPU_ISA not avx2)"
+    if target is not None and gguf is None:
+        return "needs a GGUF model"
+    return None
 
 
 def _print_text(report: dict[str, Any]) -> None:
