@@ -330,7 +330,7 @@ def train_head(
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     lm_weight, lm_bias = head.draft_lm_weight()
-    step, history = 0, []
+    step, history = 0, []  # type: tuple[int, list[dict]]
     if resume and checkpoint is not None and checkpoint.is_file():
         step, history = _resume(checkpoint, head, opt, noise_gen, device)
     val_start = evaluate(head, val[0], val[1], cfg, lm_weight, lm_bias, device, val_starts) if step == 0 else {}
