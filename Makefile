@@ -28,9 +28,8 @@ run: data setup
 	$(BIN)/ragspec model fetch
 	$(BIN)/ragspec summarize --specbench $(DATA) --category rag --index 0 --compare
 
-# ruff (lint + format check) and mypy, pinned in the test extra. scripts/gpu_check.py is left out
-# until its 5 ruff findings are fixed (the GPU device check's owner)
-LINT := ragspec tests examples $(filter-out scripts/gpu_check.py,$(wildcard scripts/*.py))
+# ruff (lint + format check) and mypy, pinned in the test extra
+LINT := ragspec tests examples $(wildcard scripts/*.py)
 lint: setup
 	$(BIN)/ruff check $(LINT)
 	$(BIN)/ruff format --check $(LINT)

@@ -10,6 +10,7 @@ from .errors import (
     DatastoreNotFoundError,
     EagleHeadMismatchError,
     EmptyCorpusError,
+    InvalidParameterError,
     IsolationError,
     ModelLoadError,
     ModelNotFoundError,
@@ -21,7 +22,7 @@ from .errors import (
 from .loading import load_engine
 from .params import RequestParams
 from .prompts import PreparedPrompt
-from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
+from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, TokenLogprob, VerifyResult
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "StreamChunk",
+    "TokenLogprob",
     "VerifyResult",
     "RagspecError",
     "ConfigError",
@@ -52,6 +54,7 @@ __all__ = [
     "PromptTooLongError",
     "EagleHeadMismatchError",
     "UnsupportedParameterError",
+    "InvalidParameterError",
     "DatastoreNotFoundError",
     "IsolationError",
 ]

@@ -20,6 +20,7 @@ import torch
 from .backend.base import Capability, Target, VerifyItem
 from .policy import LatencyModel, LatencyTable
 from .progress import step
+from .tree import interleaved_tree
 from .types import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def measure_latency(
     early: Optional[bool] = None,
     model_name: str = "",
     batch: int = 1,
+    trees: Optional[bool] = None,
 ) -> LatencyTable:
     """Time the target's verification forward of q new tokens over a cache of each context
     (with ``batch`` > 1: one forward over ``batch`` requests, each with its own cache of
@@ -130,6 +132,9 @@ def measure_latency(
         model_name: the model's name in the table's key (default: the config's
             ``_name_or_path``).
         batch: requests per forward, each with its own cache.
+        trees: also time each q as a branching draft tree (q - 1 nodes, four branches
+            below the root) and keep, per q, the slower of the chain and the tree (None: on
+            CUDA, where the GPU draft policy picks trees of up to ~64 nodes from this table).
 
     Returns:
         a :class:`~ragspec.policy.LatencyTable` keyed by (device, dtype, model): seconds per
@@ -144,6 +149,7 @@ def measure_latency(
     contexts = tuple(contexts) if contexts is not None else ((512, 2048) if cuda else (512,))
     repeats = int(repeats) if repeats is not None else (5 if cuda else 3)
     early = ((not cuda) if early is None else bool(early)) and bool(target.capability(Capability.LAZY_ROWS))
+    shapes = (False, True) if (cuda if trees is None else trees) else (False,)
     if not qs:
         raise ValueError("no q to time")
     if batch < 1:
@@ -166,7 +172,7 @@ def measure_latency(
     with torch.inference_mode():
         for context in contexts:
             prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
-            samples: dict[tuple[int, bool], list[float]] = {}
+            samples: dict[tuple[int, bool, bool], list[float]] = {}
             states = []
             for ids in prompts:
                 states.append(target.new_state())
@@ -174,15 +180,13 @@ def measure_latency(
             base = target.state_length(states[0])
             for rnd in range(repeats + 1):
                 for q in qs:
-                    for lazy in modes:
-                        # q - 1 draft tokens after each root; wrap around the prompt for long q
+                    for lazy, wide in ((lazy, wide) for lazy in modes for wide in shapes):
+                        # q - 1 draft tokens after each root (a chain or a tree); wrap around the prompt for long q
                         items = [
                             VerifyItem(
                                 state,
                                 ids[-1],
-                                DraftTree.chain([ids[i % context] for i in range(q - 1)])
-                                if q > 1
-                                else DraftTree.empty(),
+                                _draft([ids[i % context] for i in range(q - 1)], wide),
                                 lazy_logits=lazy,
                             )
                             for state, ids in zip(states, prompts)
@@ -197,16 +201,29 @@ def measure_latency(
                         for state in states:
                             target.rollback(state, base)
                         if rnd:  # the first round warms up
-                            samples.setdefault((q, lazy), []).append(dt)
-            full[context] = _monotone({q: statistics.median_high(samples[(q, False)]) for q in qs})
+                            samples.setdefault((q, lazy, wide), []).append(dt)
+            full[context] = _monotone({q: _slowest(samples, q, False, shapes) for q in qs})
             if early:
-                first[context] = _monotone({q: statistics.median_high(samples[(q, True)]) for q in qs})
+                first[context] = _monotone({q: _slowest(samples, q, True, shapes) for q in qs})
             del states
     name = model_name or str(getattr(target.capability(Capability.CONFIG), "_name_or_path", "") or "")
     table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
     for c in contexts:
         logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
     return table
+
+
+def _draft(tokens: list[int], wide: bool) -> DraftTree:
+    """A chain of ``tokens``, or (``wide``) a tree of them: four interleaved branches below
+    the root (:func:`ragspec.tree.interleaved_tree`)."""
+    if not tokens:
+        return DraftTree.empty()
+    return interleaved_tree(tokens, 4, "calibration") if wide else DraftTree.chain(tokens)
+
+
+def _slowest(samples: dict, q: int, lazy: bool, shapes: tuple[bool, ...]) -> float:
+    """The median seconds of q's slowest draft shape (chain or tree)."""
+    return max(statistics.median_high(samples[(q, lazy, wide)]) for wide in shapes)
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

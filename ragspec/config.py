@@ -66,10 +66,15 @@ class SamplingParams:
     """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
     seed: Optional[int] = None
     """Seed of the request's own ``torch.Generator``; None draws a fresh seed."""
+    min_p: float = 0.0
+    """Keep the tokens of probability at least min_p times the likeliest one's, after
+    top-k and top-p (0 = off)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

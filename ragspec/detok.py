@@ -44,12 +44,13 @@ class TextAssembler:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token_id: int, *, with_text: bool = True) -> bool:
+    def add(self, token_id: int, *, with_text: bool = True, stop: bool = True) -> bool:
         """Append one committed token. Returns True when a stop string completed (the text is
         then cut right before it and no later token may be added).
 
         ``with_text=False`` records the id without text (an EOS token ends the output and
-        is never shown, special or not)."""
+        is never shown, special or not); ``stop=False``: stop strings are not looked for
+        after this token (a request's ``min_tokens`` not reached yet)."""
         if self.stopped:
             raise RuntimeError("TextAssembler.add after a stop string matched")
         self.token_ids.append(int(token_id))
@@ -68,7 +69,7 @@ class TextAssembler:
         if delta:
             old_len = len(self.text)
             self.text += delta
-            if self._stop:
+            if self._stop and stop:
                 start = max(0, old_len - self._max_stop + 1)
                 hit = min(
                     (p for p in (self.text.find(s, start) for s in self._stop) if p != -1),
@@ -79,6 +80,11 @@ class TextAssembler:
                     self.stopped = True
         self._token_text_end.append(len(self.text))
         return self.stopped
+
+    @property
+    def emitted_tokens(self) -> int:
+        """Token ids :meth:`take` has returned so far."""
+        return self._emitted_tokens
 
     def _holdback(self) -> int:
         """Characters at the end of the text that could still start a stop string."""
@@ -95,6 +101,16 @@ class TextAssembler:
         """Text and token ids that are safe to emit now and were not emitted before.
 
         With ``final=True`` everything left is returned (the generation has ended)."""
+        text, toks, _ = self.take_tokens(final)
+        return text, toks
+
+    def take_tokens(self, final: bool = False) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+        """:meth:`take`, with the text each token brings: ``(text, token ids, texts)``,
+        ``texts`` one string per token whose concatenation is ``text`` (text that no
+        emitted token ends, e.g. the start of a character the next token completes, goes
+        with the last token; with no token, ``texts`` is empty). For streaming one token
+        per event."""
+        start_text, start_tok = self._emitted_text, self._emitted_tokens
         limit = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback()
         if limit <= self._emitted_text and not final:
             text = ""
@@ -109,4 +125,12 @@ class TextAssembler:
                 n_tok += 1
         toks = tuple(self.token_ids[self._emitted_tokens : n_tok])
         self._emitted_tokens = n_tok
-        return text, toks
+        texts: list[str] = []
+        at, end = start_text, self._emitted_text
+        for i in range(start_tok, n_tok):
+            stop = min(max(self._token_text_end[i], at), end)
+            texts.append(self.text[at:stop])
+            at = stop
+        if texts and at < end:
+            texts[-1] += self.text[at:end]
+        return text, toks, tuple(texts)

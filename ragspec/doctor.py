@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .backend.base import Capability
 from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS
 
 if TYPE_CHECKING:
@@ -56,8 +57,9 @@ def _cpu_flags() -> Optional[list[str]]:
     return None
 
 
-def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
-    """Whether ragspec's CUDA backend would serve (``model`` on CUDA when given)."""
+def _cuda_facts(model: Optional[torch.nn.Module], target: Optional["Target"] = None) -> dict[str, Any]:
+    """Whether ragspec's CUDA backend would serve (``model`` on CUDA when given) and, for a
+    loaded ``target`` that replays its step from CUDA graphs, its graphs and step counts."""
     from .backend.cuda import kernels as cuda_kernels
     from .backend.cuda import unsupported_reason
 
@@ -76,6 +78,7 @@ def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         reason = "triton is not installed (pip install triton)"
     elif model is not None:
         reason = unsupported_reason(model)
+    counts = target.capability(Capability.STEP_COUNTS) if target is not None else None
     return {
         "device_present": device,
         "device_name": torch.cuda.get_device_name(0) if device else None,
@@ -83,6 +86,14 @@ def _cuda_facts(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "triton": cuda_kernels.triton_available(),
         "backend_available": reason is None,
         "reason": reason,
+        "graphs": None
+        if counts is None
+        else {
+            "captured": list(counts.captured),
+            "failed": list(counts.failed),
+            "graph_steps": counts.graph_steps,
+            "eager_steps": counts.eager_steps,
+        },
     }
 
 
@@ -169,7 +180,7 @@ def kernel_report(
         },
         "numerics": {"requested": numerics, "fast_available": fast_off is None, "fast_reason": fast_off},
         "drafting": {"requested": drafting, "resolved": resolved_drafting, "device": str(run_device)},
-        "cuda": _cuda_facts(hf_model if hf_model is not None and run_device.type == "cuda" else None),
+        "cuda": _cuda_facts(hf_model if hf_model is not None and run_device.type == "cuda" else None, target),
         "cache": {
             "cache_dir": str(cache_dir()),
             "kernel_dir": str(status.kernel_dir) if status.kernel_dir else None,
@@ -231,6 +242,12 @@ def _print_text(report: dict[str, Any]) -> None:
     print(f"drafting:     {d['requested']} -> {d['resolved']} on {d['device']}")
     c = report["cuda"]
     print("CUDA backend: " + ("available" if c["backend_available"] else f"not available ({c['reason']})"))
+    g = c.get("graphs")
+    if g is not None:
+        rows = f" ({g['captured'][0]}-{g['captured'][-1]} rows)" if g["captured"] else ""
+        failed = f", capture FAILED for {g['failed']} rows (eager)" if g["failed"] else ""
+        print(f"CUDA graphs:  {len(g['captured'])} captured{rows}{failed}; steps so far "
+              f"{g['graph_steps']} graphed, {g['eager_steps']} eager")  # fmt: skip
     print("versions:     " + ", ".join(f"{name} {v or '-'}" for name, v in report["versions"].items()))
     print(f"kernel cache: {report['cache']['kernel_dir'] or '-'}")
 

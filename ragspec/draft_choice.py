@@ -1,6 +1,6 @@
 """The draft a request verifies in a step of :meth:`Engine.step
 <ragspec.engine.Engine.step>` (stage 1 of the decode loop): its draft session's proposal,
-stripped of invalid nodes, cut to the part worth verifying by the policy
+stripped of invalid nodes and of the nodes its logit processors forbid, cut to the part worth verifying by the policy
 (:func:`draft_for_step`), alone or weighed against the rest of a batched step (its
 ``other_rows`` / ``other_committed``, at most :func:`per_request_drafts` nodes); and, after
 the step, what each gated request's drafting paid for (:func:`observe_gates`).
@@ -8,6 +8,7 @@ the step, what each gated request's drafting paid for (:func:`observe_gates`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -15,6 +16,7 @@ from typing import Callable, Optional, Sequence
 from .backend.base import Target
 from .config import PolicyConfig
 from .policy import DraftTimeGate, LatencyModel, choose_draft
+from .processors import keep_subtrees
 from .request import Request
 from .tree import drop_invalid_nodes
 from .types import DraftTree, GenerationStats, VerifyResult
@@ -81,6 +83,8 @@ def draft_for_step(
         proposal, dropped = drop_invalid_nodes(raw, target.vocab_size)
         if dropped:
             on_invalid(req.stats, raw, proposal, dropped)
+        if req.processors and proposal.num_nodes:
+            proposal = _prune(req, proposal)
         if proposal.num_nodes:
             if policy.adaptive:
                 choice = choose_draft(
@@ -100,6 +104,18 @@ def draft_for_step(
     # a plain step (speculation off, no budget, skipped) spends no time drafting
     draft_s = time.perf_counter() - t0 if proposed else 0.0
     return Pending(index, req, tree, predicted, lazy, draft_s, past, proposed)
+
+
+def _prune(req: Request, tree: DraftTree) -> DraftTree:
+    """``tree`` without the nodes the request's processors forbid
+    (:func:`~ragspec.processors.keep_subtrees`), counted in its stats. A tree cut by its
+    tokens is no longer distributed as a sampling drafter drew it: it is verified as a
+    deterministic draft (lossless for any choice of nodes; :mod:`ragspec.sampling`)."""
+    kept, pruned = keep_subtrees(tree, req.processors.prune(tree))
+    if not pruned:
+        return tree
+    req.stats.num_pruned_draft_tokens += pruned
+    return dataclasses.replace(kept, draft_probs=None) if kept.draft_probs is not None else kept
 
 
 def per_request_drafts(policy: PolicyConfig, latency: LatencyModel, n: int) -> int:

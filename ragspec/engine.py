@@ -49,13 +49,15 @@ from .drafters.base import (
     session_capabilities,
 )
 from .errors import ConfigError, PromptTooLongError
+from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill, prefill_budget
 from .prefix_cache import PrefixCache
+from .processing import ProcessorContext, build_processors
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
-from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, VerifyResult
+from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
 if TYPE_CHECKING:
@@ -358,6 +360,8 @@ class Engine:
         if sampling is not None or deprecated or isinstance(params, DecodeConfig):
             params, extra_ids = _deprecated_start(params, sampling, deprecated)
         params = params if params is not None else RequestParams()
+        if params.n != 1:
+            raise ConfigError(f"n={params.n}: a request of several choices starts with Engine.start_choices")
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, params, chat=chat)
         prompt_ids = list(prompt.prompt_ids)
@@ -383,9 +387,13 @@ class Engine:
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
         session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
+        processors = build_processors(
+            params, ProcessorContext(tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer)
+        )
         req = Request(
             prompt_ids=prompt_ids,
             params=params,
+            processors=processors,
             state=self.target.new_state(),
             verifier=verifier,
             session=session,
@@ -409,6 +417,61 @@ class Engine:
         if params.max_new_tokens == 0:
             req.finish_reason = "length"
         return req
+
+    def start_choices(
+        self, prompt: Union[Prompt, Messages, PreparedPrompt], params: RequestParams, *, chat: bool = True
+    ) -> list[Request]:
+        """The ``params.n`` choices of one request, each a :class:`Request` of ``n=1``,
+        ready to be stepped together (no forward runs here). Choice i samples with its own
+        generator, seeded ``params.seed + i`` (vLLM's rule; unseeded: fresh seeds); they
+        share one prefill: choice 0 runs it, and where the target copies KV entries
+        (``Capability.PREFIX_KV``) the others copy its prompt's entries once it ran and
+        choose their first token from its last logits (otherwise each prefills itself).
+        Greedy choices are all the same output.
+
+        Raises:
+            as :meth:`start`.
+        """
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare(prompt, params, chat=chat)
+        one = params.replace(n=1)
+        choices = [
+            self.start(prompt, one if params.seed is None else one.replace(seed=params.seed + i))
+            for i in range(params.n)
+        ]
+        if len(choices) > 1 and self.target.capability(Capability.PREFIX_KV):
+            choices[0].shares_prefill = True
+            for req in choices[1:]:
+                req.fork_of = choices[0]
+        return choices
+
+    def generate_choices(
+        self,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
+        *,
+        chat: bool = True,
+        **fields: Any,
+    ) -> list[GenerationOutput]:
+        """:meth:`generate` for a request of ``n`` choices (:meth:`start_choices`, stepped
+        together): one :class:`~ragspec.types.GenerationOutput` per choice, in order.
+
+        Raises:
+            TypeError: an unknown keyword. Others: as :meth:`start`.
+        """
+        choices = self.start_choices(prompt, request_params(params, **fields), chat=chat)
+        outs = [GenerationOutput("", [], GenerationStats()) for _ in choices]
+        running = list(range(len(choices)))
+        while running:
+            for i, chunk in zip(running, self.step([choices[i] for i in running])):
+                out = outs[i]
+                out.text += chunk.text
+                out.token_ids.extend(chunk.token_ids)
+                out.logprobs.extend(chunk.logprobs)
+                if chunk.stats is not None:
+                    out.stats = chunk.stats
+            running = [i for i in running if not choices[i].done]
+        return outs
 
     def _session(
         self,
@@ -489,6 +552,7 @@ class Engine:
             if req.done:
                 raise ConfigError("request already finished: its final chunk was returned")
         t_step = time.perf_counter()
+        counts = self.target.capability(Capability.STEP_COUNTS)
         pending: list[Pending] = []
         prefill_tokens = chunks = 0
         with torch.inference_mode():
@@ -541,6 +605,7 @@ class Engine:
                 results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
                 if any(g is not None for g in gates):
                     observe_gates(pending, results, gates, time.perf_counter() - t_decode)
+        after = self.target.capability(Capability.STEP_COUNTS)
         self.last_step = StepReport(
             requests=len(requests),
             verified=len(pending),
@@ -548,6 +613,8 @@ class Engine:
             prefill_tokens=prefill_tokens,
             prefill_chunks=chunks,
             seconds=time.perf_counter() - t_step,
+            graph_steps=after.graph_steps - counts.graph_steps if after else 0,
+            eager_steps=after.eager_steps - counts.eager_steps if after else 0,
         )
         return [take_chunk(req) for req in requests]
 
@@ -674,7 +741,8 @@ class Engine:
             should_cancel: asked before each step; True ends the generation.
 
         Returns:
-            GenerationOutput with ``.text``, ``.token_ids`` (generated only) and ``.stats``.
+            GenerationOutput with ``.text``, ``.token_ids`` (generated only), ``.stats``
+            and, when asked (``logprobs``), ``.logprobs`` (one entry per token).
 
         Raises:
             TypeError: an unknown keyword.
@@ -685,14 +753,16 @@ class Engine:
         """
         text_parts: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         stats = None
         for chunk in self.stream(prompt, params, **kwargs):
             text_parts.append(chunk.text)
             tokens.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             if chunk.stats is not None:
                 stats = chunk.stats
         assert stats is not None, "stream ended without a final chunk"
-        return GenerationOutput("".join(text_parts), tokens, stats)
+        return GenerationOutput("".join(text_parts), tokens, stats, logprobs)
 
     # ------------------------------------------------------------------ stages
     def _draft(
@@ -742,11 +812,16 @@ class Engine:
         :class:`~ragspec.backend.base.ForwardOutput`), commit, feed back. Returns the
         verification's result."""
         req, tree = p.request, p.tree
+        chain = req.processors
+        row_fn = chain.rows(tree) if chain else None
+        lp = step_logprob_rows(req.params, row_fn)  # None unless the request returns logprobs
+        fn = lp if lp is not None else row_fn
         if req.verifier.greedy:
-            res = verify_greedy(tree, out.row_logits if out.row_logits is not None else out.logits)
+            logits = out.row_logits if out.row_logits is not None else out.logits
+            res = verify_greedy(tree, logits, fn)
         else:
             logits = out.logits if out.logits is not None else out.row_logits.full()
-            res = req.verifier(tree, logits, req.generator)
+            res = req.verifier(tree, logits, req.generator, fn)
         if req.want_hidden:
             # features of the positions now kept in the cache: root + accepted path
             rows = [0] + [1 + i for i in res.accepted_nodes]
@@ -756,6 +831,10 @@ class Engine:
         t2 = time.perf_counter()
         committed = res.tokens
         kept = commit_tokens(req, committed, self.eos_token_ids)
+        if chain:
+            chain.commit(committed)
+        if lp is not None:
+            req.logprobs.extend(lp.entries(step_rows(logits), res)[:kept])
         # 4. feedback
         if tree.num_nodes:
             req.acceptance.observe(tree, res)

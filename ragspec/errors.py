@@ -10,6 +10,7 @@ __all__ = [
     "RagspecError",
     "ConfigError",
     "UnsupportedParameterError",
+    "InvalidParameterError",
     "DatastoreNotFoundError",
     "IsolationError",
     "ModelNotFoundError",
@@ -40,10 +41,19 @@ class ConfigError(RagspecError, ValueError):
     """A setting is out of range or inconsistent (raised at construction)."""
 
 
+class InvalidParameterError(ConfigError):
+    """A request parameter's value is out of range or does not fit the model (a
+    ``logit_bias`` token id outside the vocabulary, a penalty outside [-2, 2], too many
+    ``top_logprobs``). ``param`` names the field (the servers answer 400 with it)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class UnsupportedParameterError(ConfigError):
-    """A request asks for something the engine does not do yet (``n > 1``, log-probabilities,
-    penalties, ``logit_bias``, ``min_tokens``, a structured ``response_format``): refused,
-    never silently ignored. ``param`` names the field."""
+    """A request asks for something the engine does not do yet (a structured
+    ``response_format``): refused, never silently ignored. ``param`` names the field."""
 
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)

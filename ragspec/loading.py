@@ -70,13 +70,23 @@ def resolve_drafting(drafting: str, device: torch.device) -> str:
     --draft-budgets 8,0 --also-drafting retrieval`` run, twice: decode-phase gain over
     drafting off 1.16x / 1.16x with retrieval alone against 1.08x / 1.09x merged, retrieval
     as fast or faster in every category (``docs/bench/drafting-retrieval-vs-merged-run{1,2}.json``).
-    On CUDA a head level is a small part of a step, as in EAGLE's own measurements.
+    On CUDA ``"auto"`` is what the GPU check measured faster on this GPU model, the head
+    merged with retrieval or retrieval alone
+    (:func:`ragspec.backend.cuda.drafting.recorded_drafting`), else ``"merged"``.
 
     Raises:
         ConfigError: ``drafting`` is neither ``"auto"`` nor one of :data:`DRAFTING_MODES`.
     """
     if check_drafting(drafting) == AUTO_DRAFTING:
-        return "merged" if torch.device(device).type == "cuda" else "retrieval"
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "retrieval"
+        if not torch.cuda.is_available():  # (a CUDA device named on a machine without one)
+            return "merged"
+        from .backend.cuda.drafting import recorded_drafting
+        from .models import cache_dir
+
+        return recorded_drafting(torch.cuda.get_device_name(device), cache_dir()) or "merged"
     return drafting
 
 

@@ -2,13 +2,15 @@
 
 Everything a request can ask is here (vLLM's ``SamplingParams`` and llama.cpp's slot
 parameters are the models): how tokens are chosen (``temperature``, ``top_k``, ``top_p``,
-``seed``), when generation ends (``max_new_tokens``, ``stop``), how it drafts
-(``speculative``, ``max_draft_tokens``, ``datastore``, ``draft_documents``), what the model
-reads besides the prompt (``documents``), the tenant partition of the shared caches
-(``cache_salt``), and, named already, what the engine does not do yet (``n``,
-``logprobs``/``top_logprobs``, penalties, ``logit_bias``, ``min_tokens``,
-``response_format``): setting one of those to anything but its neutral value raises
-:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored.
+``min_p``, ``seed``, the penalties, ``logit_bias``, ``min_tokens``: the processing of
+:mod:`ragspec.logit_processors`), what comes back (``n`` choices, ``logprobs`` /
+``top_logprobs`` in ``logprobs_mode``), when generation ends (``max_new_tokens``,
+``stop``), how it drafts (``speculative``, ``max_draft_tokens``, ``datastore``,
+``draft_documents``), what the model reads besides the prompt (``documents``), the tenant
+partition of the shared caches (``cache_salt``), and, named already, what the engine does
+not do yet (``response_format``): setting it to anything but its neutral value raises
+:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored. A
+value out of range raises :class:`~ragspec.errors.InvalidParameterError` naming its field.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
 body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
@@ -24,23 +26,19 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .config import DecodeConfig, SamplingParams
-from .errors import ConfigError, UnsupportedParameterError
+from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
+from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
-UNSUPPORTED_FIELDS = (
-    "n",
-    "logprobs",
-    "top_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "min_tokens",
-    "response_format",
-)
+UNSUPPORTED_FIELDS = ("response_format",)
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
+
+
+def _number(value: Any) -> bool:
+    """A real number (int or float, not a bool), not NaN."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
 
 
 def _texts(value: Union[None, str, Sequence[str]], name: str) -> tuple[str, ...]:
@@ -109,23 +107,44 @@ class RequestParams:
     # ------------------------------------------------------------------ reporting
     return_steps: bool = False
     """Keep per-step stats in ``GenerationStats.steps``."""
-    # ------------------------------------------------------------------ not implemented yet
+    # ------------------------------------------------------------------ choices and outputs
     n: int = 1
-    """Completions per request (only 1 is implemented)."""
+    """Choices (completions) of the request, >= 1: each its own generation, sampled with
+    its own generator seeded ``seed + i``, sharing one prefill
+    (:meth:`Engine.start_choices <ragspec.engine.Engine.start_choices>`)."""
     logprobs: bool = False
-    """Return each generated token's log-probability (not implemented: False only)."""
+    """Return each generated token's log-probability (``GenerationOutput.logprobs``,
+    ``StreamChunk.logprobs``), from the verification row that chose it: equal to plain
+    decoding's (:mod:`ragspec.logprobs`)."""
     top_logprobs: int = 0
-    """With ``logprobs``: also the k likeliest tokens' (not implemented: 0 only)."""
+    """With ``logprobs``: also the k likeliest tokens of each position, 0 .. 20."""
+    logprobs_mode: str = "raw_logprobs"
+    """What ``logprobs`` returns (vLLM's names): ``raw_logprobs`` (the model's own
+    distribution), ``raw_logits``, ``processed_logprobs`` or ``processed_logits`` (after
+    penalties, bias, temperature, top-k/top-p/min-p: the distribution the token was chosen
+    from)."""
+    # ------------------------------------------------------------------ processing
     presence_penalty: float = 0.0
-    """OpenAI's presence penalty (not implemented: 0 only)."""
+    """OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every
+    token the output holds (0: off)."""
     frequency_penalty: float = 0.0
-    """OpenAI's frequency penalty (not implemented: 0 only)."""
+    """OpenAI's frequency penalty, in [-2, 2]: subtracted from a token's logit once per
+    time the output holds it (0: off)."""
     repetition_penalty: float = 1.0
-    """transformers' multiplicative repetition penalty (not implemented: 1 only)."""
+    """vLLM's and transformers' multiplicative repetition penalty (> 0) over the prompt's
+    and the output's tokens: a positive logit is divided by it, a negative one multiplied
+    (1: off; above 1 discourages repeats)."""
     logit_bias: Optional[Mapping[int, float]] = None
-    """Token id -> bias added to its logit (not implemented: None or empty only)."""
+    """Token id -> value in [-100, 100] added to its logit in every step (OpenAI's
+    ``logit_bias``; -100 bans the token in practice, and it is never drafted)."""
     min_tokens: int = 0
-    """Tokens generated before EOS or a stop string may end the request (not implemented: 0 only)."""
+    """Tokens generated before an EOS token or a stop string may end the request (EOS
+    tokens are masked until then); at most ``max_new_tokens``."""
+    min_p: float = 0.0
+    """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
+    one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
+    0: off; greedy decoding ignores it)."""
+    # ------------------------------------------------------------------ not implemented yet
     response_format: Optional[Mapping[str, Any]] = None
     """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
     grammar); None: free text (not implemented: None only)."""
@@ -155,6 +174,7 @@ class RequestParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
+        self._check_processing()
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         # the component settings validate their own ranges (ConfigError)
@@ -173,25 +193,71 @@ class RequestParams:
             self,
             "_sampling",
             SamplingParams(
-                temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p), seed=self.seed
+                temperature=float(self.temperature),
+                top_k=self.top_k,
+                top_p=float(self.top_p),
+                seed=self.seed,
+                min_p=float(self.min_p),
             ),
         )
         self._refuse_unimplemented()
 
+    def _check_processing(self) -> None:
+        """Range checks of the fields that edit logits (:mod:`ragspec.logit_processors`);
+        a ``logit_bias`` is normalised to a dict of ints to floats.
+
+        Raises:
+            InvalidParameterError: a value out of range, naming the field.
+        """
+        for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not _number(value) or not low <= value <= high:
+                raise InvalidParameterError(
+                    f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name
+                )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameterError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidParameterError("top_logprobs needs logprobs=True", param="top_logprobs")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidParameterError(
+                f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
+                param="logprobs_mode",
+            )
+        if self.n < 1:
+            raise InvalidParameterError(f"n must be at least 1, got {self.n}", param="n")
+        rp = self.repetition_penalty
+        if not _number(rp) or not 0 < rp < math.inf:
+            raise InvalidParameterError(
+                f"repetition_penalty must be a number above 0, got {rp!r}", param="repetition_penalty"
+            )
+        most = self.max_new_tokens if isinstance(self.max_new_tokens, int) else self.min_tokens
+        if self.min_tokens < 0 or self.min_tokens > most:
+            raise InvalidParameterError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
+                param="min_tokens",
+            )
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidParameterError("logit_bias must map token ids to numbers", param="logit_bias")
+        bias: dict[int, float] = {}
+        for k, v in self.logit_bias.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise InvalidParameterError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+            if not _number(v) or not -100 <= v <= 100:
+                raise InvalidParameterError(
+                    f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}", param="logit_bias"
+                )
+            bias[k] = float(v)
+        object.__setattr__(self, "logit_bias", bias or None)
+
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
-        checks = (
-            ("n", self.n != 1, "only n=1 is supported"),
-            ("logprobs", self.logprobs, "logprobs are not supported"),
-            ("top_logprobs", self.top_logprobs != 0, "logprobs are not supported"),
-            ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported"),
-            ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported"),
-            ("repetition_penalty", self.repetition_penalty != 1, "repetition_penalty is not supported"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-            ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
-            ("response_format", self.response_format is not None, "only free-text output is supported"),
-        )
+        checks = (("response_format", self.response_format is not None, "only free-text output is supported"),)
         for name, bad, message in checks:
             if bad:
                 raise UnsupportedParameterError(message, param=name)

@@ -4,7 +4,8 @@
 (:func:`prefill_budget`); chunks already in the engine's
 :class:`~ragspec.prefix_cache.PrefixCache` are loaded instead of run
 (:func:`load_cached_prefix`), and whole chunks run are kept there (:func:`store_chunk`).
-The last chunk's last logits give the request's first token.
+The last chunk's last logits give the request's first token (through the request's
+logit processors, row 0 of an empty draft).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from .backend.base import Target
 from .config import PolicyConfig
+from .logprobs import step_logprob_rows, step_rows
 from .prefix_cache import PrefixCache
 from .request import Request, commit_tokens
 from .types import DraftTree
 
-__all__ = ["prefill", "prefill_budget", "load_cached_prefix", "store_chunk"]
+__all__ = ["prefill", "prefill_budget", "first_token", "fork_prefill", "load_cached_prefix", "store_chunk"]
 
 
 def prefill_budget(policy: PolicyConfig) -> Optional[int]:
@@ -45,6 +47,8 @@ def prefill(
     request's; ``hidden_states``: the target returns hidden states
     (``Capability.HIDDEN_STATES``). Returns the tokens run."""
     t0 = time.perf_counter()
+    if req.fork_of is not None and fork_prefill(target, req, eos_token_ids):
+        return 0
     cache = prefix_cache if req.prefill_chunk == getattr(prefix_cache, "chunk_tokens", -1) else None
     logits = None
     if cache is not None and req.prefilled == 0:
@@ -61,6 +65,7 @@ def prefill(
         req.prefilled += n
         if req.want_hidden:
             req.session.extend_hidden(out.hidden)  # type: ignore[union-attr]
+            _keep_hidden(req, out.hidden)  # type: ignore[arg-type]
         if cache is not None and start % cache.chunk_tokens == 0:
             if n == cache.chunk_tokens:
                 store_chunk(target, req, cache, start, out.hidden)
@@ -75,14 +80,68 @@ def prefill(
     # the prefill counts as one forward, also when the prefix cache served all of it
     # (decode steps stay num_forward_passes - 1)
     stats.num_forward_passes += 1
-    res = req.verifier(DraftTree.empty(), logits, req.generator)
+    first_token(req, logits, eos_token_ids)
     stats.prefill_s += time.perf_counter() - t0
     stats.time_to_first_token_s = time.perf_counter() - req.started_s
+    return n
+
+
+def first_token(req: Request, logits: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
+    """The request's first token, chosen from its prompt's last logits float32 [1, V]
+    through its processors (row 0 of an empty draft), committed (stop conditions,
+    processors, log-probabilities, draft session): it becomes the request's root."""
+    if req.shares_prefill:
+        req.fork_logits = logits
+    chain = req.processors
+    empty = DraftTree.empty()
+    row_fn = chain.rows(empty) if chain else None
+    lp = step_logprob_rows(req.params, row_fn)
+    fn = lp if lp is not None else row_fn
+    res = req.verifier(empty, logits, req.generator, fn)
     req.root = res.bonus_token
     commit_tokens(req, [req.root], eos_token_ids)
+    if chain:
+        chain.commit([req.root])
+    if lp is not None:
+        req.logprobs.extend(lp.entries(step_rows(logits), res))
     if req.session is not None:
         req.session.extend([req.root])
-    return n
+
+
+def fork_prefill(target: Target, req: Request, eos_token_ids: Sequence[int]) -> bool:
+    """A choice's prefill shared with the choice it forks (``req.fork_of``, same prompt):
+    once that one's prefill ran, its prompt's KV entries are copied into ``req``'s state
+    (``Capability.PREFIX_KV``: bit for bit what a prefill writes) and ``req``'s own first
+    token is chosen from the same last logits, through its own processors and generator.
+    Counted as its prefill forward, the prompt as cached tokens. Returns False when
+    ``req`` must prefill itself now: the other choice ended before its prefill (cancelled);
+    True otherwise (forked, or still waiting for that prefill)."""
+    source = req.fork_of
+    assert source is not None
+    if source.fork_logits is None:
+        if source.root is None and not source.finish_reason and not source.cancel_requested:
+            return True  # its prefill is still running: wait
+        req.fork_of = None
+        return False
+    t0 = time.perf_counter()
+    n = len(req.prompt_ids)
+    target.import_kv(req.state, [target.export_kv(source.state, 0, n)])  # type: ignore[attr-defined]
+    if req.want_hidden:
+        req.session.extend_hidden(torch.cat(source.fork_hidden))  # type: ignore[union-attr]
+    req.prefilled = n
+    req.fork_of = None  # the other choice's state may go
+    req.stats.num_cached_prompt_tokens = n
+    req.stats.num_forward_passes += 1
+    first_token(req, source.fork_logits, eos_token_ids)
+    req.stats.prefill_s += time.perf_counter() - t0
+    req.stats.time_to_first_token_s = time.perf_counter() - req.started_s
+    return True
+
+
+def _keep_hidden(req: Request, hidden: torch.Tensor) -> None:
+    """Keep a prompt chunk's hidden states for the choices forking ``req``'s prefill."""
+    if req.shares_prefill:
+        req.fork_hidden.append(hidden)
 
 
 def load_cached_prefix(target: Target, req: Request, cache: PrefixCache) -> Optional[torch.Tensor]:
@@ -95,7 +154,9 @@ def load_cached_prefix(target: Target, req: Request, cache: PrefixCache) -> Opti
     target.import_kv(req.state, [b.kv for b in blocks])  # type: ignore[attr-defined]
     n = sum(int(b.tokens.numel()) for b in blocks)
     if req.want_hidden:
-        req.session.extend_hidden(torch.cat([b.hidden for b in blocks]))  # type: ignore[union-attr, misc]
+        hidden = torch.cat([b.hidden for b in blocks])  # type: ignore[misc]
+        req.session.extend_hidden(hidden)  # type: ignore[union-attr]
+        _keep_hidden(req, hidden)
     req.prefilled = n
     req.stats.num_cached_prompt_tokens = n
     return blocks[-1].logits

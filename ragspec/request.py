@@ -18,7 +18,8 @@ from .detok import TextAssembler
 from .drafters.base import DraftSession, SessionCapability, session_capabilities
 from .params import RequestParams
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
-from .types import DraftTree, GenerationStats, StepStats, StreamChunk, VerifyResult
+from .processors import ProcessorChain
+from .types import DraftTree, GenerationStats, StepStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import Verifier
 
 __all__ = ["Request", "StepReport", "commit_tokens", "take_chunk", "record_step"]
@@ -64,6 +65,22 @@ class Request:
     """Whether its drafting pays for its seconds in batched steps (``PolicyConfig.draft_time_gate``)."""
     solo_draft_gate: DraftTimeGate = field(default_factory=DraftTimeGate.solo)
     """The same for its steps alone (:meth:`DraftTimeGate.solo`)."""
+    processors: ProcessorChain = field(default_factory=lambda: ProcessorChain(()))
+    """Its logit processors (:mod:`ragspec.processors`; empty: none, the unprocessed path)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One entry per generated token when ``params.logprobs`` (else empty)."""
+    fork_of: Optional["Request"] = None
+    """Another choice of the same request (``n`` > 1) whose prefill this one shares: it
+    waits for that prefill, then copies its KV entries instead of running its own
+    (:func:`ragspec.prefill.fork_prefill`); None once forked, or for a request of its own."""
+    shares_prefill: bool = False
+    """Other choices fork from its prefill: it keeps its prompt's last logits
+    (:attr:`fork_logits`) and, where its drafter reads them, hidden states (:attr:`fork_hidden`)."""
+    fork_logits: Optional[torch.Tensor] = None
+    """The prompt's last logits float32 [1, V] once its prefill ran, where :attr:`shares_prefill`."""
+    fork_hidden: list[torch.Tensor] = field(default_factory=list)
+    """The prompt's hidden states, chunk by chunk, where :attr:`shares_prefill` and its
+    drafter reads them."""
     root: Optional[int] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = ""
@@ -108,8 +125,8 @@ class Request:
 
     def next_prefill_tokens(self) -> int:
         """Prompt tokens its next step puts through the model (0 once prefilled)."""
-        if not self.prefilling:
-            return 0
+        if not self.prefilling or self.fork_of is not None:
+            return 0  # a choice forking another's prefill runs no prompt token
         left = len(self.prompt_ids) - self.prefilled
         return min(left, self.prefill_chunk) if self.prefill_chunk else left
 
@@ -133,6 +150,9 @@ class StepReport:
         prefill_tokens: prompt tokens prefilled in it (all chunks).
         prefill_chunks: prefill forwards run in it.
         seconds: wall time of the step.
+        graph_steps: its forwards replayed from a CUDA graph (the CUDA backend; 0 elsewhere).
+        eager_steps: its forwards a graph-replaying backend ran eagerly (a batch larger than
+            its largest graph, a failed capture; 0 elsewhere).
     """
 
     requests: int = 0
@@ -141,22 +161,26 @@ class StepReport:
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     seconds: float = 0.0
+    graph_steps: int = 0
+    eager_steps: int = 0
 
 
 def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[int]) -> int:
     """Pass committed tokens one by one through the stop conditions (``eos_token_ids``,
-    stop strings, ``max_new_tokens``).
+    stop strings from the request's ``min_tokens``-th token on, ``max_new_tokens``).
 
     Returns how many of ``tokens`` were kept; sets ``req.finish_reason`` when the
     generation ends (EOS, stop string, max_new_tokens)."""
     kept = 0
+    min_tokens = req.params.min_tokens
     for t in tokens:
         kept += 1
         if t in eos_token_ids:
             req.assembler.add(t, with_text=False)
             req.finish_reason = "stop"
             break
-        if req.assembler.add(t):
+        # stop strings count from the min_tokens-th token on (vLLM's rule)
+        if req.assembler.add(t, stop=len(req.assembler.token_ids) + 1 >= min_tokens):
             req.finish_reason = "stop"
             break
         if len(req.assembler.token_ids) >= req.decode.max_new_tokens:
@@ -169,19 +193,29 @@ def take_chunk(req: Request) -> StreamChunk:
     """The chunk of this step: new text and tokens; the last one with the stats (the
     request is then done, and its draft session told how it finished)."""
     if not req.finish_reason:
-        text, toks = req.assembler.take()
-        return StreamChunk(text, toks)
+        text, toks, texts = req.assembler.take_tokens()
+        return StreamChunk(text, toks, logprobs=_logprobs_of(req, toks), token_texts=texts)
     stats = req.stats
     stats.num_generated_tokens = req.num_generated_tokens
     stats.finish_reason = req.finish_reason
     stats.total_s = time.perf_counter() - req.started_s
-    text, toks = req.assembler.take(final=True)
+    text, toks, texts = req.assembler.take_tokens(final=True)
+    logprobs = _logprobs_of(req, toks)
     req.done = True
     session = req.session
     if session is not None and SessionCapability.FINISH in session_capabilities(session):
         tokens = list(req.assembler.token_ids)
         session.finish(tokens, req.finish_reason, req.assembler.text)  # type: ignore[attr-defined]
-    return StreamChunk(text, toks, req.finish_reason, stats)
+    return StreamChunk(text, toks, req.finish_reason, stats, logprobs, texts)
+
+
+def _logprobs_of(req: Request, toks: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """The entries of ``toks``, the tokens a chunk emits next (those after the ones
+    already emitted, in :attr:`Request.logprobs` order)."""
+    if not toks or not req.logprobs:
+        return ()
+    end = req.assembler.emitted_tokens
+    return tuple(req.logprobs[end - len(toks) : end])
 
 
 def record_step(

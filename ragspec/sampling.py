@@ -74,6 +74,7 @@ import torch
 
 from .config import SamplingParams
 from .errors import ConfigError
+from .processors import RowFn
 from .types import DraftTree, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -91,12 +92,14 @@ _EAGER_NUMEL = 1 << 16
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the distribution plain sampling draws from.
 
-    Temperature, then top-k, then top-p, with the semantics of transformers'
-    ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (the order
-    ``generate(do_sample=True)`` applies them): top-k keeps every token whose logit is at
-    least the k-th largest (ties kept); top-p keeps the tokens whose cumulative probability
-    in ascending order exceeds ``1 - top_p``, i.e. in descending order each token whose
-    predecessors hold less than ``top_p``; at least one token is always kept. Equal to
+    Temperature, then top-k, then top-p, then min-p, with the semantics of transformers'
+    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
+    ``MinPLogitsWarper`` (the order ``generate(do_sample=True)`` applies them): top-k
+    keeps every token whose logit is at least the k-th largest (ties kept); top-p keeps
+    the tokens whose cumulative probability in ascending order exceeds ``1 - top_p``, i.e.
+    in descending order each token whose predecessors hold less than ``top_p``; min-p
+    keeps the tokens of at least ``min_p`` times the likeliest one's probability; at least
+    one token is always kept. Equal to
     transformers up to float rounding at the top-p boundary (transformers sums all V
     probabilities in ascending order; this sums the largest ones, without a full sort).
 
@@ -122,7 +125,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     vocab = scores.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     if top_k == 0 and params.top_p >= 1.0:
-        return torch.softmax(scores, dim=-1)
+        return _min_p(torch.softmax(scores, dim=-1), params.min_p)
     # The kept tokens are among the best few: work on them ([R, K], best first) and
     # scatter back, instead of masking and re-normalising all V.
     if top_k:
@@ -141,7 +144,18 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         keep[:, 0] = True  # min_tokens_to_keep = 1
         vals = vals * keep
     vals = vals / vals.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(scores).scatter_(1, idx, vals)  # [R, V]
+    return _min_p(torch.zeros_like(scores).scatter_(1, idx, vals), params.min_p)  # [R, V]
+
+
+def _min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """transformers' ``MinPLogitsWarper`` on a distribution ``probs`` [R, V]: the tokens
+    below ``min_p`` times the row's likeliest token dropped (the likeliest kept), the rest
+    renormalised; ``probs`` itself when ``min_p`` is 0."""
+    if min_p <= 0.0:
+        return probs
+    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)  # [R, V]; the maximum always
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _best_mass(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +193,7 @@ def verify_sampling(
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
+    rows: Optional[RowFn] = None,
 ) -> VerifyResult:
     """Lossless speculative sampling over a draft tree (see the module docstring for the
     rule, the references and the contract on ``tree.draft_probs``).
@@ -189,8 +204,11 @@ def verify_sampling(
     Args:
         tree: N nodes; ``tree.draft_probs`` float [N, V] or None (deterministic drafts).
         target_logits: float [N + 1, V]; row 0 after the root, row i + 1 after node i.
-        params: temperature (> 0), top_k, top_p applied to every row.
+        params: temperature (> 0), top_k, top_p, min_p applied to every row.
         generator: the request's generator; the only source of randomness.
+        rows: the request's processing of each row it reaches
+            (:data:`ragspec.processors.RowFn`: penalties, logit bias, a grammar), applied
+            to a copy of the row before temperature, top-k, top-p and min-p; None: none.
 
     Returns:
         VerifyResult: the accepted path and the bonus token. The committed tokens follow
@@ -217,7 +235,7 @@ def verify_sampling(
     # (tiny vocabularies, as in the tests) is processed at once: there per-call overhead
     # dominates. Each row is reached at most once, so it can be edited in place.
     all_probs = None
-    if target_logits.numel() <= _EAGER_NUMEL:
+    if rows is None and target_logits.numel() <= _EAGER_NUMEL:
         all_probs = process_logits(target_logits, params).to(dev, torch.float64)  # [N+1, V]
     node, row = -1, 0
     acc_nodes: list[int] = []
@@ -227,6 +245,10 @@ def verify_sampling(
         # unnormalised, with its mass
         if all_probs is not None:
             residual = all_probs[row]  # [V]
+        elif rows is not None:
+            raw = target_logits[row]  # [V]
+            processed = rows(row, raw if getattr(rows, "copies", False) else raw.clone())
+            residual = process_logits(processed[None], params)[0].to(dev, torch.float64)  # [V]
         else:
             residual = process_logits(target_logits[row : row + 1], params)[0].to(dev, torch.float64)  # [V]
         mass = float(residual.sum().item())
@@ -285,13 +307,18 @@ class SamplingVerifier:
         self.params = params
 
     def __call__(
-        self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
+        self,
+        tree: DraftTree,
+        target_logits: torch.Tensor,
+        generator: Optional[torch.Generator] = None,
+        rows: Optional[RowFn] = None,
     ) -> VerifyResult:
         """Args:
         tree: the draft tree (N nodes).
         target_logits: float [N + 1, V]; row 0 after the root, row i + 1 after node i.
         generator: the request's random generator (required).
+        rows: the request's processing of each row reached (None: none).
         """
         if generator is None:
             raise ConfigError("sampling verification needs the request's torch.Generator")
-        return verify_sampling(tree, target_logits, self.params, generator)
+        return verify_sampling(tree, target_logits, self.params, generator, rows)

@@ -23,6 +23,8 @@ __all__ = [
     "follow_path",
     "merge_trees",
     "drop_invalid_nodes",
+    "interleaved_tree",
+    "select_nodes",
 ]
 
 
@@ -282,11 +284,25 @@ def drop_invalid_nodes(tree: DraftTree, vocab_size: int) -> tuple[DraftTree, int
         if ok:
             new_index[i] = len(kept)
             kept.append(i)
+    return select_nodes(tree, [new_index[i] >= 0 for i in range(n)])
+
+
+def select_nodes(tree: DraftTree, kept_mask: Sequence[bool]) -> tuple[DraftTree, int]:
+    """The nodes of ``tree`` whose ``kept_mask`` is True, in their order, parents
+    re-indexed: the mask must be parent-closed (a kept node's parent is kept).
+
+    Returns:
+        (the kept tree, nodes dropped); ``tree`` itself (same object) when nothing is dropped.
+    """
+    n = tree.num_nodes
+    kept = [i for i in range(n) if kept_mask[i]]
     dropped = n - len(kept)
     if dropped == 0:
         return tree, 0
     if not kept:
         return DraftTree.empty(), dropped
+    new_index = {old: new for new, old in enumerate(kept)}
+    parents = tree.parents.tolist()
     idx = torch.tensor(kept, dtype=torch.long)  # [K]
     return (
         DraftTree(
@@ -300,4 +316,26 @@ def drop_invalid_nodes(tree: DraftTree, vocab_size: int) -> tuple[DraftTree, int
             node_match_len=None if tree.node_match_len is None else tree.node_match_len[idx],
         ),
         dropped,
+    )
+
+
+def interleaved_tree(tokens: Sequence[int], branches: int, source: str = "synthetic") -> DraftTree:
+    """A draft tree of ``tokens``: ``branches`` children of the root, each later node below
+    the node ``branches`` before it (``branches`` chains, interleaved in node order): a tree,
+    not a chain, of a given size, for timing a verification and for tests.
+
+    Example: 7 tokens, 3 branches -> parents [-1, -1, -1, 0, 1, 2, 3], depths [0, 0, 0, 1, 1,
+    1, 2]. No tokens: the empty tree.
+    """
+    n = len(tokens)
+    if n == 0:
+        return DraftTree.empty()
+    parents = [-1 if j < branches else j - branches for j in range(n)]
+    depth = [j // branches for j in range(n)]
+    return DraftTree(
+        tokens=torch.tensor([int(t) for t in tokens], dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depth=torch.tensor(depth, dtype=torch.long),
+        sources=(source,) * n,
+        scores=torch.ones(n),
     )

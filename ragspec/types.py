@@ -11,7 +11,16 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["DraftTree", "LazyLogits", "VerifyResult", "StepStats", "GenerationStats", "GenerationOutput", "StreamChunk"]
+__all__ = [
+    "DraftTree",
+    "LazyLogits",
+    "VerifyResult",
+    "StepStats",
+    "GenerationStats",
+    "GenerationOutput",
+    "StreamChunk",
+    "TokenLogprob",
+]
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,13 @@ class LazyLogits(Protocol):
         """Argmax token of ``row``; when not known yet, computed together with the rows in
         ``group`` (one pass over the output layer)."""
 
+    def row(self, row: int, group: Sequence[int] = ()) -> torch.Tensor:
+        """The logits of ``row``, float32 [V]; when not computed yet, computed together
+        with the rows in ``group`` (one pass over the output layer), whose logits are then
+        kept too. For verification rows that are processed (:mod:`ragspec.processors`) or
+        whose log-probabilities are returned: only such requests pay for keeping rows. The
+        tensor returned is the one kept: callers copy it before editing it."""
+
     def full(self) -> torch.Tensor:
         """All rows: float32 [N + 1, V]."""
 
@@ -202,6 +218,10 @@ class GenerationStats:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_invalid_draft_tokens: int = 0
+    num_pruned_draft_tokens: int = 0
+    """Draft nodes the request's logit processors forbade (a token its grammar, its
+    ``min_tokens`` or a ``logit_bias`` of -100 rules out at that node), dropped with their
+    subtrees before verification (:mod:`ragspec.processors`); not in ``num_drafted_tokens``."""
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -281,6 +301,7 @@ class GenerationStats:
             "num_drafted_tokens": self.num_drafted_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_invalid_draft_tokens": self.num_invalid_draft_tokens,
+            "num_pruned_draft_tokens": self.num_pruned_draft_tokens,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "prefill_s": self.prefill_s,
@@ -300,6 +321,23 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token (:mod:`ragspec.logprobs`).
+
+    Attributes:
+        token_id: the token.
+        logprob: its log-probability (or logit, per the request's ``logprobs_mode``);
+            ``-inf`` for a token the processing ruled out.
+        top: the request's ``top_logprobs`` likeliest tokens of that position as
+            ``(token_id, logprob)``, likeliest first (empty when it asked for none).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationOutput:
     """Result of :meth:`ragspec.Engine.generate`.
@@ -309,11 +347,14 @@ class GenerationOutput:
         token_ids: generated token ids (prompt excluded); when a stop string matched, up to
             and including the token that completed it.
         stats: counters and timings.
+        logprobs: one entry per token of ``token_ids`` when the request asked for
+            ``logprobs``, else empty.
     """
 
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -321,10 +362,15 @@ class StreamChunk:
     """One piece of a streamed generation: new text and the token ids it came from.
 
     ``finish_reason`` is set on the last chunk only ("stop", "length" or "eos"... see
-    :class:`GenerationStats`); ``stats`` too.
+    :class:`GenerationStats`); ``stats`` too. ``logprobs``: one entry per token of
+    ``token_ids`` when the request asked for them, else empty. ``token_texts``: the text
+    each token of ``token_ids`` brings (their concatenation is ``text``; empty when the
+    chunk has no token), for streaming one token per event.
     """
 
     text: str
     token_ids: tuple[int, ...] = ()
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    token_texts: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
+from .processors import RowFn, identity_rows
 from .types import DraftTree, LazyLogits, VerifyResult
 
 __all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
@@ -34,16 +35,24 @@ class Verifier(Protocol):
     greedy: bool
 
     def __call__(
-        self, tree: DraftTree, target_logits: torch.Tensor, generator: Optional[torch.Generator] = None
+        self,
+        tree: DraftTree,
+        target_logits: torch.Tensor,
+        generator: Optional[torch.Generator] = None,
+        rows: Optional[RowFn] = None,
     ) -> VerifyResult:
         """Args:
         tree: the draft tree (N nodes).
         target_logits: float32 [N + 1, V]; row 0 after the root, row i + 1 after node i.
         generator: the request's random generator (unused by greedy verification).
+        rows: the request's processing of each row it reaches (:mod:`ragspec.processors`),
+            applied to a copy of the row before the token is chosen; None: raw rows.
         """
 
 
-def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, LazyLogits]) -> VerifyResult:
+def verify_greedy(
+    tree: DraftTree, target_logits: Union[torch.Tensor, LazyLogits], rows: Optional[RowFn] = None
+) -> VerifyResult:
     """Greedy verification: follow the tree from the root, at each node taking the child
     whose token equals the target's argmax; stop where none does. The argmax there is the
     bonus token. Output equals plain greedy decoding token for token (Leviathan et al.
@@ -55,6 +64,9 @@ def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, LazyLogits
             demand: row 0 alone first, then, once a child is accepted, that child's whole
             subtree in one group, so a draft rejected at its first token costs one row of
             the output layer.
+        rows: the request's processing of each row it reaches (:data:`ragspec.processors.RowFn`,
+            applied to a copy of the row), the argmax then taken of the processed row: plain
+            processed greedy decoding. None: the raw rows' argmax (no copy, no processing).
 
     Returns:
         VerifyResult with the accepted path; never draws a random number.
@@ -63,7 +75,16 @@ def verify_greedy(tree: DraftTree, target_logits: Union[torch.Tensor, LazyLogits
     (0, 1), tokens (5, 6), bonus 9.
     """
     n = tree.num_nodes
-    if isinstance(target_logits, torch.Tensor):
+    if rows is not None:
+        fn, source = rows, target_logits
+
+        def pred(row: int, node: int) -> int:
+            if isinstance(source, torch.Tensor):
+                raw = source[row]
+            else:
+                raw = source.row(row, [1 + d for d in _descendants(parents, node)] if node >= 0 else ())
+            return int(fn(row, raw if fn is identity_rows or getattr(fn, "copies", False) else raw.clone()).argmax())
+    elif isinstance(target_logits, torch.Tensor):
         preds = target_logits.argmax(dim=-1).tolist()  # [N+1]
 
         def pred(row: int, node: int) -> int:
@@ -115,5 +136,6 @@ class GreedyVerifier:
         tree: DraftTree,
         target_logits: Union[torch.Tensor, LazyLogits],
         generator: Optional[torch.Generator] = None,
+        rows: Optional[RowFn] = None,
     ) -> VerifyResult:
-        return verify_greedy(tree, target_logits)
+        return verify_greedy(tree, target_logits, rows)

@@ -1,14 +1,15 @@
-"""The Python half of scripts/gpu_check.sh: a random-weights model, the forward
-micro-benchmarks (transformers backend; CUDA backend eager and under graphs), the bench with
-results written after every prompt (the CUDA backend's exact and fast modes beside), the
-concurrency run (8 requests stepped together), and the final table.
+"""The Python half of scripts/gpu_check.sh: a random-weights model, the CUDA backend's step
+time against rows (eager and under graphs), the bench with
+results written after every prompt (the CUDA backend beside, with its drafting as `auto`
+picks it and retrieval alone), the concurrency run (8 requests stepped together), the
+final table, and the plan of the lent machine's two calls.
 
-    python scripts/gpu_check.py random-model --config-tar .gpu/c/model-config.tar.gz --out DIR [--layers N]
-    python scripts/gpu_check.py micro --model M --device cuda --dtypes bf16,fp32 --out micro.json [--smoke]
+    python scripts/gpu_check.py random-model (--config-tar .gpu/c/model-config.tar.gz | --from-default) --out DIR [--layers N]
     python scripts/gpu_check.py cuda-micro --model M --device cuda --modes exact,fast --out cuda-micro.json [--smoke]
-    python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [--cuda-modes exact,fast]
-    python scripts/gpu_check.py concurrent --model M --device cuda --data P --modes exact,fast --out concurrent.json
+    python scripts/gpu_check.py bench --model M --device cuda --dtype bf16 --data P --out bench.json [--cuda-modes exact]
+    python scripts/gpu_check.py concurrent --model M --device cuda --data P --modes exact --out concurrent.json
     python scripts/gpu_check.py table --dir OUT [--dir STASH ...]
+    python scripts/gpu_check.py plan --left SECONDS [--shell]
 
 Every number is printed and written as JSON; ``table`` reads the JSON files back (from the
 first and the second device call) and prints one compact table. This is a command-line
@@ -74,9 +75,18 @@ def cmd_random_model(args) -> int:
     out = Path(args.out)
     work = out.with_name(out.name + ".src")
     work.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(args.config_tar) as tf:
-        tf.extractall(work, filter="data")
-    cfg = AutoConfig.from_pretrained(work / "config", local_files_only=True)
+    if args.config_tar:
+        with tarfile.open(args.config_tar) as tf:
+            tf.extractall(work, filter="data")
+        cfg_dir, tok_dir = work / "config", work / "tokenizer"
+    else:  # the fetched default model's config and tokenizer
+        from ragspec import models
+
+        spec = models.resolve_model(None)
+        cfg_dir, tok_dir = models.converted_model_dir(spec.path), models.converted_tokenizer_dir(spec.path)
+        if not (cfg_dir / "config.json").is_file():
+            models.load_model(spec, device="cpu")  # the first load converts the GGUF (config, tokenizer)
+    cfg = AutoConfig.from_pretrained(cfg_dir, local_files_only=True)
     if args.layers:
         cfg.num_hidden_layers = int(args.layers)
         if getattr(cfg, "layer_types", None):
@@ -87,7 +97,7 @@ def cmd_random_model(args) -> int:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.eval()
-    tok = AutoTokenizer.from_pretrained(work / "tokenizer", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(
@@ -95,105 +105,6 @@ def cmd_random_model(args) -> int:
         f"saved to {out} in {time.perf_counter() - t0:.1f} s"
     )
     return 0
-
-
-# ---------------------------------------------------------------------------- micro
-def _branchy_tree(nodes: int, branches: int):
-    """``branches`` chains below the root sharing the nodes (a tree, not a chain)."""
-    from ragspec.types import DraftTree
-
-    per = max(1, nodes // branches)
-    tokens, parents = [], []
-    for b in range(branches):
-        prev = -1
-        for d in range(per):
-            if len(tokens) == nodes:
-                break
-            tokens.append(100 + 7 * len(tokens))
-            parents.append(prev)
-            prev = len(tokens) - 1
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    n = len(tokens)
-    return DraftTree(
-        tokens=torch.tensor(tokens), parents=torch.tensor(parents), depth=torch.tensor(depth),
-        sources=("micro",) * n, scores=torch.ones(n),
-    )  # fmt: skip
-
-
-def cmd_micro(args) -> int:
-    """Forward time against new tokens (1-64 on CUDA) at two contexts, per dtype, and the
-    attention kernels each kind of forward runs (profiler), on ragspec's own forwards as
-    ``ragspec.load_engine`` sets them up."""
-    from ragspec import models
-    from ragspec.bench.runner import profile_attention
-    from ragspec.calibrate import measure_latency
-    from ragspec.loading import select_target
-    from ragspec.types import DraftTree
-
-    _no_tf32()
-    spec = models.resolve_model(args.model)
-    results = {"env": _env(), "model": spec.name, "model_path": str(spec.path), "dtypes": {}}
-    for dt in [d for d in args.dtypes.split(",") if d]:
-        t0 = time.perf_counter()
-        model, _tok = models.load_model(spec, device=args.device, dtype=dt)
-        target = select_target(model)
-        kw = dict(qs=(1, 2, 4, 8, 16), contexts=(128, 256), repeats=1) if args.smoke else {}
-        table = measure_latency(target, model_name=spec.name, **kw)
-        ctx = table.contexts[-1]
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(3, target.vocab_size, (ctx,), generator=gen).tolist()
-        cases = {
-            "step (1 token)": DraftTree.empty(),
-            "chain 16": DraftTree.chain(ids[:15]),
-            "tree 16 (4 branches)": _branchy_tree(16, 4),
-        }
-        if not args.smoke:
-            cases["tree 64 (8 branches)"] = _branchy_tree(64, 8)
-        attention = {}
-        with torch.inference_mode():
-            state = target.new_state()
-            target.prefill(state, ids)
-            for name, tree in cases.items():
-                target.verify_one(state, ids[-1], tree)  # warm-up
-                target.rollback(state, ctx)
-                prof = profile_attention(lambda: target.verify_one(state, ids[-1], tree))
-                target.rollback(state, ctx)
-                attention[name] = prof
-            x = torch.tensor([ids[:ctx]], device=target.device)
-            attention["model.generate (prefill + 3 steps)"] = profile_attention(
-                lambda: model.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    max_new_tokens=4,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )  # fmt: skip
-            )
-        results["dtypes"][dt] = {
-            "latency": table.to_dict(),
-            "attention": attention,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "seconds": time.perf_counter() - t0,
-        }
-        _print_micro(dt, results["dtypes"][dt])
-        model = target = state = None  # freed before the next dtype loads
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        _write_json(Path(args.out), results)
-    return 0
-
-
-def _print_micro(dt: str, r: dict) -> None:
-    lat = r["latency"]
-    print(f"# forward ms vs new tokens, {dt}, {lat['device']} ({r['attn_implementation']} attention)")
-    for ctx, row in sorted(lat["full"].items(), key=lambda kv: int(kv[0])):
-        print(f"  context {ctx:>5}: " + "  ".join(f"{q}:{s * 1e3:.2f}" for q, s in row.items()))
-    for case, prof in r["attention"].items():
-        ops = ", ".join(f"{k.removeprefix('aten::')} x{v}" for k, v in prof["ops"].items()) or "none seen"
-        print(f"  attention, {case}: {ops}; device kernels {prof['device_kernels']}")
 
 
 # ---------------------------------------------------------------------------- CUDA backend
@@ -221,20 +132,32 @@ def _cuda_engine(
     context: int = 2048,
     calibrate: bool = True,
     graphs=None,
+    drafting: str = "auto",
+    target=None,
+    latency=None,
 ):
     """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
-    drafter (``drafts=False``: plain decoding), its latency model measured on the CUDA step
-    (q 1-64 with synchronisation on CUDA) unless ``calibrate`` is off, its draft budget
-    ``budget``, or with ``budget`` 0 GPU-sized from that latency table
-    (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes)."""
+    drafter (``drafts=False``: plain decoding; ``drafting="retrieval"``: its retrieval part
+    alone, no head), its latency model measured on the CUDA step (q 1-64 with
+    synchronisation on CUDA) unless ``calibrate`` is off, its draft budget ``budget``, or
+    with ``budget`` 0 GPU-sized from that latency table
+    (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes). ``target``: an existing
+    CUDA target to share (its KV pool and graphs); ``latency``: its latency model, measured
+    already."""
     import dataclasses
 
     from ragspec.backend.cuda import gpu_draft_policy, load_cuda_target
     from ragspec.calibrate import measure_latency_model
     from ragspec.engine import Engine
+    from ragspec.loading import compose_drafter
 
-    target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
-    latency = measure_latency_model(target) if calibrate and drafts else base.latency
+    if target is None:
+        target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
+    drafter = base.drafter if drafts else None
+    if drafts and drafting == "retrieval":
+        drafter = compose_drafter(base.parts.pld, [], None, drafting="retrieval")
+    if latency is None:
+        latency = measure_latency_model(target) if calibrate and drafts else base.latency
     if budget > 0:
         policy = dataclasses.replace(base.policy, max_draft_tokens=budget)
     else:
@@ -242,7 +165,7 @@ def _cuda_engine(
     if drafts:
         print(f"# CUDA {numerics}: draft budget {policy.max_draft_tokens}, step rows {policy.max_step_rows}"
               + ("" if budget > 0 else " (from its latency table)"), flush=True)  # fmt: skip
-    return Engine(target, base.tokenizer, drafter=base.drafter if drafts else None, policy=policy, latency=latency,
+    return Engine(target, base.tokenizer, drafter=drafter, policy=policy, latency=latency,
                   eos_token_ids=base.eos_token_ids, model_name=base.model_name, parts=base.parts)  # fmt: skip
 
 
@@ -305,8 +228,10 @@ def cmd_concurrent(args) -> int:
         return 1
     cats = [c for c in args.categories.split(",") if c]
     rows = load_prompts(args.data, cats, args.limit)
+    os.environ["RAGSPEC_CUDA_BACKEND"] = "0"  # the base lends its model, tokenizer and drafter only
     base = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=False,
                        policy=PolicyConfig(max_draft_tokens=args.budget or 8))  # fmt: skip
+    os.environ.pop("RAGSPEC_CUDA_BACKEND")
     prompts = [base.encode_prompt(r["turns"][0], chat=True) for r in rows]
     context = max(len(p) for p in prompts) + args.max_new_tokens + (args.budget or 64) + 8
     results = {"env": _env(), "model": base.model_name, "in_flight": args.in_flight, "prompts": len(prompts),
@@ -395,19 +320,28 @@ def cmd_bench(args) -> int:
     cats = [c for c in args.categories.split(",") if c]
     rows = load_prompts(args.data, cats, args.limit)
     t0 = time.perf_counter()
+    # the columns rs@8 / rs@32: ragspec's transformers backend (on CUDA, load_engine would
+    # give the CUDA backend: it runs as the cuda-* variants beside)
+    os.environ["RAGSPEC_CUDA_BACKEND"] = "0"
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, calibrate=not args.no_calibrate,
                          policy=PolicyConfig(max_draft_tokens=budgets[0]))  # fmt: skip
+    os.environ.pop("RAGSPEC_CUDA_BACKEND")
     variants = {}
     modes = [m for m in (args.cuda_modes or "").split(",") if m]
+    draftings = [d for d in args.cuda_drafting.split(",") if d]
     if modes and _cuda_backend() is not None:
         longest = max((len(engine.encode_prompt(r["turns"][0], chat=True)) for r in rows), default=0)
         context = longest + args.max_new_tokens + (args.cuda_budget or 64) + 8
         for mode in modes:
-            # "X@0": the same backend with drafting off (speculative == plain, per mode)
-            variants[f"cuda-{mode}"] = _cuda_engine(engine, mode, budget=args.cuda_budget, slots=4, context=context,
-                                                    calibrate=not args.no_calibrate)  # fmt: skip
-            variants[f"cuda-{mode}@0"] = _cuda_engine(engine, mode, budget=args.cuda_budget, drafts=False, slots=4,
-                                                      context=context)  # fmt: skip
+            # "X@0": the same backend with drafting off (speculative == plain, per mode);
+            # "X/retrieval": retrieval drafting alone (against `auto`: the head's cost on CUDA)
+            first = variants[f"cuda-{mode}"] = _cuda_engine(engine, mode, budget=args.cuda_budget, slots=4,
+                                                            context=context, calibrate=not args.no_calibrate)  # fmt: skip
+            for d in draftings[1:]:
+                variants[f"cuda-{mode}/{d}"] = _cuda_engine(engine, mode, budget=args.cuda_budget, drafting=d,
+                                                            target=first.target, latency=first.latency)  # fmt: skip
+            variants[f"cuda-{mode}@0"] = _cuda_engine(engine, mode, budget=args.cuda_budget, drafts=False,
+                                                      target=first.target)  # fmt: skip
     settings = {
         "model": engine.model_name,
         "model_arg": args.model,
@@ -464,7 +398,42 @@ def cmd_bench(args) -> int:
                     variants=variants or None)  # fmt: skip
     save(True)
     print(bench.format_table(bench.summarize(records)))
+    _record_drafting(records, modes, draftings, Path(args.out).with_name("drafting.json"))
     return 0
+
+
+def _record_drafting(records, modes, draftings, path: Path) -> None:
+    """Which drafting the CUDA backend decodes faster with, `auto` (the head and retrieval
+    merged) or retrieval alone, measured in this bench: written to ``path`` and recorded in
+    ragspec's cache, where ``--drafting auto`` reads it on this GPU
+    (:func:`ragspec.backend.cuda.drafting.record_drafting`)."""
+    if not records or not torch.cuda.is_available() or len(draftings) < 2:
+        return
+    from ragspec.backend.cuda.drafting import record_drafting
+    from ragspec.models import cache_dir
+
+    for mode in modes:
+        speeds = {}
+        for d in draftings:
+            name = f"cuda-{mode}" if d == draftings[0] else f"cuda-{mode}/{d}"
+            runs = [r.variants[name] for r in records if name in r.variants]
+            if runs:
+                speeds[d] = {
+                    "tok_s": sum(m["tokens"] for m in runs) / max(1e-9, sum(m["s"] for m in runs)),
+                    "draft_ms_per_step": 1e3
+                    * sum(m.get("draft_s", 0.0) for m in runs)
+                    / max(1, sum(m["forward_passes"] - 1 for m in runs)),
+                }
+        if len(speeds) < 2 or mode != "exact":
+            continue
+        gpu = torch.cuda.get_device_name(0)
+        choice = "merged" if speeds["auto"]["tok_s"] >= speeds["retrieval"]["tok_s"] else "retrieval"
+        saved = record_drafting(gpu, choice, speeds, cache_dir())
+        _write_json(path, {"gpu": gpu, "choice": choice, "measured": speeds, "recorded_in": str(saved)})
+        print(f"# drafting on {gpu}: auto {speeds['auto']['tok_s']:.1f} tok/s "
+              f"({speeds['auto']['draft_ms_per_step']:.2f} ms drafting a step), retrieval alone "
+              f"{speeds['retrieval']['tok_s']:.1f} ({speeds['retrieval']['draft_ms_per_step']:.2f} ms): "
+              f"--drafting auto picks {choice} on this GPU", flush=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- table
@@ -509,6 +478,11 @@ def _fmt(x, width=8, digits=1):
     return f"{x:>{width}.{digits}f}" if isinstance(x, (int, float)) and not math.isnan(x) else f"{'-':>{width}}"
 
 
+def _width(name: str) -> int:
+    """A column wide enough for ``name`` and " tok/s", at least 17."""
+    return max(17, len(name) + 8)
+
+
 def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     """The CUDA backend's part of the table: tokens/s per numerics mode against
     transformers' generate (bf16), identity to transformers greedy (bf16 share, fp32) and
@@ -517,10 +491,12 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     names = sorted({n for rs in gb.values() for r in rs for n in r.get("variants", {}) if "@" not in n})
     if names:
         head = f"{'category':<14}" + "".join(
-            f"{n + ' tok/s':>17}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names
+            f"{n + ' tok/s':>{_width(n)}}{'x':>6}{'=hf bf16':>10}{'=hf fp32':>10}{'spec=plain':>12}" for n in names
         )
         lines += [f"CUDA backend (draft budgets {st.get('cuda_budget')}): tokens/s in bf16, x over generate; identical to "
-                  "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16)", head, "-" * len(head)]  # fmt: skip
+                  "transformers greedy (bf16, fp32 TF32 off); speculative == plain (bf16). Columns: cuda-MODE: ragspec's "
+                  "CUDA backend in MODE numerics under CUDA graphs, drafting as --drafting auto picks it; "
+                  "cuda-MODE/retrieval: the same with retrieval drafting alone (no EAGLE head)", head, "-" * len(head)]  # fmt: skip
         for g, rs in gb.items():
             base = _tps(sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs))
             cells = ""
@@ -532,9 +508,7 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
                 same32 = f"{sum(bool(m['identical']) for m in fs)}/{len(fs)}" if fs else "-"
                 plain = [m for m in ms if "plain_identical" in m]
                 sp = f"{sum(bool(m['plain_identical']) for m in plain)}/{len(plain)}" if plain else "-"
-                cells += (
-                    f"{_fmt(tps, 17)}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
-                )
+                cells += f"{_fmt(tps, _width(n))}{_fmt(tps / base if base else float('nan'), 6, 2)}{same:>10}{same32:>10}{sp:>12}"
             lines.append(f"{g:<14}{cells}")
     conc = _load(dirs, "concurrent-bf16.json")
     for mode, r in (conc or {}).get("modes", {}).items():
@@ -548,6 +522,12 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
         )
     if conc is None:
         lines.append("CUDA backend, concurrent requests: no results")
+    choice = _load(dirs, "drafting.json")
+    if choice:
+        m = choice["measured"]
+        lines.append(f"drafting on {choice['gpu']}: auto {m['auto']['tok_s']:.1f} tok/s ({m['auto']['draft_ms_per_step']:.2f} ms "
+                     f"drafting per step) vs retrieval alone {m['retrieval']['tok_s']:.1f} "
+                     f"({m['retrieval']['draft_ms_per_step']:.2f} ms): --drafting auto now picks {choice['choice']}")  # fmt: skip
     cm = _load(dirs, "cuda-micro.json")
     for name, r in (cm or {}).get("runs", {}).items():
         lat = r["latency"]["full"]
@@ -570,8 +550,8 @@ def cmd_table(args) -> int:
     from ragspec.bench.records import format_identity
 
     dirs = args.dir
-    bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "micro.json")
-    env = (bf16 or fp32 or micro or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
+    bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "cuda-micro.json")
+    env = (bf16 or fp32 or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
     lines = ["", "=" * 100]
     st = (bf16 or fp32 or {}).get("settings", {})
     lines.append(
@@ -580,6 +560,8 @@ def cmd_table(args) -> int:
         + (" (RANDOM WEIGHTS: speed/acceptance not meaningful)" if st.get("random_weights") else "")
     )
     for label, res in (("bf16", bf16), ("fp32", fp32)):
+        if res is None and label == "fp32":
+            continue  # (not run on the lent machine)
         if res:
             s = res["settings"]
             lines.append(
@@ -596,7 +578,10 @@ def cmd_table(args) -> int:
         f"  {'bf16 identical @8 | @32':<26}{'fp32 identical @8 | @32':<24}"
     )
     lines += [
-        "tokens/s in bf16 (x: speedup over generate); identity against model.generate of the same dtype",
+        "tokens/s in bf16 (x: speedup over generate); identity against model.generate of the same dtype. Columns:",
+        "  generate: transformers' model.generate, eager | static: its static-cache generate, torch.compile'd |",
+        "  hf-pld: its prompt lookup | rs@8, rs@32: ragspec on its transformers backend (RAGSPEC_CUDA_BACKEND=0),",
+        "  draft budget 8 / 32 (the CUDA backend, what `ragspec serve --device cuda` runs, is the next block)",
         head,
         "-" * len(head),
     ]
@@ -652,44 +637,27 @@ def cmd_table(args) -> int:
             f"  {ident(rs, budgets[0]) + ' | ' + ident(rs, budgets[-1]):<26}{ident(fr, budgets[0]) + ' | ' + ident(fr, budgets[-1]):<24}"
         )
     lines += _cuda_lines(dirs, gb, group_rows(fp32), st)
-    if micro:
-        for dt, r in micro.get("dtypes", {}).items():
-            lat = r["latency"]["full"]
-            qs = [q for q in ("1", "4", "16", "32", "64") if any(q in row for row in lat.values())]
-            cells = "; ".join(
-                f"ctx {c}: " + " ".join(f"q{q} {row[q] * 1e3:.2f}" for q in qs if q in row)
-                for c, row in sorted(lat.items(), key=lambda kv: int(kv[0]))
-            )
-            lines.append(
-                f"forward ms {dt}{' (random weights)' if 'random' in micro.get('model_path', '') else ''}: {cells}"
-            )
-            att = r["attention"]
-            kinds = {
-                case: ",".join(k.removeprefix("aten::_scaled_dot_product_") for k in p["ops"]) or "no SDPA op"
-                for case, p in att.items()
-            }
-            kern = {case: p["device_kernels"] for case, p in att.items()}
-            lines.append(
-                f"attention {dt} ({r['attn_implementation']}): "
-                + "; ".join(f"{c}: {k} [{kern[c]} kernels]" for c, k in kinds.items())
-            )
-    else:
-        lines.append("forward micro-benchmark: no results")
+
     for name, label in (
-        ("tests-gpu.xml", "tests/gpu"),
+        ("tests-gpu.xml", "tests/gpu/test_cuda_backend.py"),
         ("tests-gpu-real.xml", "tests/gpu (real model)"),
         ("tests-e2e.xml", "tests/e2e identity (fp32)"),
     ):
         res = _junit(dirs, name)
         if res is None:
-            lines.append(f"{label}: not run")
+            if name == "tests-gpu.xml":
+                lines.append(f"{label}: not run")
             continue
         tot, failed = res
         passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
         lines.append(f"{label}: {passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped"
                      + (f"; FAILED: {', '.join(failed[:12])}" if failed else ""))  # fmt: skip
+    seen = set()
     for d in dirs:
         for p in sorted(Path(d).glob("stages*.tsv")):
+            if p.name in seen:  # (the first call's, in this call's results and on the machine)
+                continue
+            seen.add(p.name)
             stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
             lines.append(
                 f"stages ({p}): "
@@ -703,21 +671,64 @@ def cmd_table(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- plan
+FIRST_MAX_S, FINAL_MAX_S, KEEP_S, CALL_OVERHEAD_S, BACKSTOP_S = 200, 480, 30, 15, 10
+"""The lent machine's calls: call 1 at most 200 s, call 2 at most 480 s; 30 s of device time
+kept free; per call ~15 s of transfer and start, and the tool's timeout 10 s above the
+script's own deadline (the script ends its stages before it)."""
+
+
+def plan_calls(left_s: float) -> list[dict]:
+    """The two calls for ``left_s`` seconds of device time left: each one's deadline (the
+    script's DEADLINE_S) and the tool's timeout. Raises SystemExit when both do not fit."""
+    per_call = CALL_OVERHEAD_S + BACKSTOP_S
+    room = int(left_s) - KEEP_S - 2 * per_call
+    first = min(FIRST_MAX_S, room - FINAL_MAX_S)
+    first = max(first, min(FIRST_MAX_S, 120))  # the tests and step times need about two minutes
+    final = min(FINAL_MAX_S, room - first)
+    if final < 150:
+        raise SystemExit(f"gpu_check plan: {left_s:.0f} s of device time left do not fit both calls "
+                         f"(call 1 {first} s, call 2 {final} s of at least 150)")  # fmt: skip
+    return [
+        {"mode": "first", "deadline_s": first, "timeout_s": first + BACKSTOP_S, "part": "p1"},
+        {"mode": "final", "deadline_s": final, "timeout_s": final + BACKSTOP_S, "part": "p2"},
+    ]
+
+
+def cmd_plan(args) -> int:
+    """The lent machine's two calls, back to back: what each carries and its deadline."""
+    calls = plan_calls(args.left)
+    if args.shell:
+        print(f"PLAN_FIRST_S={calls[0]['deadline_s']} PLAN_FINAL_S={calls[1]['deadline_s']}")
+        return 0
+    repo = Path(__file__).resolve().parents[1]
+    mib = 1 << 20
+    man_path = repo / ".gpu" / "c" / "manifest.json"
+    man = json.loads(man_path.read_text()) if man_path.is_file() else {}
+    tree, common = man.get("tree_bytes"), man.get("common_bytes", 0)
+    print(f"plan for {args.left:.0f} s of device time left ({KEEP_S} s kept free, ~{CALL_OVERHEAD_S} s per call "
+          f"for the transfer and start); make the calls one right after the other:")  # fmt: skip
+    for k, call in enumerate(calls, 1):
+        part = man.get("parts", {}).get(str(k), {}).get("bytes", 0)
+        size = (f"{tree / mib:.1f} MiB tree + {common / mib:.1f} MiB .gpu/c + {part / mib:.1f} MiB .gpu/{call['part']} = "
+                f"{(tree + common + part) / mib:.1f} MiB of 64" if tree is not None else "size: not prepared (gpu_prepare.sh)")  # fmt: skip
+        print(f"  call {k} ({call['mode']}): deadline {call['deadline_s']} s, timeout_s {call['timeout_s']}; {size}")
+    for call in calls:
+        print(f'run(command="DEADLINE_S={call["deadline_s"]} bash scripts/gpu_check.sh {call["mode"]}", '
+              f'carry=[".gpu/{call["part"]}", ".gpu/c"], timeout_s={call["timeout_s"]})')  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("random-model")
-    r.add_argument("--config-tar", required=True)
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config-tar")
+    src.add_argument("--from-default", action="store_true", help="the fetched default model's config")
     r.add_argument("--out", required=True)
     r.add_argument("--layers", type=int, default=0)
     r.set_defaults(func=cmd_random_model)
-    m = sub.add_parser("micro")
-    m.add_argument("--model", required=True)
-    m.add_argument("--device", default="cuda")
-    m.add_argument("--dtypes", default="bf16,fp32")
-    m.add_argument("--out", required=True)
-    m.add_argument("--smoke", action="store_true")
-    m.set_defaults(func=cmd_micro)
     b = sub.add_parser("bench")
     b.add_argument("--model", default=None)
     b.add_argument("--random-weights", action="store_true")
@@ -734,6 +745,8 @@ def main(argv=None) -> int:
     b.add_argument("--cuda-modes", default="", help="also the CUDA backend in these numerics modes (exact,fast)")
     b.add_argument("--cuda-budget", type=int, default=0,
                    help="the CUDA backend's draft budget (0: GPU-sized from its latency table)")  # fmt: skip
+    b.add_argument("--cuda-drafting", default="auto",
+                   help="the CUDA backend's drafting, comma-separated: auto (as load_engine picks), retrieval")  # fmt: skip
     b.add_argument("--out", required=True)
     b.set_defaults(func=cmd_bench)
     cm = sub.add_parser("cuda-micro")
@@ -758,6 +771,10 @@ def main(argv=None) -> int:
     cc.add_argument("--no-calibrate", action="store_true")
     cc.add_argument("--out", required=True)
     cc.set_defaults(func=cmd_concurrent)
+    pl = sub.add_parser("plan")
+    pl.add_argument("--left", type=float, required=True, help="seconds of device time left (after the start)")
+    pl.add_argument("--shell", action="store_true", help="print PLAN_FIRST_S=... PLAN_FINAL_S=... only")
+    pl.set_defaults(func=cmd_plan)
     t = sub.add_parser("table")
     t.add_argument("--dir", action="append", required=True)
     t.set_defaults(func=cmd_table)

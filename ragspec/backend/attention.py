@@ -4,8 +4,8 @@ verification forward, and a hook through which a backend hands its own few-query
 its own forwards.
 
 Registered with transformers' ``AttentionInterface`` as ``"ragspec_sdpa"``
-(:func:`register_gqa_attention`); :meth:`HFTarget.route_gqa_attention
-<ragspec.backend.hf.HFTarget.route_gqa_attention>` switches a model to it. Other callers of
+(:func:`register_gqa_attention`); an :class:`~ragspec.backend.hf.HFTarget` built with
+``route_attention=True`` switches its model to it. Other callers of
 the model (``model.generate``, training) pass none of the keywords below and get
 transformers' SDPA values.
 """

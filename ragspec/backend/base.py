@@ -37,6 +37,7 @@ __all__ = [
     "ForwardOutput",
     "FusedStep",
     "SpeedUps",
+    "StepCounts",
     "Target",
     "VerifyItem",
 ]
@@ -66,6 +67,9 @@ class Capability:
     * ``FUSED_STEP`` (value: :class:`FusedStep`): the fused decoder step that runs this
       target's decoding and verification, for a step profile (``ragspec bench
       --profile-step``).
+    * ``STEP_COUNTS`` (value: :class:`StepCounts`, read when asked): forwards replayed from
+      a CUDA graph and forwards run eagerly so far, and the graphs captured, for a backend
+      that replays its step from graphs (the CUDA backend).
     """
 
     HIDDEN_STATES = "hidden_states"
@@ -77,6 +81,25 @@ class Capability:
     PREFIX_KV = "prefix_kv"
     SPEED_UPS = "speed_ups"
     FUSED_STEP = "fused_step"
+    STEP_COUNTS = "step_counts"
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """A graph-replaying backend's counters (``Capability.STEP_COUNTS``).
+
+    Attributes:
+        graph_steps: forwards replayed from a captured graph so far.
+        eager_steps: forwards run eagerly so far (larger than every graph, a failed capture,
+            graphs off).
+        captured: the row counts whose graph is captured.
+        failed: the row counts whose capture failed (they run eagerly).
+    """
+
+    graph_steps: int
+    eager_steps: int
+    captured: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

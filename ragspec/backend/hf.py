@@ -159,20 +159,26 @@ class RowLogits:
         self._logits = logits
         self._hidden = hidden
         self._pred: dict[int, int] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # rows kept by row() (processed rows, logprobs)
         self.rows_computed = 0
 
     def __len__(self) -> int:
         return int(self._hidden.shape[0])
 
-    def know(self, row: int, token: int) -> None:
-        """Record the argmax of ``row``, computed by the caller with the same kernel (a
-        batched verification computes row 0 of every request in one call)."""
+    def know(self, row: int, token: int, logits: Optional[torch.Tensor] = None) -> None:
+        """Record the argmax of ``row`` (and its logits float32 [V]), computed by the
+        caller with the same kernel (a batched verification computes row 0 of every
+        request in one call)."""
         self._pred[row] = int(token)
+        if logits is not None:
+            self._rows[row] = logits
         self.rows_computed += 1
 
     def argmax(self, row: int, group: Sequence[int] = ()) -> int:
         """Argmax token of ``row``; when it is not known yet, computes it together with the
         rows in ``group`` (one GEMM)."""
+        if row not in self._pred and row in self._rows:
+            self._pred[row] = int(self._rows[row].argmax())
         if row not in self._pred:
             rows = [row] + [r for r in group if r != row and r not in self._pred]
             logits = self._logits(self._hidden[rows])  # [len(rows), V]
@@ -180,6 +186,17 @@ class RowLogits:
             for r, t in zip(rows, logits.argmax(dim=-1).tolist()):
                 self._pred[r] = int(t)
         return self._pred[row]
+
+    def row(self, row: int, group: Sequence[int] = ()) -> torch.Tensor:
+        """The logits of ``row``, float32 [V] (kept; copy before editing); when not kept
+        yet, computed with the rows of ``group`` not kept yet (one GEMM), all kept."""
+        if row not in self._rows:
+            rows = [row] + [r for r in group if r != row and r not in self._rows]
+            logits = self._logits(self._hidden[rows])  # [len(rows), V]
+            self.rows_computed += len(rows)
+            for i, r in enumerate(rows):
+                self._rows[r] = logits[i]
+        return self._rows[row]
 
     def full(self) -> torch.Tensor:
         """All rows: float32 [N + 1, V]."""

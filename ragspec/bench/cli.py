@@ -1,5 +1,5 @@
 """``ragspec bench``: its options and its commands (the bench itself, ``--replay``,
-``--profile-step``, ``--concurrency``, ``--serve``).
+``--profile-step``, ``--concurrency``, ``--processors``, ``--serve``).
 
 Registered by :func:`ragspec.cli.build_parser` through :func:`add_bench_command`. The
 measuring lives in the modules beside this one (:mod:`~ragspec.bench.runner`,
@@ -24,7 +24,15 @@ from ..errors import ConfigError
 from ..specbench import DEFAULT_DATA, category_group, load_prompts
 from .serve import SERVE_PHASES
 
-__all__ = ["add_bench_command", "cmd_bench", "cmd_replay", "cmd_profile_step", "cmd_concurrency", "cmd_serve_bench"]
+__all__ = [
+    "add_bench_command",
+    "cmd_bench",
+    "cmd_replay",
+    "cmd_profile_step",
+    "cmd_concurrency",
+    "cmd_processors",
+    "cmd_serve_bench",
+]
 
 
 def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -127,6 +135,14 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="with --concurrency: also time running streams while a prompt of this many tokens arrives",
+    )
+    # --processors: ragspec.bench.processors (logprobs and a penalty against neither, drafts on)
+    b.add_argument(
+        "--processors",
+        action="store_true",
+        help="what logprobs and penalties cost a drafting request: each prompt greedy with no processing, "
+        "top_logprobs=5 and frequency_penalty=0.5, interleaved; tokens/s and accepted tokens per step of each "
+        "(ragspec/bench/processors.py); default categories rag,summarization",
     )
     # --serve: ragspec.bench.serve (ragspec serve against llama-server, and against its engine)
     b.add_argument(
@@ -316,6 +332,8 @@ def cmd_bench(args) -> int:
         args.prefix_cache_tokens = 0  # off: every method prefills its prompts itself
     if getattr(args, "concurrency", None):
         return cmd_concurrency(args)
+    if getattr(args, "processors", False):
+        return cmd_processors(args)
     from . import compare, runner
 
     if getattr(args, "profile_step", 0) < 0:
@@ -469,6 +487,34 @@ def cmd_bench(args) -> int:
     if args.plot:
         runner.plot(table, records, args.plot)
         print(f"# wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_processors(args) -> int:
+    """``bench --processors``: no processing, ``top_logprobs=5`` and ``frequency_penalty=0.5``
+    on the same prompts, drafts on (:mod:`ragspec.bench.processors`)."""
+    from .processors import format_processors_table, run_processors_bench, summarize_processors
+
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["rag", "summarization"]
+    rows = load_prompts(args.data, cats, args.limit, required=True)
+    engine = engine_from_args(args, calibrate=not args.no_calibrate)
+    print(
+        f"# {len(rows)} prompts, max_new_tokens {args.max_new_tokens}, model {engine.model_name}, drafting "
+        f"{engine.drafting}, greedy, torch threads {__import__('torch').get_num_threads()}",
+        file=sys.stderr,
+    )
+
+    def progress(i, r) -> None:
+        parts = "  ".join(f"{n} {r.tokens[n] / r.seconds[n]:6.1f} tok/s" for n in r.tokens if r.seconds[n] > 0)
+        print(f"  [{i + 1}/{len(rows)}] {r.category:<14} {parts}", file=sys.stderr)
+
+    records = run_processors_bench(engine, rows, args.max_new_tokens, progress=progress)
+    table = summarize_processors(records)
+    print(format_processors_table(table))
+    if args.json:
+        doc = {"records": [r.to_dict() for r in records], "summary": table}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(f"# wrote {args.json}", file=sys.stderr)
     return 0
 
 

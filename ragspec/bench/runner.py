@@ -321,6 +321,7 @@ def _other_run(out, seconds: float, base_toks: Sequence[int], sampling: bool) ->
         "first_diff": first_diff(out.token_ids, base_toks) if not sampling else -1,
         "mean_accepted": out.stats.mean_accepted_tokens,
         "forward_passes": out.stats.num_forward_passes,
+        "draft_s": out.stats.draft_s,
     }
 
 

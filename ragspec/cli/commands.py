@@ -59,6 +59,11 @@ def request_params_from_args(
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
         return_steps=args.json,
     )
 
@@ -78,6 +83,34 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="sample only among the likeliest tokens whose probabilities add up to P (default 1.0: no limit)",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="sample only among tokens of at least P times the likeliest one's probability (default 0: off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from a token's logit per time the output holds it, -2..2 (default 0)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this once from the logit of every token the output holds, -2..2 (default 0)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide positive logits (multiply negative ones) of the prompt's and output's tokens by this "
+        "(default 1: off; 1.1-1.3 against repeats)",
+    )
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="tokens generated before EOS or a stop string may end (default 0)"
     )
     p.add_argument(
         "--seed", type=int, default=None, help="random seed of the sampling, for a repeatable output (default: random)"

@@ -74,6 +74,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_reading=args.max_reading,
         max_client_requests=args.max_client_requests,
         public_metrics=True if args.public_metrics else None,
+        max_n=args.max_n,
+        max_choice_tokens=args.max_choice_tokens,
+        smooth_streaming=True if args.smooth_streaming else None,
     )
 
 
@@ -309,6 +312,25 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens of earlier responses kept to draft from (default 1000000; RAGSPEC_RESPONSE_CACHE_TOKENS)",
     )
     p.add_argument("--no-response-cache", action="store_true", help="do not draft from earlier responses")
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help="most choices (n) of one request, each a place in the queue; more gets 400 (default 8; RAGSPEC_MAX_N)",
+    )
+    p.add_argument(
+        "--max-choice-tokens",
+        type=int,
+        default=None,
+        help="most tokens one request may ask for over its choices, n x max_tokens; more gets 400 (default 32768; "
+        "RAGSPEC_MAX_CHOICE_TOKENS)",
+    )
+    p.add_argument(
+        "--smooth-streaming",
+        action="store_true",
+        help="stream one token per event by default, not one event per step's run of accepted tokens "
+        "(a request's smooth_streaming overrides it; RAGSPEC_SMOOTH_STREAMING)",
+    )
     p.add_argument(
         "--response-log",
         default=None,

@@ -16,11 +16,22 @@ the text from that occurrence on is dropped (stop strings may span several token
 complete in the middle of a draft).
 
 Per-call keyword arguments (``invoke(..., **kwargs)``, ``bind(...)``): ``max_new_tokens``
-(alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``seed``, ``speculative``,
-``max_draft_tokens`` (the call's draft budget per step, under the engine's; 0: plain
-decoding), ``documents``, ``draft_documents``, ``datastore`` (the name of one of the
-engine's datastores to draft from). Anything else raises ``TypeError``. They and the fields
-become one :class:`~ragspec.params.RequestParams` per call (:meth:`_RagspecBase.request_params`).
+(alias ``max_tokens``), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+``speculative``, ``max_draft_tokens`` (the call's draft budget per step, under the
+engine's; 0: plain decoding), ``documents``, ``draft_documents``, ``datastore`` (the name
+of one of the engine's datastores to draft from), and OpenAI's ``n``, ``logprobs``,
+``top_logprobs``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, vLLM's
+``repetition_penalty`` and ``min_tokens`` (each also a field of the model). Anything else
+raises ``TypeError``. They and the fields become one :class:`~ragspec.params.RequestParams`
+per call (:meth:`_RagspecBase.request_params`).
+
+Log-probabilities (``logprobs=True``, ``top_logprobs=k``) come as ``ChatOpenAI`` and
+LangChain's ``OpenAI`` give them: ``ChatRagspec`` replies in
+``response_metadata["logprobs"]`` (``{"content": [{"token", "logprob", "bytes",
+"top_logprobs"}]}``, per chunk when streaming), ``RagspecLLM`` generations in
+``generation_info["logprobs"]`` (the legacy ``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``). ``n`` choices: ``generate`` returns all of them (one
+prefill shared), ``invoke`` the first; a stream is one choice.
 
 Not supported yet: tool calling and schema-constrained output (``bind_tools``,
 ``with_structured_output``, ``tools=`` / ``response_format=`` arguments); they raise
@@ -46,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, NoReturn, Optional, Sequence, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -68,9 +80,10 @@ from ragspec.engine import Engine
 from ragspec.errors import ConfigError, UnsupportedError
 from ragspec.params import RequestParams
 from ragspec.prompts import Messages, PreparedPrompt, Prompt
-from ragspec.types import GenerationStats, StreamChunk
+from ragspec.types import GenerationStats, StreamChunk, TokenLogprob
 
-from .stepper import AsyncOutbox, Job, Stepper, ThreadOutbox
+from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, shown_entries
+from .stepper import AsyncOutbox, Job, Stepper, ThreadOutbox, choice_makers
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +97,18 @@ __all__ = [
     "stats_metadata",
 ]
 
+_SAMPLING_KWARGS = (
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "min_p",
+)
+"""The sampling parameters a call may set, each also a field of the wrappers."""
 _CALL_KWARGS = (
     "max_new_tokens",
     "max_tokens",
@@ -96,6 +121,7 @@ _CALL_KWARGS = (
     "documents",
     "draft_documents",
     "datastore",
+    *_SAMPLING_KWARGS,
 )
 
 Wrapper = TypeVar("Wrapper", bound="_RagspecBase")
@@ -218,6 +244,25 @@ class _RagspecBase(BaseModel):
     per-call ``draft_documents``)."""
     datastore: Optional[str] = None
     """The name of the engine's datastore every call drafts from (None: its default)."""
+    n: int = Field(default=1, ge=1)
+    """Choices per call: ``generate`` returns them all (one prefill shared), ``invoke``
+    the first; each sampled with its own generator (``seed + i``)."""
+    logprobs: bool = False
+    """Return each token's log-probability (see the module docstring for where)."""
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    """With ``logprobs``: also the k likeliest tokens of each position."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """OpenAI's presence penalty (0: off)."""
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """OpenAI's frequency penalty (0: off)."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """vLLM's repetition penalty over the prompt's and the output's tokens (1: off)."""
+    logit_bias: Optional[dict[int, float]] = None
+    """Token id -> bias in [-100, 100] added to its logit."""
+    min_tokens: int = Field(default=0, ge=0)
+    """Tokens generated before an EOS token or a stop string may end a call."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Sampling keeps the tokens of at least ``min_p`` times the likeliest one's probability."""
 
     _engine: Optional[Engine] = PrivateAttr(default=None)
     _stepper: Optional[Stepper] = PrivateAttr(default=None)
@@ -290,7 +335,10 @@ class _RagspecBase(BaseModel):
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        sampling = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_KWARGS}
+        sampling["top_logprobs"] = sampling["top_logprobs"] or 0
         return RequestParams(
+            **sampling,
             max_new_tokens=int(max_new),
             stop=merge_stop(self.stop, stop),
             documents=list(self.documents or []) + document_texts(kwargs.get("documents")),
@@ -323,19 +371,28 @@ class _RagspecBase(BaseModel):
         prompt, chat = self._input(value)
         return self.engine.prepare(prompt, params, chat=chat)
 
-    def _submit(self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict, outbox) -> list[Job]:
-        """Prepare every input (token ids, here) and submit them together: they share
-        their first step."""
+    def _submit(
+        self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict, outbox, stream: bool = False
+    ) -> tuple[list[Job], int]:
+        """Prepare every input (token ids, here) and submit them together, ``n`` jobs each
+        (their choices): they share their first step. Returns the jobs (input by input,
+        choice by choice) and ``n``.
+
+        Raises:
+            ConfigError: ``stream`` with ``n`` > 1 (a stream is one choice).
+        """
         params = self.request_params(stop, kwargs)
+        if stream and params.n > 1:
+            raise ConfigError(f"n={params.n}: a stream is one choice (use generate() for several)")
         engine = self.engine
         prepared = [self._prepare(v, params) for v in values]
-        makes = [lambda p=p: engine.start(p, params) for p in prepared]
-        return self.stepper.submit_many(makes, outbox)
+        makes = [make for p in prepared for make in choice_makers(engine, p, params)]
+        return self.stepper.submit_many(makes, outbox), params.n
 
     # ------------------------------------------------------------------ sync
     def _iter(self, value: Any, stop: Optional[Sequence[str]], kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
         """The chunks of one generation, read in this thread."""
-        (job,) = self._submit([value], stop, kwargs, ThreadOutbox)
+        (job,), _ = self._submit([value], stop, kwargs, ThreadOutbox, stream=True)
         try:
             while (chunk := job.next_chunk()) is not None:
                 yield chunk
@@ -344,11 +401,12 @@ class _RagspecBase(BaseModel):
 
     def _run_many(
         self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
-    ) -> list[tuple[str, Optional[GenerationStats]]]:
-        """All ``values`` submitted together, then each read whole."""
-        jobs = self._submit(values, stop, kwargs, ThreadOutbox)
+    ) -> list[list["_Output"]]:
+        """All ``values`` submitted together, then each choice of each read whole."""
+        jobs, n = self._submit(values, stop, kwargs, ThreadOutbox)
         try:
-            return [_collect(iter(job.next_chunk, None)) for job in jobs]
+            outs = [_collect(iter(job.next_chunk, None)) for job in jobs]
+            return [outs[i : i + n] for i in range(0, len(outs), n)]
         finally:
             for job in jobs:
                 job.cancel()
@@ -359,7 +417,7 @@ class _RagspecBase(BaseModel):
     ) -> AsyncIterator[StreamChunk]:
         """The chunks of one generation, read on the event loop (tokenized in a worker thread)."""
         loop = asyncio.get_running_loop()
-        (job,) = await asyncio.to_thread(self._submit, [value], stop, kwargs, lambda: AsyncOutbox(loop))
+        (job,), _ = await asyncio.to_thread(self._submit, [value], stop, kwargs, lambda: AsyncOutbox(loop), True)
         try:
             while (chunk := await job.anext_chunk()) is not None:
                 yield chunk
@@ -368,24 +426,27 @@ class _RagspecBase(BaseModel):
 
     async def _arun_many(
         self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict[str, Any]
-    ) -> list[tuple[str, Optional[GenerationStats]]]:
+    ) -> list[list["_Output"]]:
         """All ``values`` submitted together (tokenized in a worker thread), then read on the loop."""
         loop = asyncio.get_running_loop()
-        jobs = await asyncio.to_thread(self._submit, values, stop, kwargs, lambda: AsyncOutbox(loop))
+        jobs, n = await asyncio.to_thread(self._submit, values, stop, kwargs, lambda: AsyncOutbox(loop))
 
-        async def drain(job: Job) -> tuple[str, Optional[GenerationStats]]:
-            parts: list[str] = []
-            stats = None
+        async def drain(job: Job) -> _Output:
+            out = _Output()
             while (chunk := await job.anext_chunk()) is not None:
-                parts.append(chunk.text)
-                stats = chunk.stats or stats
-            return "".join(parts), stats
+                out.add(chunk)
+            return out
 
         try:
-            return list(await asyncio.gather(*(drain(j) for j in jobs)))
+            outs = list(await asyncio.gather(*(drain(j) for j in jobs)))
+            return [outs[i : i + n] for i in range(0, len(outs), n)]
         finally:
             for job in jobs:
                 job.cancel()
+
+    def _shown(self, chunk: StreamChunk) -> tuple[TokenLogprob, ...]:
+        """The chunk's log-probability entries a client sees (no end-of-sequence token)."""
+        return shown_entries(chunk, self.engine.eos_token_ids)
 
     # ------------------------------------------------------------------ streams
     def _wrap(self, chunk: StreamChunk) -> Any:
@@ -422,17 +483,30 @@ class _RagspecBase(BaseModel):
             "stop": self.stop,
             "speculative": self.speculative,
             "max_draft_tokens": self.max_draft_tokens,
+            **{name: getattr(self, name) for name in _SAMPLING_KWARGS},
         }
 
 
-def _collect(chunks) -> tuple[str, Optional[GenerationStats]]:
-    """The whole text of ``chunks`` and the last stats."""
-    parts: list[str] = []
-    stats = None
+@dataclass
+class _Output:
+    """One choice read whole: its text, its last stats, its chunks (for log-probabilities)."""
+
+    text: str = ""
+    stats: Optional[GenerationStats] = None
+    chunks: list[StreamChunk] = field(default_factory=list)
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text += chunk.text
+        self.stats = chunk.stats or self.stats
+        self.chunks.append(chunk)
+
+
+def _collect(chunks) -> _Output:
+    """The whole text of ``chunks``, the last stats, the chunks."""
+    out = _Output()
     for chunk in chunks:
-        parts.append(chunk.text)
-        stats = chunk.stats or stats
-    return "".join(parts), stats
+        out.add(chunk)
+    return out
 
 
 class RagspecLLM(_RagspecBase, LLM):
@@ -461,7 +535,20 @@ class RagspecLLM(_RagspecBase, LLM):
 
     def _wrap(self, chunk: StreamChunk) -> GenerationChunk:
         info = stats_metadata(chunk.stats, self._display_name()) if chunk.stats is not None else None
+        if chunk.logprobs:
+            entries = self._shown(chunk)
+            info = dict(info or {})
+            info["logprobs"] = completion_logprobs(entries, TokenTexts(self.engine.tokenizer), chunk.token_texts)
         return GenerationChunk(text=chunk.text, generation_info=info)
+
+    def _info(self, out: _Output) -> dict:
+        """A generation's ``generation_info``: its stats, its log-probabilities where asked."""
+        info = stats_metadata(out.stats, self._display_name())
+        if any(c.logprobs for c in out.chunks):
+            entries = [e for c in out.chunks for e in self._shown(c)]
+            texts = [t for c in out.chunks for t in c.token_texts]
+            info["logprobs"] = completion_logprobs(entries, TokenTexts(self.engine.tokenizer), texts)
+        return info
 
     # ------------------------------------------------------------------ LangChain hooks
     def with_structured_output(self, schema: dict[str, Any] | type, **kwargs: Any) -> NoReturn:
@@ -479,13 +566,14 @@ class RagspecLLM(_RagspecBase, LLM):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> str:
-        return self._run_many([prompt], stop, kwargs)[0][0]
+        return self._run_many([prompt], stop, kwargs)[0][0].text
 
-    def _result(self, outs: list[tuple[str, Optional[GenerationStats]]]) -> LLMResult:
+    def _result(self, outs: list[list[_Output]]) -> LLMResult:
         name = self._display_name()
-        gens = [[Generation(text=text, generation_info=stats_metadata(stats, name))] for text, stats in outs]
-        prompt_tokens = sum(s.num_prompt_tokens for _, s in outs if s)
-        completion_tokens = sum(s.num_generated_tokens for _, s in outs if s)
+        gens = [[Generation(text=o.text, generation_info=self._info(o)) for o in choices] for choices in outs]
+        # the prompt counted once per input (its choices share it), as OpenAI's usage does
+        prompt_tokens = sum(choices[0].stats.num_prompt_tokens for choices in outs if choices and choices[0].stats)
+        completion_tokens = sum(o.stats.num_generated_tokens for choices in outs for o in choices if o.stats)
         return LLMResult(
             generations=gens,
             llm_output={
@@ -598,19 +686,25 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
             raise ConfigError("the tokenizer has no chat template: use RagspecLLM for plain text prompts")
         return _chat_messages(value), True
 
-    def _message(self, text: str, stats: Optional[GenerationStats]) -> AIMessage:
-        return AIMessage(
-            content=text,
-            response_metadata=stats_metadata(stats, self._display_name()),
-            usage_metadata=_usage(stats),
-        )
+    def _message(self, out: _Output) -> AIMessage:
+        metadata = stats_metadata(out.stats, self._display_name())
+        if any(c.logprobs for c in out.chunks):
+            entries = [e for c in out.chunks for e in self._shown(c)]
+            metadata["logprobs"] = chat_logprobs(entries, TokenTexts(self.engine.tokenizer))
+        return AIMessage(content=out.text, response_metadata=metadata, usage_metadata=_usage(out.stats))
+
+    def _result(self, outs: list[_Output]) -> ChatResult:
+        return ChatResult(generations=[ChatGeneration(message=self._message(o)) for o in outs])
 
     def _wrap(self, chunk: StreamChunk) -> ChatGenerationChunk:
+        logprobs = {}
+        if chunk.logprobs:
+            logprobs = {"logprobs": chat_logprobs(self._shown(chunk), TokenTexts(self.engine.tokenizer))}
         if chunk.stats is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text, response_metadata=logprobs))
         msg = AIMessageChunk(
             content=chunk.text,
-            response_metadata=stats_metadata(chunk.stats, self._display_name()),
+            response_metadata={**stats_metadata(chunk.stats, self._display_name()), **logprobs},
             usage_metadata=_usage(chunk.stats),
             chunk_position="last",
         )
@@ -623,8 +717,8 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> ChatResult:
-        ((text, stats),) = self._run_many([messages], stop, kwargs)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+        (outs,) = self._run_many([messages], stop, kwargs)
+        return self._result(outs)
 
     async def _agenerate(
         self,
@@ -633,8 +727,8 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> ChatResult:
-        ((text, stats),) = await self._arun_many([messages], stop, kwargs)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, stats))])
+        (outs,) = await self._arun_many([messages], stop, kwargs)
+        return self._result(outs)
 
     def _stream(
         self,

@@ -2,13 +2,16 @@
 
 The OpenAI-compatible bodies accept the fields OpenAI's clients commonly send; fields that
 ask for something ragspec does not do are accepted only at their neutral value and
-otherwise answered with a 400 naming the field: tools, ``echo``, ``suffix``, ``best_of``
-here (:func:`unsupported`), the request parameters the engine does not implement yet
-(``n > 1``, log-probabilities, penalties, ``logit_bias``, a structured ``response_format``)
-by :class:`ragspec.params.RequestParams` itself. Anything else unknown is a 400 too.
+otherwise answered with a 400 naming the field: tools, ``echo``, ``suffix``, ``best_of``,
+vLLM's ``prompt_logprobs`` here (:func:`unsupported`), the request parameters the engine
+does not implement yet (a structured ``response_format``) by
+:class:`ragspec.params.RequestParams` itself. Anything else unknown is a 400 too.
+Sampling: OpenAI's ``n``, ``logprobs``/``top_logprobs``, penalties and ``logit_bias``, and
+vLLM's ``repetition_penalty``, ``min_tokens``, ``min_p``, ``logprobs_mode``.
 ragspec extensions: ``top_k``, ``documents`` (texts the model reads as grounding and the
 drafter copies from), ``datastore`` (by name), ``speculative`` and ``max_draft_tokens``
-(this request's draft budget per step, under the server's; 0 = plain decoding).
+(this request's draft budget per step, under the server's; 0 = plain decoding),
+``smooth_streaming`` (one token per event).
 
 Types are strict: no booleans as numbers (``max_tokens: true``, ``prompt: [true]``), no
 strings as booleans (``stream: "yes"``), no floats as integers. Shapes are bounded here
@@ -30,6 +33,8 @@ __all__ = [
     "ChatCompletionRequest",
     "SummarizeRequest",
     "AddDocumentsRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "unsupported",
     "MAX_DOCUMENTS",
     "MAX_MESSAGES",
@@ -52,12 +57,16 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1000
 """Longest stop string (characters): every committed token is matched against them."""
 MAX_LOGIT_BIAS = 300
-"""Most ``logit_bias`` entries (OpenAI's limit; only ``{}`` is supported anyway)."""
+"""Most ``logit_bias`` entries (OpenAI's limit)."""
 MAX_CONTENT_PARTS = 256
 """Most content parts of one chat message."""
 MAX_PROMPT_IDS = 1 << 17
 """Most token ids in a prompt given as ids (the context length checks the rest)."""
 MAX_TOOLS = 128
+MAX_N = 128
+"""Largest ``n`` the schema accepts (the server's ``--max-n`` bounds it further)."""
+MAX_TOP_LOGPROBS = 20
+"""Most top log-probabilities per token (OpenAI's limit)."""
 MAX_ADD_DOCUMENTS = 10_000
 """Most documents one ``POST /v1/datastores/{name}/documents`` adds (its body size is
 bounded by ``--max-add-bytes``)."""
@@ -137,13 +146,27 @@ class _Sampling(_Body):
 
 
 class _OpenAIExtras(_Body):
-    """OpenAI fields accepted only at their neutral value."""
+    """OpenAI's sampling parameters and vLLM's extensions of them (the engine's
+    :class:`~ragspec.params.RequestParams` checks their values and names the field)."""
 
-    n: Optional[int] = None
-    logprobs: Optional[Union[bool, int]] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    n: Optional[int] = Field(default=None, ge=1, le=MAX_N)
+    """Choices to generate (each its own sample; at most the server's ``--max-n``)."""
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    """Token id (as a string) -> bias in [-100, 100] added to its logit."""
+    # vLLM's extensions
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    logprobs_mode: Optional[Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]] = None
+    """What ``logprobs`` return (vLLM's names; default ``raw_logprobs``, the model's own)."""
+    prompt_logprobs: Optional[int] = None
+    """vLLM's: refused (see :func:`unsupported`)."""
+    # ragspec's
+    smooth_streaming: Optional[bool] = None
+    """Stream one token per event instead of one event per step (None: the server's
+    ``--smooth-streaming``)."""
 
 
 class CompletionRequest(_Sampling, _OpenAIExtras):
@@ -155,6 +178,9 @@ class CompletionRequest(_Sampling, _OpenAIExtras):
         Annotated[list[StrictInt], _at_most(MAX_PROMPT_IDS)],
     ]
     """Text, a list of one text, or token ids."""
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """OpenAI's legacy form: return each token's log-probability and the ``logprobs``
+    likeliest tokens' (0: the token's own only)."""
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -192,7 +218,10 @@ class ChatCompletionRequest(_Sampling, _OpenAIExtras):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = None
+    """Return each token's log-probability (``choices[].logprobs.content``)."""
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With ``logprobs``: also the k likeliest tokens of each position (0-20)."""
     tools: Optional[Annotated[list[dict[str, Any]], _at_most(MAX_TOOLS)]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -247,6 +276,40 @@ class SummarizeRequest(_Body):
         return _check_stop(v)
 
 
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: vLLM's body (``prompt`` or ``messages``) or llama-server's
+    (``content``); exactly one of the three."""
+
+    model: Optional[str] = None
+    prompt: Optional[StrictStr] = None
+    """vLLM's: a text."""
+    content: Optional[StrictStr] = None
+    """llama-server's: a text."""
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]] = (
+        None
+    )
+    """vLLM's: a chat, through the model's chat template."""
+    add_special_tokens: Optional[bool] = None
+    """vLLM's: add the tokenizer's special tokens (BOS) to a text (default True; a chat:
+    the template's own)."""
+    add_special: Optional[bool] = None
+    """llama-server's name of the same (default False)."""
+    add_generation_prompt: Optional[bool] = None
+    """A chat: end with the assistant's turn opening (default True)."""
+    with_pieces: Optional[bool] = None
+    """llama-server's: also each token's text (``[{"id", "piece"}]``)."""
+    return_token_strs: Optional[bool] = None
+    """vLLM's: also each token's text (``token_strs``)."""
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: vLLM's and llama-server's body."""
+
+    model: Optional[str] = None
+    tokens: Annotated[list[StrictInt], _at_most(MAX_PROMPT_IDS)]
+    """Token ids."""
+
+
 class AddDocumentsRequest(_Body):
     """``POST /v1/datastores/{name}/documents``: texts added to a served datastore."""
 
@@ -285,6 +348,12 @@ def unsupported(req: BaseModel) -> Optional[tuple[str, str]]:
     by :class:`ragspec.params.RequestParams` (:data:`ragspec.params.UNSUPPORTED_FIELDS`)."""
     checks = [
         ("best_of", lambda v: v not in (None, 1), "only best_of=1 is supported"),
+        (
+            "prompt_logprobs",
+            lambda v: bool(v),
+            "prompt_logprobs is not supported: the prefill applies the output layer to the prompt's last position "
+            "only (log-probabilities of generated tokens: logprobs)",
+        ),
         ("echo", lambda v: bool(v), "echo is not supported"),
         ("suffix", lambda v: bool(v), "suffix is not supported"),
         ("tools", lambda v: bool(v), "tools are not supported"),

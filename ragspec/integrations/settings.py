@@ -54,6 +54,9 @@ ENV_VARS = {
     "RAGSPEC_MAX_CLIENT_REQUESTS": "max_client_requests",
     "RAGSPEC_PUBLIC_METRICS": "public_metrics",
     "RAGSPEC_RECALIBRATE": "recalibrate",
+    "RAGSPEC_MAX_N": "max_n",
+    "RAGSPEC_MAX_CHOICE_TOKENS": "max_choice_tokens",
+    "RAGSPEC_SMOOTH_STREAMING": "smooth_streaming",
 }
 _INT_VARS = (
     "port",
@@ -70,9 +73,11 @@ _INT_VARS = (
     "min_read_rate",
     "max_reading",
     "max_client_requests",
+    "max_n",
+    "max_choice_tokens",
 )
 _FLOAT_VARS = ("read_timeout_s",)
-_BOOL_VARS = ("docs", "public_metrics", "recalibrate")
+_BOOL_VARS = ("docs", "public_metrics", "recalibrate", "smooth_streaming")
 _MIB = 1 << 20
 _CHARS_PER_TOKEN = 32
 """Prompt characters allowed per token of context: real text has 3-5 per token, so a text
@@ -235,6 +240,17 @@ class ServerSettings:
     """Measure the latency table even where one measured on this machine, model, dtype,
     threads and kernel build is cached (:mod:`ragspec.calibration_cache`)."""
 
+    max_n: int = 8
+    """Most choices (``n``) of one request; each takes a place among ``max_active +
+    max_queue``. More gets 400 naming ``n``."""
+    max_choice_tokens: int = 32768
+    """Most tokens one request may ask for over all its choices (``n`` x ``max_tokens``);
+    more gets 400 naming ``n``."""
+    smooth_streaming: bool = False
+    """Default of a request's ``smooth_streaming``: stream one token per event (each step
+    commits a run of accepted tokens; its events then come one token at a time) instead
+    of one event per step."""
+
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
@@ -271,6 +287,10 @@ class ServerSettings:
             raise ConfigError(f"min_read_rate must be >= 1 byte/s, got {self.min_read_rate}")
         if self.max_reading < 1:
             raise ConfigError(f"max_reading must be >= 1, got {self.max_reading}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_choice_tokens < 1:
+            raise ConfigError(f"max_choice_tokens must be >= 1, got {self.max_choice_tokens}")
         if self.max_client_requests is not None and self.max_client_requests < 0:
             raise ConfigError(f"max_client_requests must be >= 0, got {self.max_client_requests}")
         for name in ("api_key", "admin_key"):

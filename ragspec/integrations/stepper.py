@@ -50,6 +50,8 @@ import torch
 
 from ragspec.engine import Engine, Request, StepReport
 from ragspec.errors import CapacityError
+from ragspec.params import RequestParams
+from ragspec.prompts import PreparedPrompt
 from ragspec.types import StreamChunk
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ __all__ = [
     "CHUNK",
     "ERROR",
     "GONE",
+    "choice_makers",
 ]
 
 READY = "ready"
@@ -480,3 +483,20 @@ class Stepper:
             for job in leftovers:
                 self._deliver(job, ERROR, CapacityError("the server is shutting down"))
                 self._release(job)
+
+
+def choice_makers(engine: Engine, prepared: PreparedPrompt, params: RequestParams) -> list[Callable[[], Request]]:
+    """The ``make_request`` of each of a request's ``params.n`` jobs (submit them together
+    with :meth:`Stepper.submit_many`): the first called makes all the choices
+    (:meth:`~ragspec.engine.Engine.start_choices`: one prefill shared), each job takes
+    its own; one choice: ``engine.start(prepared, params)``."""
+    if params.n == 1:
+        return [lambda: engine.start(prepared, params)]
+    made: list[list[Request]] = []
+
+    def make(i: int) -> Request:
+        if not made:
+            made.append(engine.start_choices(prepared, params))
+        return made[0][i]
+
+    return [lambda i=i: make(i) for i in range(params.n)]  # type: ignore[misc]

@@ -17,6 +17,9 @@ from gpu_testing import DEVICE_ENV, test_device_name, test_dtype_name
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_only: checks a CUDA-only behaviour (skipped on other test devices)")
+    config.addinivalue_line(
+        "markers", "torch_compile: compiles with torch.compile on CUDA (a minute cold; a short device check skips it)"
+    )
 
 
 def _test_device() -> torch.device:

@@ -173,20 +173,23 @@ class _BranchingSession:
 
 
 class VerifySpy:
-    """Wraps ``target.verify_one`` and records, per call, the tree's node count, its
-    sources and whether lazy logits were asked for."""
+    """Wraps ``target.verify`` (the engine's one verification entry, on every backend) and
+    records, per verified item, the tree's node count, its sources and whether lazy logits
+    were asked for."""
 
     def __init__(self, target) -> None:
         self.calls: list[dict] = []
-        self._inner: Callable = target.verify_one
+        self._inner: Callable = target.verify
 
-        def spy(state, root_token, tree, **kw):
-            self.calls.append(
-                {"nodes": tree.num_nodes, "sources": set(tree.sources), "lazy": bool(kw.get("lazy_logits", False))}
-            )
-            return self._inner(state, root_token, tree, **kw)
+        def spy(items):
+            items = list(items)
+            for it in items:
+                self.calls.append(
+                    {"nodes": it.tree.num_nodes, "sources": set(it.tree.sources), "lazy": bool(it.lazy_logits)}
+                )
+            return self._inner(items)
 
-        target.verify_one = spy
+        target.verify = spy
 
 
 def lm_head_rows(model) -> tuple[list[int], Callable[[], None]]:

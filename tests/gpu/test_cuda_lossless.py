@@ -153,6 +153,7 @@ def test_commit_equals_a_fresh_prefill_of_the_accepted_path(device, dtype):
         torch.testing.assert_close(nxt, want, **tol)
 
 
+@pytest.mark.torch_compile
 def test_static_cache_generate_equals_plain_generate(device, dtype, float32_only):
     """The bench's second baseline (transformers' static-cache generate, compiled on CUDA)
     decodes the same tokens as plain generate, also for a second, shorter request on the

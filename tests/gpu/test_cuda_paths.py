@@ -43,12 +43,13 @@ def _fused(ops: dict) -> bool:
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("attn_dtype", [torch.float32, torch.bfloat16])
 def test_cuda_attention_is_fused_and_not_routed_for_generate(device, attn_dtype):
-    """On CUDA, masked grouped-query verification (a tree) must run a fused attention
-    kernel, not PyTorch's unfused math fallback (which SDPA picks for ``enable_gqa`` with a
-    mask), and ``model.generate`` (the benchmark's baseline) must keep transformers' own
-    attention: ragspec's CPU attention route is CPU-only."""
+    """On CUDA, the transformers backend's masked grouped-query verification (a tree) must
+    run a fused attention kernel, not PyTorch's unfused math fallback (which SDPA picks for
+    ``enable_gqa`` with a mask), and ``model.generate`` (the benchmark's baseline) must keep
+    transformers' own attention: ragspec's CPU attention route is CPU-only. (Pinned to the
+    transformers backend: the CUDA backend runs its own Triton attention, no SDPA.)"""
     model = on_device(make_smol_shaped_llama(), device, attn_dtype)
-    target = select_target(model)  # the backend and speed-ups Engine.from_pretrained gets
+    target = select_target(model, use_cuda_backend=False)
     assert model.config._attn_implementation != "ragspec_sdpa"
     prompt = list(range(3, 700))
     tree = make_tree([10, 11, 12, 13, 14, 15, 16, 18], [-1, -1, -1, 1, 3, 3, 2, 5], source="test")
@@ -75,11 +76,14 @@ def tiny_folder(tmp_path):
 
 
 @pytest.mark.cuda_only
-def test_cuda_engine_defaults_draft_more_and_skip_the_cpu_tricks(device, dtype, tiny_folder):
-    """``load_engine`` on CUDA: a draft budget of 32-64 nodes (a forward of 64
-    new tokens costs about one of 1 at batch 1), and greedy verification computes every
-    row's logits at once, unpadded (lazy rows and padding to 4 rows save output-layer
-    work on a CPU but only add host syncs and work on a GPU)."""
+def test_cuda_engine_defaults_draft_more_and_skip_the_cpu_tricks(device, dtype, tiny_folder, monkeypatch):
+    """``load_engine`` on CUDA with the transformers backend: a draft budget of 32-64 nodes
+    (a forward of 64 new tokens costs about one of 1 at batch 1), and greedy verification
+    computes every row's logits at once, unpadded (lazy rows and padding to 4 rows save
+    output-layer work on a CPU but only add host syncs and work on a GPU). (Pinned to the
+    transformers backend: the hook counts rows through the model's own output layer, which
+    the CUDA backend does not call.)"""
+    monkeypatch.setenv("RAGSPEC_CUDA_BACKEND", "0")
     engine = load_engine(str(tiny_folder), device=str(device), dtype=dtype, eagle="none")
     assert 32 <= engine.policy.max_draft_tokens <= 64
     spy = VerifySpy(engine.target)
@@ -174,6 +178,7 @@ def test_mean_embeddings_with_a_device_embedding_does_not_mix_devices(device):
     np.testing.assert_allclose(want[0], emb[[3, 7, 7]].mean(0).numpy(), rtol=1e-6)
 
 
+@pytest.mark.torch_compile
 def test_bench_times_every_method_and_stays_identical(device, dtype, float32_only):
     """``run_bench`` on the device with the static-cache baseline, two draft budgets and a
     warm-up: every method's output equals the baseline's in float32."""

@@ -301,3 +301,61 @@ def test_steps_run_in_one_compute_thread_whoever_reads(tiny_engine, monkeypatch)
         assert threading.current_thread().name not in names
     finally:
         llm.stepper.stop()
+
+
+# ---------------------------------------------------------------------- sampling parameters
+def test_chat_logprobs_in_chatopenais_shape(chat, tiny_engine):
+    from langchain_core.messages import AIMessageChunk
+
+    msgs = [HumanMessage(content="the cat sat on the mat. the cat")]
+    ids = tiny_engine.encode_messages([{"role": "user", "content": msgs[0].content}])
+    want = tiny_engine.generate(ids, max_new_tokens=N, logprobs=True, top_logprobs=2)
+    model = chat.model_copy(update={"logprobs": True, "top_logprobs": 2})
+    msg = model.invoke(msgs)
+    content = msg.response_metadata["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == [e.logprob for e in want.logprobs]
+    special = set(tiny_engine.tokenizer.all_special_tokens)  # shown as tokens, not in the text
+    assert "".join(e["token"] for e in content if e["token"] not in special) == msg.content == want.text
+    assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in content)
+    # streamed: each chunk carries its tokens' entries; merged they are the whole list
+    merged = None
+    for ch in model.stream(msgs):
+        merged = ch if merged is None else merged + ch
+    assert isinstance(merged, AIMessageChunk)
+    assert [e["logprob"] for e in merged.response_metadata["logprobs"]["content"]] == [e["logprob"] for e in content]
+    # as a call argument too, and none by default
+    assert "logprobs" in chat.invoke(msgs, logprobs=True).response_metadata
+    assert "logprobs" not in chat.invoke(msgs).response_metadata
+
+
+def test_llm_logprobs_in_generation_info(llm, tiny_engine):
+    res = llm.generate([PROMPTS[0]], logprobs=True, top_logprobs=1)
+    info = res.generations[0][0].generation_info
+    want = solo(tiny_engine, PROMPTS[0], logprobs=True)
+    lp = info["logprobs"]
+    assert lp["token_logprobs"] == [e.logprob for e in want.logprobs]
+    special = set(tiny_engine.tokenizer.all_special_tokens)
+    assert "".join(t for t in lp["tokens"] if t not in special) == res.generations[0][0].text
+    assert lp["text_offset"][0] == 0 and all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+
+
+def test_penalties_and_n_as_model_or_call_arguments(chat, llm, tiny_engine):
+    prompt = PROMPTS[0]
+    want = solo(tiny_engine, prompt, frequency_penalty=1.0, presence_penalty=0.5).text
+    assert llm.invoke(prompt, frequency_penalty=1.0, presence_penalty=0.5) == want
+    assert llm.model_copy(update={"frequency_penalty": 1.0, "presence_penalty": 0.5}).invoke(prompt) == want
+    # n sampled choices, reproducible with a seed, each the solo request of seed + i
+    res = llm.generate([prompt, PROMPTS[1]], n=3, temperature=1.0, seed=4)
+    assert [len(g) for g in res.generations] == [3, 3]
+    for p, gens in zip([prompt, PROMPTS[1]], res.generations):
+        for i, g in enumerate(gens):
+            assert g.text == solo(tiny_engine, p, temperature=1.0, seed=4 + i).text
+    assert res.llm_output["token_usage"]["completion_tokens"] == 6 * N
+    ares = asyncio.run(llm.agenerate([prompt], n=3, temperature=1.0, seed=4))
+    assert [g.text for g in ares.generations[0]] == [g.text for g in res.generations[0]]
+    chat_res = chat.model_copy(update={"n": 2, "temperature": 1.0, "seed": 1}).generate(
+        [[HumanMessage(content=prompt)]]
+    )
+    assert len(chat_res.generations[0]) == 2
+    with pytest.raises(ConfigError, match="one choice"):
+        list(chat.stream(prompt, n=2))

@@ -340,9 +340,12 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 9}, 400, "n"),  # over --max-n
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 8, "max_tokens": 5000}, 400, "n"),  # n x max_tokens
     ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
@@ -374,15 +377,29 @@ BAD = [
         400,
         "max_tokens",
     ),
-    # request parameters the engine does not implement yet: refused by name (RequestParams)
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    # sampling parameters out of range: named
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 150}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"99999": 1}}, 400, "logit_bias"),  # unknown id
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs_mode": "sampled"}, 400, "logprobs_mode"),
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         400,
         "top_logprobs",
     ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    # a request parameter the engine does not implement yet: refused by name (RequestParams)
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
@@ -454,6 +471,11 @@ def test_api_key_required_on_v1_and_health_open(tiny_engine):
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/v1/models").status_code == 401
+        for path in ("/tokenize", "/detokenize"):  # the tokenizer's endpoints too
+            assert httpx.post(url + path, json={"content": "a", "tokens": [1]}).status_code == 401
+        assert httpx.post(
+            url + "/tokenize", json={"content": "a"}, headers={"Authorization": "Bearer s3cret"}
+        ).is_success
         # checked before the body is even parsed
         r = httpx.post(url + "/v1/summarize", content="{broken", headers={"content-type": "application/json"})
         assert r.status_code == 401

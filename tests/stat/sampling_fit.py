@@ -78,7 +78,12 @@ def goodness_of_fit(counts: Counter, exact: dict, min_expected: float = 5.0) -> 
 def hf_processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution plain sampling draws from, computed with transformers' own warpers
     (independently of ragspec.sampling.process_logits): float64 [..., V]."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     s = logits.float().reshape(-1, logits.shape[-1])
     if params.temperature != 1.0:
@@ -87,6 +92,8 @@ def hf_processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
         s = TopKLogitsWarper(params.top_k)(None, s)
     if params.top_p < 1.0:
         s = TopPLogitsWarper(params.top_p)(None, s)
+    if params.min_p > 0.0:
+        s = MinPLogitsWarper(params.min_p)(None, s)
     return s.double().softmax(-1).reshape(logits.shape)
 
 

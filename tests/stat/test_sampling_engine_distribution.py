@@ -131,9 +131,26 @@ def setup(char_tokenizer):
     return model, logits, char_tokenizer
 
 
-def first_tokens(engine: Engine, params: SamplingParams, seed: int) -> tuple:
+def _scripted_engine(model, tokenizer, logits, probs_list, seed: int) -> Engine:
+    """The engine over ``model`` drafting with :class:`ScriptedDrafter` (``probs_list``: the
+    processed target law; its sampled chains from a fixed noisy draft model)."""
+
+    def draft_list(ctx: tuple) -> list[float]:
+        """A fixed noisy draft model: its samples are sometimes right, sometimes wrong."""
+        g = torch.Generator().manual_seed(sum(t * 131**i for i, t in enumerate(ctx)) % 2_147_483_647)
+        return torch.softmax(0.7 * logits(ctx) + 1.5 * torch.randn(V, generator=g), -1).tolist()
+
+    return Engine(
+        HFTarget(model),
+        tokenizer,
+        drafter=ScriptedDrafter(probs_list, draft_list, seed=seed),
+        policy=PolicyConfig(max_draft_tokens=6, adaptive=False),
+    )
+
+
+def first_tokens(engine: Engine, params: SamplingParams, seed: int, **fields) -> tuple:
     """The first NUM_TOKENS generated tokens (the generation is closed after the step that
-    produced them)."""
+    produced them); ``fields``: more request parameters (penalties)."""
     out: list[int] = []
     stream = engine.stream(
         list(PROMPT),
@@ -141,7 +158,9 @@ def first_tokens(engine: Engine, params: SamplingParams, seed: int) -> tuple:
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
+        min_p=params.min_p,
         seed=seed,
+        **fields,
     )
     for chunk in stream:
         out.extend(chunk.token_ids)
@@ -163,18 +182,39 @@ def test_engine_first_tokens_match_plain_sampling(setup):
             probs[ctx] = hf_processed_probs(logits(ctx)[None], params)[0].tolist()
         return probs[ctx]
 
-    def draft_list(ctx: tuple) -> list[float]:
-        """A fixed noisy draft model: its samples are sometimes right, sometimes wrong."""
-        g = torch.Generator().manual_seed(sum(t * 131**i for i, t in enumerate(ctx)) % 2_147_483_647)
-        return torch.softmax(0.7 * logits(ctx) + 1.5 * torch.randn(V, generator=g), -1).tolist()
-
-    engine = Engine(
-        HFTarget(model),
-        tokenizer,
-        drafter=ScriptedDrafter(probs_list, draft_list, seed=7),
-        policy=PolicyConfig(max_draft_tokens=6, adaptive=False),
-    )
+    engine = _scripted_engine(model, tokenizer, logits, probs_list, seed=7)
     counts = Counter(first_tokens(engine, params, seed=10_000 + i) for i in range(NUM_SAMPLES))
+    exact = exact_first_tokens(lambda c: torch.tensor(probs_list(c), dtype=torch.float64), PROMPT, NUM_TOKENS)
+    fit = goodness_of_fit(counts, exact)
+    assert fit.ok, str(fit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params, penalty",
+    [
+        (SamplingParams(temperature=0.9, top_k=10), 1.2),  # frequency penalty, on each row's own path
+        (SamplingParams(temperature=1.0, min_p=0.15), 0.0),  # min-p
+    ],
+    ids=["frequency_penalty", "min_p"],
+)
+def test_engine_first_tokens_match_plain_processed_sampling(setup, params, penalty):
+    # the penalty of a tree row counts the tokens of its own path (committed + ancestors),
+    # never its siblings': the law is plain sampling's with the penalty applied per position
+    model, logits, tokenizer = setup
+    probs = {}
+
+    def probs_list(ctx: tuple) -> list[float]:
+        if ctx not in probs:
+            row = logits(ctx).clone()
+            for t in set(ctx[len(PROMPT) :]):  # OpenAI's frequency penalty over the output
+                row[t] -= penalty * ctx[len(PROMPT) :].count(t)
+            probs[ctx] = hf_processed_probs(row[None], params)[0].tolist()
+        return probs[ctx]
+
+    engine = _scripted_engine(model, tokenizer, logits, probs_list, seed=11)
+    fields = {"frequency_penalty": penalty} if penalty else {}
+    counts = Counter(first_tokens(engine, params, seed=20_000 + i, **fields) for i in range(NUM_SAMPLES))
     exact = exact_first_tokens(lambda c: torch.tensor(probs_list(c), dtype=torch.float64), PROMPT, NUM_TOKENS)
     fit = goodness_of_fit(counts, exact)
     assert fit.ok, str(fit)

@@ -97,3 +97,15 @@ def test_recalibrate_is_accepted_by_every_command_that_calibrates(command):
     args = build_parser().parse_args([*command, "--recalibrate"])
     assert args.recalibrate is True
     assert build_parser().parse_args(command).recalibrate is False
+
+
+def test_sampling_penalties_reach_the_request():
+    from ragspec.cli import request_params_from_args
+
+    for command in ("generate", "summarize"):
+        argv = [command, "--frequency-penalty", "0.5", "--presence-penalty", "-0.3", "--repetition-penalty", "1.2"]
+        argv += ["--min-p", "0.1", "--min-tokens", "3", "--temperature", "0.7"]
+        args = build_parser().parse_args(argv + (["hello"] if command == "generate" else ["doc.txt"]))
+        p = request_params_from_args(args)
+        assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.3, 1.2)
+        assert (p.min_p, p.min_tokens, p.sampling.min_p) == (0.1, 3, 0.1)

@@ -116,3 +116,48 @@ def test_a_path_wider_than_the_buffers_and_a_failed_capture_run_eagerly(caplog):
 def test_buckets_must_increase():
     with pytest.raises(ConfigError):
         GraphRunner(lambda b: b.tokens, scratch_slot=0, device="cpu", buckets=(4, 2))
+
+
+def test_bucket_buffers_made_under_inference_mode_work_outside_it():
+    """Regression ("Inplace update to inference tensor outside InferenceMode"): a bucket
+    first used under ``torch.inference_mode()`` (calibration) made its buffers inference
+    tensors, and the next step outside inference mode failed copying into them."""
+    model = FakeModel()
+    runner = GraphRunner(model.step, scratch_slot=3, device="cpu", buckets=(4,), path_width=4, capture=fake_capture([]))
+    batch = pack_rows([RequestRows(0, 0, [1, 2, 3])])
+    with torch.inference_mode():
+        first = runner(batch).clone()
+    again = runner(pack_rows([RequestRows(1, 0, [1, 2, 3])]))  # outside: must not raise
+    assert torch.equal(first, again) and runner.graph_steps == 2
+
+
+def test_capture_all_captures_every_bucket_on_padding_rows_only():
+    model = FakeModel()
+    calls: list[int] = []
+    runner = GraphRunner(model.step, scratch_slot=3, device="cpu", buckets=(1, 2, 4), capture=fake_capture(calls))
+    assert runner.capture_all() == [] and sorted(runner.captured) == [1, 2, 4] and len(calls) == 3
+    n = model.pool.num_slots
+    assert not model.pool.keys[:, :n].any() and not model.pool.values[:, :n].any()  # real slots untouched
+    assert runner.graph_steps == runner.eager_steps == 0  # capturing is not a step
+    runner.capture_all()
+    assert len(calls) == 3  # nothing captured twice
+
+
+def test_run_packs_into_the_bucket_and_cuts_the_padding():
+    eager, graphed = FakeModel(), FakeModel()
+    runner = GraphRunner(
+        graphed.step, scratch_slot=3, device="cpu", buckets=(4, 8), path_width=6, capture=fake_capture([])
+    )
+    tree = make_tree([5, 6, 7, 8], [-1, -1, 0, 2])
+    reqs = [RequestRows(0, 0, [2, *tree.tokens.tolist()], tree=tree), RequestRows(1, 0, [7, 9])]
+    out, cu = runner.run(reqs)
+    assert cu == (0, 5, 7) and out.shape[0] == 7
+    assert torch.equal(out, EagerRunner(eager.step)(pack_rows(reqs)))
+
+
+def test_default_buckets_reach_the_prefill_chunk():
+    # every prefill chunk of the engine's default size replays a graph instead of running eagerly
+    from ragspec.backend.cuda.graphs import DEFAULT_BUCKETS
+    from ragspec.config import PolicyConfig
+
+    assert DEFAULT_BUCKETS[-1] >= PolicyConfig().prefill_chunk_tokens

@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from ragspec.backend.cuda.batch import RequestRows, pack_rows, pad_batch, tree_paths
+from ragspec.backend.cuda.batch import RequestRows, buffer_size, pack_rows, pad_batch, tree_paths
 from ragspec.backend.cuda.kernels import attention_reference
 from ragspec.backend.cuda.kv_pool import KVPool, SlotOverflowError
 from ragspec.errors import CapacityError, ConfigError
@@ -199,3 +199,64 @@ def test_gpu_draft_policy_follows_the_measured_table():
         gpu_draft_policy({2: 1e-3})
     with pytest.raises(ConfigError):
         gpu_draft_policy(gpu, min_budget=70)
+
+
+def _random_tree(seed: int, nodes: int) -> DraftTree:
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(-1, j, (1,), generator=gen)) for j in range(1, nodes)]
+    return make_tree(list(range(10, 10 + nodes)), parents)
+
+
+def test_vectorised_paths_match_the_tree_attention_mask_for_random_trees():
+    for seed in range(6):
+        tree = _random_tree(seed, 12)
+        batch = pack_rows([RequestRows(0, 3, [1, *tree.tokens.tolist()], tree=tree)])
+        mask = tree_attention_mask(tree, 3)[0, 0, :, 3:]
+        for j in range(tree.num_nodes + 1):
+            n = int(batch.path_len[j])
+            assert batch.path[j, :n].tolist() == [i for i in range(tree.num_nodes + 1) if mask[j, i]]
+            assert not batch.path[j, n:].any()
+        assert batch.positions.tolist() == tree_position_ids(tree, 3)[0].tolist()
+
+
+def test_packing_into_a_bucket_staging_buffer_equals_padding_the_loose_batch():
+    """The one-copy path (packed straight into a bucket's staging buffer, padded, fields
+    16-byte aligned) holds the same rows as the loose batch padded afterwards."""
+    tree = _random_tree(7, 9)
+    reqs = [RequestRows(2, 30, [1, *tree.tokens.tolist()], tree=tree), RequestRows(0, 4, [5, 6, 7])]
+    loose = pack_rows(reqs)
+    staging = torch.full((buffer_size(16, 12),), -7, dtype=torch.int32)
+    packed = pack_rows(reqs, path_width=12, rows=16, scratch_slot=5, out=staging)
+    assert packed.buffer is not None and packed.buffer.data_ptr() == staging.data_ptr()
+    assert packed.rows == 16 and packed.real_rows == 13 and packed.cu_rows == loose.cu_rows
+    padded = pad_batch(loose, 16, scratch_slot=5)
+    for name in ("tokens", "positions", "slots", "write_pos", "ctx_len", "path_len", "path_base"):
+        assert torch.equal(getattr(packed, name), getattr(padded, name)), name
+        assert getattr(packed, name).data_ptr() % 16 == 0
+    assert torch.equal(packed.path[:, : loose.path_width], padded.path) and not packed.path[:, loose.path_width :].any()
+    with pytest.raises(ConfigError):
+        pack_rows(reqs, rows=8, out=staging)  # 13 rows do not fit a bucket of 8
+
+
+def test_auto_drafting_on_cuda_reads_the_choice_the_gpu_check_recorded(tmp_path, monkeypatch):
+    """--drafting auto on CUDA is what the GPU check measured faster on that GPU model (the
+    head merged with retrieval, or retrieval alone), "merged" where nothing is recorded; a
+    CPU keeps retrieval."""
+    from ragspec import loading
+    from ragspec.backend.cuda.drafting import record_drafting, recorded_drafting
+
+    monkeypatch.setenv("RAGSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert loading.resolve_drafting("auto", torch.device("cuda")) == "merged"
+    measured = {"auto": {"tok_s": 300.0}, "retrieval": {"tok_s": 340.0}}
+    record_drafting("NVIDIA H100 80GB HBM3", "retrieval", measured, tmp_path)
+    assert recorded_drafting("NVIDIA H100 80GB HBM3", tmp_path) == "retrieval"
+    assert recorded_drafting("NVIDIA H200", tmp_path) is None
+    assert loading.resolve_drafting("auto", torch.device("cuda")) == "retrieval"
+    assert loading.resolve_drafting("merged", torch.device("cuda")) == "merged"
+    assert loading.resolve_drafting("auto", torch.device("cpu")) == "retrieval"
+    with pytest.raises(ConfigError):
+        record_drafting("x", "fastest", measured, tmp_path)
+    (tmp_path / "calibration" / "cuda-drafting.json").write_text("{not json")
+    assert recorded_drafting("NVIDIA H100 80GB HBM3", tmp_path) is None  # a damaged record: ignored

@@ -203,3 +203,96 @@ def test_gemma3_local_and_global_layers_close_to_the_transformers_backend(numeri
             (one,) = ours.verify([VerifyItem(s, token, DraftTree.empty())])
             assert torch.equal(one.logits[0], tree_out.logits[row]), f"tree row {row}"
             ours.commit(s, ours.state_length(s) - 1, [])
+
+
+def test_verify_one_and_the_in_step_argmax_agree_with_verify(model):
+    """API parity: ``verify_one`` (what the GPU tests and the check call) is one item of
+    ``verify``; the argmax the step computes on the device is the logits' argmax."""
+    t = load_cuda_target(model, numerics="exact", context=64, max_slots=2)
+    a, b = t.new_state(), t.new_state()
+    t.prefill(a, PROMPT_A)
+    t.prefill(b, PROMPT_A)
+    one = t.verify_one(a, 4, TREE, return_hidden=True)
+    (many,) = t.verify([VerifyItem(b, 4, TREE, hidden=True)])
+    assert torch.equal(one.logits, many.logits) and torch.equal(one.hidden, many.hidden)
+    rows = one.row_logits
+    assert rows is not None and len(rows) == 5 and rows.rows_computed == 5
+    assert [rows.argmax(i) for i in range(5)] == one.logits.argmax(-1).tolist()
+    assert rows.full() is one.logits
+
+
+def _graphed(model, buckets):
+    t = load_cuda_target(model, numerics="exact", context=64, max_slots=4, capture=False)
+    t._runner = GraphRunner(
+        t._step, scratch_slot=t.pool.scratch_slot, device="cpu", buckets=buckets, capture=lambda run: run
+    )
+    return t
+
+
+@pytest.mark.slow
+def test_more_rows_than_the_largest_bucket_run_as_several_graphed_steps(model):
+    """A prefill longer than the largest bucket runs in pieces and a verification of more
+    rows in groups of requests, each piece a graph replay: the same logits as one eager
+    step (rows are independent)."""
+    eager = load_cuda_target(model, numerics="exact", context=64, max_slots=4)
+    graphed = _graphed(model, (2, 8))
+    prompt = PROMPT_A + PROMPT_B + [3, 4]  # 17 tokens: pieces of 8, 8 and 1
+    outs = []
+    for t in (eager, graphed):
+        s1, s2 = t.new_state(), t.new_state()
+        first = t.prefill(s1, prompt, return_hidden=True)
+        t.prefill(s2, PROMPT_B)
+        tree = make_tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 2, 3, 1])
+        v = t.verify([VerifyItem(s1, 4, tree), VerifyItem(s2, 2, DraftTree.chain([3, 4, 5]))])  # 7 + 4 rows
+        outs.append((first.logits, first.hidden, v[0].logits, v[1].logits))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert graphed.eager_steps == 0 and graphed.graph_steps == 3 + 1 + 2
+    assert graphed.capability(Capability.STEP_COUNTS).graph_steps == 6
+
+
+def test_step_report_counts_graph_and_eager_steps(model):
+    tok = make_char_tokenizer()
+    t = _graphed(model, (1, 2, 4))
+    engine = Engine(t, tok, eos_token_ids=[])
+    req = engine.start("abcdefg", chat=False, decode=DecodeConfig(max_new_tokens=3))
+    engine.step([req])  # the prefill: 7 rows, more than the largest bucket: pieces of 4 and 3
+    assert (engine.last_step.graph_steps, engine.last_step.eager_steps) == (2, 0)
+    engine.step([req])
+    assert (engine.last_step.graph_steps, engine.last_step.eager_steps) == (1, 0)
+
+
+def test_a_target_made_under_inference_mode_steps_outside_it(model):
+    """Regression ("Inplace update to inference tensor outside InferenceMode"): a target
+    built under ``torch.inference_mode()`` kept its KV pool as inference tensors, and a
+    step outside inference mode failed writing into it."""
+    with torch.inference_mode():
+        t = load_cuda_target(model, numerics="fast", context=32, max_slots=1)
+    s = t.new_state()
+    t.prefill(s, PROMPT_B)  # outside inference mode
+    (out,) = t.verify([VerifyItem(s, 3, DraftTree.empty())])
+    assert out.logits.shape == (1, 96)
+
+
+def test_processed_rows_on_the_cuda_target_speculative_equals_plain(model):
+    """Regression (the CUDA target's in-step rows lacked ``LazyLogits.row``, which the
+    per-row processors read): with a frequency penalty, a logit bias and logprobs, drafts on
+    equal drafts off token for token and logprob for logprob in exact numerics."""
+    tok = make_char_tokenizer()
+    target = load_cuda_target(model, numerics="exact", context=96, max_slots=4)
+    prompt = "the cat sat"
+    ids = tuple(tok(prompt)["input_ids"])
+    ask = dict(chat=False, max_new_tokens=6, frequency_penalty=1.5, logit_bias={7: -100.0}, logprobs=True)
+    plain = Engine(target, tok, eos_token_ids=[]).generate(prompt, speculative=False, **ask)
+    assert 7 not in plain.token_ids and len(plain.logprobs) == 6
+    spec_engine = Engine(
+        target,
+        tok,
+        drafter=_PerPromptBranching({ids: plain.token_ids}, target.vocab_size),
+        policy=PolicyConfig(adaptive=False),
+        eos_token_ids=[],
+    )
+    spec = spec_engine.generate(prompt, **ask)
+    assert spec.token_ids == plain.token_ids
+    assert [e.logprob for e in spec.logprobs] == [e.logprob for e in plain.logprobs]
+    assert spec.stats.num_accepted_tokens > 0

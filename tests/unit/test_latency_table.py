@@ -122,3 +122,23 @@ def test_a_batch_is_timed_as_one_forward_over_its_requests(clock):
     assert table.full[512][4] == pytest.approx(3 * 1e-3 * 1.5 * 1.5)
     with pytest.raises(ValueError, match="batch"):
         measure_latency(target, qs=(1,), batch=0)
+
+
+def test_trees_are_timed_beside_chains_and_the_slower_kept(clock):
+    """On CUDA (or ``trees=True``) each q is also verified as a branching tree: the GPU
+    draft policy picks wide trees from this table, so it must see what they cost."""
+
+    class TreeCostlier(FakeTarget):
+        def verify(self, items):
+            for it in items:
+                if it.tree.num_nodes and not it.tree.is_chain:
+                    self.clock.now += 1e-3  # a tree's rows cost a millisecond more
+            return super().verify(items)
+
+    target = TreeCostlier(clock)
+    table = measure_latency(target, qs=(1, 8), early=False, trees=True)
+    assert len(target.calls) == 4 * 2 * 2  # a warm-up and three timed rounds of 2 q x (chain, tree)
+    assert table.full[512][8] == pytest.approx(1e-3 * 2 * 1.5 + 1e-3)  # the tree's time
+    assert table.full[512][1] == pytest.approx(1e-3 * (1 + 1 / 8) * 1.5)  # q = 1: no draft either way
+    chain_only = measure_latency(FakeTarget(clock), qs=(1, 8), early=False)  # CPU default: chains only
+    assert chain_only.full[512][8] == pytest.approx(1e-3 * 2 * 1.5)

@@ -8,7 +8,14 @@ from ragspec import Engine, PolicyConfig
 from ragspec.backend.cpu.target import CPUTarget
 from ragspec.backend.hf import HFTarget
 from ragspec.policy import LatencyModel
-from ragspec.tree import merge_trees, path_to_node, tree_attention_mask, tree_from_candidates, tree_position_ids
+from ragspec.tree import (
+    interleaved_tree,
+    merge_trees,
+    path_to_node,
+    tree_attention_mask,
+    tree_from_candidates,
+    tree_position_ids,
+)
 from ragspec.types import DraftTree
 from ragspec.verify import verify_greedy
 from ragspec_testing import greedy_reference, make_tiny_llama
@@ -193,3 +200,13 @@ def test_packed_output_layer_matches_plain_linear(char_tokenizer):
             outs.append(target.verify_one(s, prompt[-1], chain).logits)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_interleaved_tree_builds_branches_below_the_root():
+    # 7 tokens, 3 branches: nodes 0-2 below the root, each later node below the one 3 before
+    t = interleaved_tree([11, 12, 13, 14, 15, 16, 17], 3)
+    assert t.parents.tolist() == [-1, -1, -1, 0, 1, 2, 3]
+    assert t.depth.tolist() == [0, 0, 0, 1, 1, 1, 2] and not t.is_chain
+    assert t.tokens.tolist() == [11, 12, 13, 14, 15, 16, 17]
+    assert interleaved_tree([5, 6, 7], 1).is_chain
+    assert interleaved_tree([], 4).num_nodes == 0

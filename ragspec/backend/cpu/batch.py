@@ -103,7 +103,7 @@ def batch_outputs(
         h = hidden[a:b]  # [N+1, H]
         if it.lazy_logits:
             row_logits = RowLogits(logits, h)
-            row_logits.know(0, int(computed[at].argmax()))
+            row_logits.know(0, int(computed[at].argmax()), computed[at])
             at += 1
             outs.append(ForwardOutput(None, h if it.hidden else None, row_logits))
         else:

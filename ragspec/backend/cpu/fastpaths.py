@@ -113,7 +113,7 @@ def skinny_linear(
     weight, a contiguous weight, at most ``SKINNY_MAX_ROWS`` rows, or any number of rows
     with ``chunked``: then in calls of at most ``SKINNY_MAX_ROWS`` rows); None elsewhere,
     for the caller's other path. ``gguf``: the same weight in GGUF blocks
-    (:meth:`~ragspec.backend.cpu.target.CPUTarget.use_gguf_weights`), used instead of ``weight`` where the kernel
+    (:func:`~ragspec.backend.cpu.build.read_gguf_blocks`), used instead of ``weight`` where the kernel
     applies (bit-identical output, fewer bytes streamed).
 
     The kernel computes every output row from its input row alone, in the same order of

@@ -1,13 +1,19 @@
 """The CUDA backend: every request's draft tree verified in one forward per engine step.
 
-* :mod:`~ragspec.backend.cuda.kernels`: row-invariant Triton kernels (linear, RMSNorm,
-  gated activations, tree attention) and their torch references;
+* :mod:`~ragspec.backend.cuda.kernels`: row-invariant Triton kernels (linear with the gated
+  activation in its epilogue, residual add + RMSNorm, rotary + KV write, output layer,
+  argmax) and their torch references;
+* :mod:`~ragspec.backend.cuda.attention`: chunked exact tree attention;
+* :mod:`~ragspec.backend.cuda.launch`: compiled on CUDA, Triton's interpreter on CPU;
 * :mod:`~ragspec.backend.cuda.kv_pool`: the static, position-indexed KV pool (slots);
 * :mod:`~ragspec.backend.cuda.batch`: flat-batch packing of every request's rows;
 * :mod:`~ragspec.backend.cuda.graphs`: the step as CUDA graphs over row-count buckets;
 * :mod:`~ragspec.backend.cuda.weights`: the decoder's weights read from transformers;
 * :mod:`~ragspec.backend.cuda.target`: :class:`CudaTarget`, the ``Target``;
-* :mod:`~ragspec.backend.cuda.drafting`: GPU-sized draft budgets from its latency table.
+* :mod:`~ragspec.backend.cuda.drafting`: GPU-sized draft budgets from its latency table, and
+  the drafting measured faster per GPU;
+* :mod:`~ragspec.backend.cuda.shapes`: the default model's shapes without its weights (for
+  counting and compiling the step without a GPU).
 
 Imports torch (and triton, transformers where present) only: it loads on a CPU machine
 without CUDA, and the modules import none of the server or datastore dependencies.
@@ -43,6 +49,7 @@ def load_cuda_target(
     context: Optional[int] = None,
     graphs: Optional[bool] = None,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
+    capture: bool = True,
 ) -> CudaTarget:
     """The CUDA backend's target over a loaded transformers Llama / Gemma-3 text model.
 
@@ -55,10 +62,15 @@ def load_cuda_target(
         context: positions per request (default: the model's, at most 4096).
         graphs: CUDA graphs (default: on CUDA).
         buckets: the graphs' row counts.
+        capture: capture every bucket's graph now (compiles the kernels: seconds on the
+            first load of a machine, Triton caches them); off: each bucket on first use.
 
     Raises:
         ConfigError: unknown numerics, or a model the backend cannot run (the reason named).
         MissingDependencyError: triton missing.
         CapacityError: later, from ``new_state`` when every slot is in use.
     """
-    return CudaTarget(model, numerics=numerics, max_slots=max_slots, context=context, graphs=graphs, buckets=buckets)
+    target = CudaTarget(model, numerics=numerics, max_slots=max_slots, context=context, graphs=graphs, buckets=buckets)
+    if capture:
+        target.capture_graphs()
+    return target

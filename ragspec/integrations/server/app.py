@@ -2,7 +2,7 @@
 
 :func:`create_app` builds the FastAPI app: the middleware (:mod:`.middleware`), the error
 handlers (:mod:`.errors`), the routers of each API surface (:mod:`.openai`,
-:mod:`.summarize`, :mod:`.datastores`, :mod:`.ops`) and the request bodies in the OpenAPI schema
+:mod:`.summarize`, :mod:`.datastores`, :mod:`.ops`, :mod:`.tokens`) and the request bodies in the OpenAPI schema
 (:mod:`.openapi`). Its lifespan loads what is served (:mod:`ragspec.serving`: one engine
 with every named datastore and the response cache; tests pass a ready engine), starts the
 worker (:class:`..stepper.Stepper`) and the prepare pool, and puts them on ``app.state``
@@ -41,7 +41,7 @@ from ragspec.types import StreamChunk
 from ..metrics import ServerMetrics
 from ..settings import ServerSettings
 from ..stepper import Job, Stepper
-from . import datastores, openai, ops, summarize
+from . import datastores, openai, ops, summarize, tokens
 from .admission import Admission
 from .errors import install_error_handlers
 from .middleware import CountRequests, RequireApiKey
@@ -293,4 +293,5 @@ def create_app(
     if settings.docs:
         document_bodies(app)
     app.include_router(ops.router)
+    app.include_router(tokens.router)
     return app

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ragspec.errors import (
     CapacityError,
     DatastoreNotFoundError,
+    InvalidParameterError,
     IsolationError,
     PromptTooLongError,
     RagspecError,
@@ -75,6 +76,8 @@ def api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
         return exc
     if isinstance(exc, UnsupportedParameterError):
         return APIError(400, str(exc), param=exc.param, code="unsupported_parameter")
+    if isinstance(exc, InvalidParameterError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_parameter")
     if isinstance(exc, DatastoreNotFoundError):
         return APIError(400, str(exc), param="datastore", code="datastore_not_found")
     if isinstance(exc, IsolationError):

@@ -13,7 +13,10 @@ the worker:
 3. the prompt is prepared in the same pool (:mod:`.prepare`: sizes checked, then
    tokenized);
 4. the job goes to the worker (:class:`..stepper.Stepper`) with token ids and its
-   :class:`~ragspec.params.RequestParams` only: ``engine.start(prepared, params)``.
+   :class:`~ragspec.params.RequestParams` only: ``engine.start(prepared, params)``; a
+   request of ``n`` choices is ``n`` jobs submitted together, made by one
+   ``engine.start_choices(prepared, params)`` (they share one prefill), their items on one
+   queue tagged with the choice's index.
 
 A client that disconnects cancels its request at any stage: the disconnect watcher
 (:func:`.middleware.watch_disconnect`) sees ``http.disconnect`` as it happens; a request
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
@@ -32,13 +36,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from ragspec.engine import Request as EngineRequest
 from ragspec.errors import CapacityError
 from ragspec.params import RequestParams
 from ragspec.prompts import PreparedPrompt
 from ragspec.types import StreamChunk
 
-from ..stepper import CHUNK, ERROR, GONE, AsyncOutbox, Job, Ticket
+from ..stepper import CHUNK, ERROR, GONE, READY, Job, Ticket, choice_makers
 from .admission import cache_salt
 from .errors import ClientGone, api_error
 from .middleware import read_body, watch_disconnect
@@ -49,6 +52,17 @@ __all__ = ["Generation"]
 
 Body = TypeVar("Body", bound=BaseModel)
 T = TypeVar("T")
+
+
+class _ChoiceOutbox:
+    """The outbox of choice ``index`` of a generation: its items go to the generation's
+    one queue as ``(index, item)``, from the worker thread through the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: "asyncio.Queue[Any]", index: int) -> None:
+        self.loop, self.queue, self.index = loop, queue, index
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
 
 class Generation:
@@ -76,7 +90,10 @@ class Generation:
         self._scheduler = state.scheduler
         self.t0 = time.perf_counter()
         self.first_token_s: Optional[float] = None
-        self.job: Optional[Job] = None
+        self.jobs: list[Job] = []
+        """One job per choice (``n``), in choice order."""
+        self._items: asyncio.Queue[tuple[int, tuple[str, Any]]] = asyncio.Queue()
+        self._finished: set[int] = set()  # choices whose final chunk (or error) was read
         self.gone = asyncio.Event()
         self._cancel = threading.Event()  # seen by the preparation thread
         self._watcher: Optional[asyncio.Task] = None
@@ -120,28 +137,46 @@ class Generation:
             ClientGone: the client left.
         """
         prepared: PreparedPrompt = await self._off_loop(prepare, self._cancel)
-        engine = self.engine
-
-        def make_request() -> EngineRequest:
-            return engine.start(prepared, params)
-
-        self.job = self._scheduler.submit(make_request, AsyncOutbox(), ticket=self._ticket)
-        kind, value = await self._next()
-        if kind == ERROR:
-            self._done = True
-            raise api_error(value, self.settings.retry_after_s)
+        loop, index = asyncio.get_running_loop(), itertools.count()
+        try:
+            self.jobs = self._scheduler.submit_many(
+                choice_makers(self.engine, prepared, params),
+                lambda: _ChoiceOutbox(loop, self._items, next(index)),
+                ticket=self._ticket,
+            )
+        except CapacityError as e:
+            self.metrics.rejected.inc()
+            raise api_error(e, self.settings.retry_after_s) from None
+        ready = 0
+        while ready < len(self.jobs):
+            _, (kind, value) = await self._next()
+            if kind == ERROR:
+                self._done = len(self.jobs) == 1
+                raise api_error(value, self.settings.retry_after_s)
+            ready += kind == READY
 
     async def chunks(self) -> AsyncIterator[StreamChunk]:
-        """The chunks up to the final one.
+        """The chunks up to the final one (of a request of one choice).
 
         Raises:
             APIError: the generation failed.
             ClientGone: the client left.
         """
-        while True:
-            kind, value = await self._next()
+        async for _, chunk in self.choice_chunks():
+            yield chunk
+
+    async def choice_chunks(self) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """``(choice index, chunk)`` as the choices' chunks arrive, up to every choice's
+        final one.
+
+        Raises:
+            APIError: a choice failed.
+            ClientGone: the client left.
+        """
+        while len(self._finished) < len(self.jobs):
+            index, (kind, value) = await self._next()
             if kind == ERROR:
-                self._done = True
+                self._done = len(self.jobs) == 1  # other choices still running are cancelled by close()
                 raise api_error(value, self.settings.retry_after_s)
             if kind != CHUNK:
                 continue
@@ -150,10 +185,9 @@ class Generation:
                 self.first_token_s = time.perf_counter() - self.t0
                 self.metrics.ttft.labels(endpoint=self.endpoint).observe(self.first_token_s)
             if chunk.finish_reason is not None:
-                self._done = True
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+                self._finished.add(index)
+                self._done = len(self._finished) == len(self.jobs)
+            yield index, chunk
 
     def finished(self) -> None:
         """Record the request's latency (after its last chunk)."""
@@ -169,6 +203,14 @@ class Generation:
         self.finished()
         return "".join(parts), last
 
+    async def collect_choices(self) -> list[list[StreamChunk]]:
+        """Every choice's chunks, in choice order (the last of each is its final one)."""
+        out: list[list[StreamChunk]] = [[] for _ in self.jobs]
+        async for index, chunk in self.choice_chunks():
+            out[index].append(chunk)
+        self.finished()
+        return out
+
     def close(self) -> None:
         """Stop watching, free the reserved place, cancel an unfinished job (idempotent)."""
         if self._closed:
@@ -178,9 +220,10 @@ class Generation:
             self._watcher.cancel()
         if self._ticket is not None:
             self._ticket.release()  # no-op once the job took it
-        if self.job is not None:
+        if self.jobs:
             if not self._done:
-                self.job.cancel()
+                for job in self.jobs:
+                    job.cancel()
         elif self.gone.is_set():
             self.metrics.cancelled.inc()  # left before its job existed
 
@@ -197,9 +240,10 @@ class Generation:
     def _client_left(self) -> None:
         self.gone.set()
         self._cancel.set()
-        if self.job is not None and not self._done:
-            self.job.cancel()  # the worker drops it before its next step
-            self.job.outbox.queue.put_nowait((GONE, None))  # wakes the handler now
+        if self.jobs and not self._done:
+            for job in self.jobs:
+                job.cancel()  # the worker drops it before its next step
+            self._items.put_nowait((-1, (GONE, None)))  # wakes the handler now
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the prepare pool; raise :class:`ClientGone` as soon as the
@@ -218,9 +262,9 @@ class Generation:
             raise ClientGone()
         return fut.result()
 
-    async def _next(self) -> tuple[str, Any]:
-        assert self.job is not None, "no job submitted yet"
-        kind, value = await self.job.next_item()
+    async def _next(self) -> tuple[int, tuple[str, Any]]:
+        assert self.jobs, "no job submitted yet"
+        index, (kind, value) = await self._items.get()
         if kind == GONE:
             raise ClientGone()
-        return kind, value
+        return index, (kind, value)

@@ -28,6 +28,7 @@ __all__ = [
     "ENDPOINTS",
     "endpoint_label",
     "DOC_PATHS",
+    "TOKEN_PATHS",
     "is_json",
     "read_body",
     "watch_disconnect",
@@ -35,6 +36,9 @@ __all__ = [
 
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """The API docs' paths: behind the API key when one is set."""
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""The tokenizer's endpoints (vLLM's and llama-server's paths, at the root): behind the
+API key when one is set."""
 ENDPOINTS = (
     "/v1/summarize",
     "/v1/completions",
@@ -42,6 +46,8 @@ ENDPOINTS = (
     "/v1/models",
     "/v1/datastores",
     "/v1/datastores/{name}/documents",
+    "/tokenize",
+    "/detokenize",
     "/metrics",
     "/health",
     "/ready",
@@ -89,8 +95,8 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """ASGI middleware: ``/v1/*`` requests, the API docs (``/docs``, ``/redoc``,
-    ``/openapi.json``) and, unless ``public_metrics``, ``/metrics`` (every tenant's traffic)
+    """ASGI middleware: ``/v1/*`` requests, ``/tokenize`` and ``/detokenize``, the API docs
+    (``/docs``, ``/redoc``, ``/openapi.json``) and, unless ``public_metrics``, ``/metrics`` (every tenant's traffic)
     need ``Authorization: Bearer <key>`` with one of the keys (``api_key``: one, or a
     sequence), checked before anything else (body reading included), as vLLM does;
     ``/health`` and ``/ready`` stay open."""
@@ -102,7 +108,9 @@ class RequireApiKey:
 
     def _guarded(self, path: str) -> bool:
         bare = path.rstrip("/")
-        return (path + "/").startswith("/v1/") or bare in DOC_PATHS or (bare == "/metrics" and not self.public_metrics)
+        if (path + "/").startswith("/v1/") or bare in DOC_PATHS or bare in TOKEN_PATHS:
+            return True
+        return bare == "/metrics" and not self.public_metrics
 
     def _valid(self, token: bytes) -> bool:
         # every key compared (no early exit): the time does not tell which key came close

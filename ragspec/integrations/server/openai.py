@@ -6,25 +6,40 @@ Each handler is a module-level function on :data:`router` (mounted under ``/v1``
 checks the model and the datastore it names, builds its
 :class:`~ragspec.params.RequestParams` (:func:`.prepare.request_params`), prepares its token
 ids off the event loop (:mod:`.prepare`), and answers from the chunks the worker's
-``Engine.step`` produces.
+``Engine.step`` produces: ``n`` choices (``choices[i]``, streamed as they come), each with
+its ``logprobs`` where asked (:mod:`.logprobs`), the ``usage`` of all of them (the prompt
+once), and the request's drafting statistics under ``metrics.speculative_decoding``
+(vLLM's per-request names). With ``smooth_streaming`` (or the server's
+``--smooth-streaming``) a step's run of accepted tokens is sent one token per event.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from ragspec.types import StreamChunk
+from ragspec.params import RequestParams
+from ragspec.types import GenerationStats, StreamChunk
 
+from ..logprobs import TokenTexts, chat_logprobs, completion_logprobs, shown_entries
 from ..schemas import ChatCompletionRequest, CompletionRequest
 from .errors import APIError
 from .generation import Generation
 from .prepare import prepare_chat, prepare_completion, request_params
-from .responses import collect_and_close, finish_reason, stats_dict, stream_events, usage
+from .responses import (
+    collect_choices_and_close,
+    finish_reason,
+    merge_stats,
+    metrics,
+    per_token,
+    stats_dict,
+    stream_choice_events,
+    usage,
+)
 from .state import ServerState, check_datastore, check_model, server_state
 
 __all__ = ["router", "models", "completions", "chat_completions", "COMPLETIONS_DEFAULT_MAX_TOKENS"]
@@ -35,10 +50,6 @@ router = APIRouter()
 """The OpenAI endpoints, without the ``/v1`` prefix (the app adds it)."""
 
 State = Annotated[ServerState, Depends(server_state)]
-
-
-def _include_usage(body: Union[CompletionRequest, ChatCompletionRequest]) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 @router.get("/models")
@@ -60,6 +71,73 @@ async def models(state: State) -> dict:
     }
 
 
+class _Answer:
+    """What one response needs to turn a request's chunks into OpenAI's choices: its
+    parameters, the token texts of its logprobs, each choice's running state (stats, text
+    length so far) while streaming."""
+
+    def __init__(
+        self, state: ServerState, params: RequestParams, body: Union[CompletionRequest, ChatCompletionRequest]
+    ):
+        self.params = params
+        self.eos = state.engine.eos_token_ids
+        # token texts of the log-probabilities (the tokenizer only touched where asked)
+        self.texts = TokenTexts(state.engine.tokenizer) if params.logprobs else None
+        self.smooth = state.settings.smooth_streaming if body.smooth_streaming is None else body.smooth_streaming
+        self.with_usage = bool(body.stream_options and body.stream_options.include_usage)
+        policy = state.engine.policy.max_draft_tokens
+        cap = params.max_draft_tokens
+        self.draft_tokens = (policy if cap is None else min(policy, cap)) if params.drafts else 0
+        self.stats: list[Optional[GenerationStats]] = [None] * params.n
+        self.offsets = [0] * params.n  # completions: characters of each choice's text sent so far
+
+    def parts(self, chunk: StreamChunk) -> list[StreamChunk]:
+        """The chunk as its events' chunks (one per token with smooth streaming)."""
+        return per_token(chunk) if self.smooth else [chunk]
+
+    def finished(self, index: int, chunk: StreamChunk) -> bool:
+        """Record a choice's final chunk; True once every choice has finished."""
+        self.stats[index] = chunk.stats
+        return chunk.finish_reason is not None and all(s is not None for s in self.stats)
+
+    def merged(self) -> Optional[GenerationStats]:
+        return merge_stats(self.stats)
+
+    def chat_logprobs(self, chunks: list[StreamChunk]) -> Optional[dict]:
+        if self.texts is None:
+            return None
+        return chat_logprobs([e for c in chunks for e in shown_entries(c, self.eos)], self.texts)
+
+    def completion_logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict]:
+        if self.texts is None:
+            return None
+        entries = [e for c in chunks for e in shown_entries(c, self.eos)]
+        out = completion_logprobs(entries, self.texts, [t for c in chunks for t in c.token_texts], self.offsets[index])
+        self.offsets[index] += sum(len(c.text) for c in chunks)
+        return out
+
+    def whole(self, envelope: Callable[..., dict], choices: list[dict], chunks: list[list[StreamChunk]]) -> dict:
+        """The non-streamed response: ``choices`` with the usage, stats and metrics of all."""
+        for i, cs in enumerate(chunks):
+            self.stats[i] = cs[-1].stats if cs else None
+        stats = self.merged()
+        out = envelope(choices, usage(stats))
+        out["stats"] = stats_dict(stats)
+        out["metrics"] = metrics(stats, self.draft_tokens)
+        return out
+
+    def closing(self, envelope: Callable[..., dict], last: dict) -> list[dict]:
+        """The events after every choice finished: ``metrics`` on the usage chunk (when
+        asked for), else on ``last``, the final choice's last event."""
+        stats = self.merged()
+        if not self.with_usage:
+            last["metrics"] = metrics(stats, self.draft_tokens)
+            return []
+        tail = envelope([], usage(stats))
+        tail["metrics"] = metrics(stats, self.draft_tokens)
+        return [tail]
+
+
 # ---------------------------------------------------------------------- /v1/completions
 def _completion_prompt(prompt: Union[str, list[str], list[int]]) -> Union[str, list[int]]:
     """One prompt: a text, or token ids.
@@ -78,8 +156,8 @@ def _completion_prompt(prompt: Union[str, list[str], list[int]]) -> Union[str, l
 
 @router.post("/completions", response_model=None)
 async def completions(request: Request, state: State) -> Union[dict, StreamingResponse]:
-    """OpenAI's completions: one prompt (text or token ids), its continuation whole, or
-    `text_completion` server-sent events with `stream` (`[DONE]` last)."""
+    """OpenAI's completions: one prompt (text or token ids), its `n` continuations whole,
+    or `text_completion` server-sent events with `stream` (`[DONE]` last)."""
     gen = Generation(request, state, "/v1/completions")
     with gen.closing_on_error():
         body = await gen.read(CompletionRequest)
@@ -90,6 +168,7 @@ async def completions(request: Request, state: State) -> Union[dict, StreamingRe
         engine, limits = state.engine, gen.limits
         await gen.start(lambda cancel: prepare_completion(engine, prompt, params, limits, cancel), params)
     rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    answer = _Answer(state, params, body)
 
     def envelope(choices: list[dict], usage_: Optional[dict] = None) -> dict[str, Any]:
         out = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices}
@@ -97,35 +176,33 @@ async def completions(request: Request, state: State) -> Union[dict, StreamingRe
             out["usage"] = usage_
         return out
 
-    if not body.stream:
-        text, last = await collect_and_close(gen)
-        stats = last.stats if last else None
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason(last.finish_reason if last else "stop"),
+    def choice(index: int, chunks: list[StreamChunk], reason: Optional[str]) -> dict:
+        return {
+            "index": index,
+            "text": "".join(c.text for c in chunks),
+            "logprobs": answer.completion_logprobs(index, chunks),
+            "finish_reason": finish_reason(reason),
         }
-        out = envelope([choice], usage(stats))
-        out["stats"] = stats_dict(stats)
-        return out
-    with_usage = _include_usage(body)
 
-    def events(chunk: StreamChunk) -> list[dict]:
-        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish_reason(chunk.finish_reason)}
-        out = [envelope([choice], None)]
-        if chunk.finish_reason is not None and with_usage:
-            out.append(envelope([], usage(chunk.stats)))
+    if not body.stream:
+        chunks = await collect_choices_and_close(gen)
+        choices = [choice(i, cs, cs[-1].finish_reason if cs else "stop") for i, cs in enumerate(chunks)]
+        return answer.whole(envelope, choices, chunks)
+
+    def events(index: int, chunk: StreamChunk) -> list[dict]:
+        out = [envelope([choice(index, [part], part.finish_reason)]) for part in answer.parts(chunk)]
+        if chunk.finish_reason is not None and answer.finished(index, chunk):
+            out += answer.closing(envelope, out[-1])
         return out
 
-    return stream_events(gen, events)
+    return stream_choice_events(gen, events)
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(request: Request, state: State) -> Union[dict, StreamingResponse]:
-    """OpenAI's chat completions through the model's chat template: the reply whole, or
-    `chat.completion.chunk` server-sent events with `stream` (`[DONE]` last)."""
+    """OpenAI's chat completions through the model's chat template: the `n` replies whole,
+    or `chat.completion.chunk` server-sent events with `stream` (`[DONE]` last)."""
     gen = Generation(request, state, "/v1/chat/completions")
     with gen.closing_on_error():
         body = await gen.read(ChatCompletionRequest)
@@ -143,34 +220,44 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
         engine, limits = state.engine, gen.limits
         await gen.start(lambda cancel: prepare_chat(engine, messages, params, limits, cancel), params)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    answer = _Answer(state, params, body)
 
-    def envelope(obj: str, choices: list[dict], usage_: Optional[dict] = None) -> dict[str, Any]:
+    def envelope(choices: list[dict], usage_: Optional[dict] = None, obj: str = "chat.completion.chunk") -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": name, "choices": choices}
         if usage_ is not None:
             out["usage"] = usage_
         return out
 
     if not body.stream:
-        text, last = await collect_and_close(gen)
-        stats = last.stats if last else None
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason(last.finish_reason if last else "stop"),
-        }
-        out = envelope("chat.completion", [choice], usage(stats))
-        out["stats"] = stats_dict(stats)
-        return out
-    with_usage = _include_usage(body)
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        chunks = await collect_choices_and_close(gen)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(c.text for c in cs)},
+                "logprobs": answer.chat_logprobs(cs),
+                "finish_reason": finish_reason(cs[-1].finish_reason if cs else "stop"),
+            }
+            for i, cs in enumerate(chunks)
+        ]
+        return answer.whole(lambda c, u: envelope(c, u, "chat.completion"), choices, chunks)
+    first = [
+        envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        for i in range(params.n)
+    ]
 
-    def events(chunk: StreamChunk) -> list[dict]:
-        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(chunk.finish_reason)}
-        out = [envelope("chat.completion.chunk", [choice])]
-        if chunk.finish_reason is not None and with_usage:
-            out.append(envelope("chat.completion.chunk", [], usage(chunk.stats)))
+    def events(index: int, chunk: StreamChunk) -> list[dict]:
+        out = []
+        for part in answer.parts(chunk):
+            delta = {"content": part.text} if part.text or part.finish_reason is None else {}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": answer.chat_logprobs([part]),
+                "finish_reason": finish_reason(part.finish_reason),
+            }
+            out.append(envelope([choice]))
+        if chunk.finish_reason is not None and answer.finished(index, chunk):
+            out += answer.closing(envelope, out[-1])
         return out
 
-    return stream_events(gen, events, first=[envelope("chat.completion.chunk", [first])])
+    return stream_choice_events(gen, events, first=first)

@@ -9,7 +9,14 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ..schemas import AddDocumentsRequest, ChatCompletionRequest, CompletionRequest, SummarizeRequest
+from ..schemas import (
+    AddDocumentsRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SummarizeRequest,
+    TokenizeRequest,
+)
 
 __all__ = ["BODIES", "document_bodies"]
 
@@ -18,6 +25,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/summarize": SummarizeRequest,
     "/v1/datastores/{name}/documents": AddDocumentsRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 """The body of each POST endpoint."""
 

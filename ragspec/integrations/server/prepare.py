@@ -13,7 +13,7 @@ client leaves) and stops before tokenizing once it is set.
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from ragspec.engine import Engine
 from ragspec.errors import ConfigError, PromptTooLongError
@@ -70,12 +70,29 @@ def _logit_bias(value: Optional[Mapping[str, float]]) -> Optional[dict[int, floa
 
 def _logprobs(body: AnyBody) -> tuple[bool, int]:
     """``(logprobs, top_logprobs)`` of a body: chat's boolean and ``top_logprobs``, or
-    completions' count of top log-probabilities (0: none)."""
+    completions' count of top log-probabilities (0: the chosen token's only)."""
     value = getattr(body, "logprobs", None)
     top = getattr(body, "top_logprobs", None) or 0
     if isinstance(value, bool) or value is None:
         return bool(value), top
-    return value > 0, max(top, value)
+    return True, value
+
+
+def _check_choices(n: int, max_tokens: int, settings: ServerSettings) -> None:
+    """``n`` within the server's limits (``max_n``, ``max_choice_tokens``).
+
+    Raises:
+        APIError: 400 naming ``n``.
+    """
+    if n > settings.max_n:
+        raise APIError(400, f"n={n} is over this server's limit of {settings.max_n} (--max-n)", param="n")
+    if n > 1 and n * max_tokens > settings.max_choice_tokens:  # one choice: the context bounds it
+        raise APIError(
+            400,
+            f"n={n} choices of max_tokens={max_tokens} ask for {n * max_tokens} tokens, over this server's limit of "
+            f"{settings.max_choice_tokens} (--max-choice-tokens)",
+            param="n",
+        )
 
 
 def request_params(
@@ -87,15 +104,19 @@ def request_params(
     (:func:`prepare_summary`), not grounding of another prompt.
 
     Raises:
-        APIError: 400 for an OpenAI parameter ragspec does not support.
-        ConfigError: a value out of range; UnsupportedParameterError (400 with its
-            ``param``): a field the engine does not implement yet.
+        APIError: 400 for an OpenAI parameter ragspec does not support, or ``n`` over the
+            server's limits.
+        ConfigError: a value out of range (InvalidParameterError: 400 with its ``param``);
+            UnsupportedParameterError (400 with its ``param``): a field the engine does not
+            implement yet.
     """
     bad = unsupported(body)
     if bad is not None:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max_tokens
     logprobs, top_logprobs = _logprobs(body)
+    n = getattr(body, "n", None) or 1
+    _check_choices(n, max_tokens, settings)
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.get("type") in (None, "text"):
         response_format = None  # free text, the default
@@ -111,14 +132,29 @@ def request_params(
         seed=body.seed,
         datastore=body.datastore,
         cache_salt=cache_salt,
-        n=getattr(body, "n", None) or 1,
+        response_format=response_format,
+        **_sampling_fields(body, n, logprobs, top_logprobs),
+    )
+
+
+def _sampling_fields(body: AnyBody, n: int, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
+    """The sampling parameters of an OpenAI body as ``RequestParams`` fields (a summary
+    body has none: the defaults)."""
+    fields: dict[str, Any] = dict(
+        n=n,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
         frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0,
+        repetition_penalty=getattr(body, "repetition_penalty", None) or 1.0,
+        min_tokens=getattr(body, "min_tokens", None) or 0,
+        min_p=getattr(body, "min_p", None) or 0.0,
         logit_bias=_logit_bias(getattr(body, "logit_bias", None)),
-        response_format=response_format,
     )
+    mode = getattr(body, "logprobs_mode", None)
+    if mode is not None:
+        fields["logprobs_mode"] = mode
+    return fields
 
 
 def _check_chars(n: int, limit: int, what: str, param: str, engine: Engine) -> None:
