@@ -136,9 +136,9 @@ def _cuda_engine(
     target=None,
     latency=None,
 ):
-    """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
-    drafter (``drafts=False``: plain decoding; ``drafting="retrieval"``: its retrieval part
-    alone, no head), its latency model measured on the CUDA step (q 1-64 with
+    """An engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
+    drafter (:func:`ragspec.loading.engine_on_target`; ``drafts=False``: plain decoding;
+    ``drafting="retrieval"``: its retrieval part alone, no head), its latency model measured on the CUDA step (q 1-64 with
     synchronisation on CUDA) unless ``calibrate`` is off, its draft budget ``budget``, or
     with ``budget`` 0 GPU-sized from that latency table
     (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes). ``target``: an existing
@@ -148,8 +148,7 @@ def _cuda_engine(
 
     from ragspec.backend.cuda import gpu_draft_policy, load_cuda_target
     from ragspec.calibrate import measure_latency_model
-    from ragspec.engine import Engine
-    from ragspec.loading import compose_drafter
+    from ragspec.loading import compose_drafter, engine_on_target
 
     if target is None:
         target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
@@ -165,8 +164,7 @@ def _cuda_engine(
     if drafts:
         print(f"# CUDA {numerics}: draft budget {policy.max_draft_tokens}, step rows {policy.max_step_rows}"
               + ("" if budget > 0 else " (from its latency table)"), flush=True)  # fmt: skip
-    return Engine(target, base.tokenizer, drafter=drafter, policy=policy, latency=latency,
-                  eos_token_ids=base.eos_token_ids, model_name=base.model_name, parts=base.parts)  # fmt: skip
+    return engine_on_target(base, target, drafter=drafter, policy=policy, latency=latency)
 
 
 def cmd_cuda_micro(args) -> int:

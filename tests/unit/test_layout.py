@@ -85,12 +85,19 @@ def test_every_package_folder_is_an_import_path():
     assert Path(ragspec.integrations.__file__).parent == PACKAGE / "integrations"
 
 
+def _scripts_and_examples():
+    """The repository's scripts and examples beside the package (none when it is installed)."""
+    for folder in ("scripts", "examples"):
+        for path in sorted((PACKAGE.parent / folder).glob("*.py")):
+            yield f"{folder}/{path.name}", ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
 def test_engine_is_built_only_by_the_loader():
-    """Front ends build engines through ragspec.loading: no module outside it calls
-    ``Engine(`` (nor, outside the backend, ``HFTarget(``) or sets an engine attribute
-    after construction."""
+    """Front ends, scripts and examples build engines through ragspec.loading: no module
+    outside it calls ``Engine(`` (nor, outside the backend, ``HFTarget(``) or sets an
+    engine attribute after construction."""
     offenders = []
-    for rel, tree in _modules():
+    for rel, tree in [*_modules(), *_scripts_and_examples()]:
         if rel in ("loading.py", "engine.py"):
             continue
         for node in ast.walk(tree):
