@@ -1,8 +1,7 @@
 """The ``ragspec`` command: its parser and :func:`main`, and the ``model``, ``generate`` and
 ``summarize`` commands; the other command groups register themselves from their modules
-(:mod:`.datastore`, :mod:`.eagle`; ``ragspec doctor`` from :mod:`ragspec.doctor`,
-``ragspec bench`` from :mod:`ragspec.bench.cli`, ``ragspec serve`` from
-:mod:`ragspec.integrations.cli`).
+(:mod:`.datastore`, :mod:`.eagle`, :mod:`.doctor`; ``ragspec bench`` from
+:mod:`ragspec.bench.cli`, ``ragspec serve`` from :mod:`ragspec.integrations.cli`).
 
 Every command prints a one-line error and exits with status 2 on bad input (a typed
 :class:`~ragspec.errors.RagspecError`), never a traceback; any other failure is one line
@@ -263,8 +262,8 @@ def cmd_model_info(args) -> int:
     if args.json:
         # the facts of `ragspec doctor` for this model: its backend with the speed-ups a
         # command would install (CPU only; elsewhere the bare backend, nothing compiled)
-        from ..doctor import kernel_report
         from ..loading import select_target
+        from .doctor import kernel_report
 
         on_cpu = next(model.parameters()).device.type == "cpu"
         target = select_target(model, gguf=spec.gguf_file, speed_ups=on_cpu)
@@ -422,9 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # the other command groups, each registered by its own module
     from ..bench.cli import add_bench_command
-    from ..doctor import add_doctor_command
     from ..integrations.cli import add_serve_command
     from .datastore import add_datastore_commands
+    from .doctor import add_doctor_command
     from .eagle import add_eagle_commands
 
     add_bench_command(sub)

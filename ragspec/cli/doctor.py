@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .backend.base import Capability
-from .config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS
+from ..backend.base import Capability
+from ..config import AUTO_DRAFTING, DRAFTING_MODES, NUMERICS
 
 if TYPE_CHECKING:
-    from .backend.base import Target
+    from ..backend.base import Target
 
 __all__ = ["kernel_report", "add_doctor_command", "cmd_doctor"]
 
@@ -60,8 +60,8 @@ def _cpu_flags() -> Optional[list[str]]:
 def _cuda_facts(model: Optional[torch.nn.Module], target: Optional["Target"] = None) -> dict[str, Any]:
     """Whether ragspec's CUDA backend would serve (``model`` on CUDA when given) and, for a
     loaded ``target`` that replays its step from CUDA graphs, its graphs and step counts."""
-    from .backend.cuda import kernels as cuda_kernels
-    from .backend.cuda import unsupported_reason
+    from ..backend.cuda import kernels as cuda_kernels
+    from ..backend.cuda import unsupported_reason
 
     device = torch.cuda.is_available()
     reason: Optional[str] = None
@@ -130,11 +130,11 @@ def kernel_report(
     Raises:
         RagspecError: ``model`` cannot be loaded, or a bad device / numerics / drafting.
     """
-    from .backend.cpu import kernels
-    from .errors import ConfigError
-    from .loading import load_target, resolve_drafting
-    from .models import cache_dir
-    from .models.load import resolve_device
+    from ..backend.cpu import kernels
+    from ..errors import ConfigError
+    from ..loading import load_target, resolve_drafting
+    from ..models import cache_dir
+    from ..models.load import resolve_device
 
     numerics = numerics or os.environ.get("RAGSPEC_NUMERICS") or "exact"
     if numerics not in NUMERICS:
@@ -191,8 +191,7 @@ def kernel_report(
 def _native_step_facts(target: Optional["Target"], run_device: torch.device, status: Any) -> dict[str, Any]:
     """``kernel_report``'s ``"native_step"``: whether it is switched on and compiled, and
     whether ``target`` runs it (None without a target), and why not."""
-    from .backend.base import Capability
-    from .backend.cpu.native import native_step_enabled
+    from ..backend.cpu.native import native_step_enabled
 
     native: dict[str, Any] = {"enabled": native_step_enabled(), "in_library": status.decoder_step}
     if target is None:

@@ -38,6 +38,7 @@ def test_engine_from_pretrained_is_a_deprecated_alias_of_load_engine(monkeypatch
         # modules that moved whole: the command line into ragspec.cli, training into
         # ragspec.training, the Spec-Bench reader down to ragspec.specbench
         ("ragspec.cli_common", "add_model_args", "ragspec.cli.common"),
+        ("ragspec.doctor", "kernel_report", "ragspec.cli.doctor"),
         ("ragspec.datastore.cli", "add_datastore_commands", "ragspec.cli.datastore"),
         ("ragspec.eagle.cli", "add_eagle_commands", "ragspec.cli.eagle"),
         ("ragspec.eagle.train", "run_training", "ragspec.training"),

@@ -151,8 +151,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafters", ("drafters", "drafting", "eagle", "datastore")),
     ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
     # the front ends: the command line, the integrations, EAGLE training, the measuring wing
-    # (and cli_common, the deprecated old path of ragspec.cli.common)
-    ("top", ("", "__main__", "cli", "doctor", "integrations", "training", "bench", "cli_common")),
+    # (and the deprecated old paths of ragspec.cli.common and ragspec.cli.doctor)
+    ("top", ("", "__main__", "cli", "integrations", "training", "bench", "cli_common", "doctor")),
 )
 
 
