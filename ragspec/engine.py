@@ -503,21 +503,6 @@ class Engine:
             return req.next_prefill_tokens()
         return 1 + (req.draft_budget(self.policy.max_draft_tokens) if req.session is not None else 0)
 
-    def _prefill_chunks(self, prefilling: Sequence[tuple[float, int, Request]]) -> tuple[int, int]:
-        """The step's prefill: one chunk for each request still prefilling (``(created_s,
-        index, request)``), the earliest first, while the policy's prefill budget lasts (the
-        first chunk always). Returns (tokens prefilled, chunks)."""
-        budget = prefill_budget(self.policy)
-        tokens = chunks = 0
-        for _, _, req in sorted(prefilling, key=lambda t: t[:2]):  # earliest first
-            if chunks and budget is not None and tokens + req.next_prefill_tokens() > budget:
-                break
-            tokens += prefill(
-                self.target, req, self.prefix_cache, hidden_states=self._hidden_states, eos_token_ids=self.eos_token_ids
-            )
-            chunks += 1
-        return tokens, chunks
-
     def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
         """Advance each request by one step: one chunk of its prefill, or one
         draft-verify-commit round in one ``Target.verify`` call for all of them.
@@ -570,7 +555,18 @@ class Engine:
                     prefilling.append((req.created_s, i, req))
                 else:
                     decoding.append((i, req))
-            prefill_tokens, chunks = self._prefill_chunks(prefilling)
+            budget = prefill_budget(self.policy)
+            for _, _, req in sorted(prefilling, key=lambda t: t[:2]):  # earliest first
+                if chunks and budget is not None and prefill_tokens + req.next_prefill_tokens() > budget:
+                    break
+                prefill_tokens += prefill(
+                    self.target,
+                    req,
+                    self.prefix_cache,
+                    hidden_states=self._hidden_states,
+                    eos_token_ids=self.eos_token_ids,
+                )
+                chunks += 1
             batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
             cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
             # a request drafts while its drafting pays for its own seconds (DraftTimeGate),
