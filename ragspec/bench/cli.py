@@ -5,7 +5,7 @@ Registered by :func:`ragspec.cli.build_parser` through :func:`add_bench_command`
 measuring lives in the modules beside this one (:mod:`~ragspec.bench.runner`,
 :mod:`~ragspec.bench.replay`, :mod:`~ragspec.bench.profile`,
 :mod:`~ragspec.bench.concurrency`, :mod:`~ragspec.bench.compare`, :mod:`~ragspec.bench.serve`); this module parses the
-options, builds the engine (:func:`ragspec.cli_common.engine_from_args`) and prints.
+options, builds the engine (:func:`ragspec.cli.common.engine_from_args`) and prints.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..backend.base import Capability, SpeedUps
-from ..cli_common import add_model_args, engine_from_args
+from ..cli.common import add_model_args, engine_from_args
 from ..config import check_drafting
 from ..errors import ConfigError
-from .data import DEFAULT_DATA, category_group, load_prompts
+from ..specbench import DEFAULT_DATA, category_group, load_prompts
 from .serve import SERVE_PHASES
 
 __all__ = [

@@ -264,9 +264,9 @@ def cmd_structured_bench(args: Any) -> int:
     """The ``ragspec bench --structured`` command (``args`` from ``ragspec bench``)."""
     import torch
 
-    from ..cli_common import engine_from_args
+    from ..cli.common import engine_from_args
     from ..models import resolve_model
-    from .data import load_prompts
+    from ..specbench import load_prompts
     from .serve import find_llama_server
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else ["rag"]
