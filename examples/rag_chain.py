@@ -91,6 +91,48 @@ def load_folder(folder: Path) -> list[Document]:
     return docs
 
 
+def add_corpus_args(ap: argparse.ArgumentParser, *, max_new_tokens: int, k: int) -> None:
+    """The options of the examples' documents, question and model."""
+    ap.add_argument(
+        "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
+    )
+    ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=DEV_DATA,
+        help=f"Spec-Bench JSONL the default passages and questions come from (default: {DEV_DATA})",
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--k", type=int, default=k, help="passages retrieved")
+    ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
+
+
+def open_corpus(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, num_prompts: int = 3
+) -> tuple[list[Document], str, list[str], Optional[tempfile.TemporaryDirectory]]:
+    """The documents of ``--docs`` (or the passages of ``num_prompts`` Spec-Bench rag
+    prompts, written to a temporary folder) and the question: ``(documents, question, the
+    Spec-Bench questions or [], the temporary folder or None)``."""
+    tmp = None
+    folder, question = args.docs, args.question
+    questions: list[str] = []
+    if folder is None:
+        if not args.data.is_file():
+            ap.error(f"no Spec-Bench data at {args.data}: give --data PATH, or your own --docs FOLDER --question TEXT")
+        tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
+        folder = Path(tmp.name)
+        questions = write_specbench_passages(folder, args.data, num_prompts=num_prompts)
+        question = question or questions[0]
+        print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
+    if not question:
+        ap.error("--question is required with --docs")
+    docs = load_folder(folder)
+    if not docs:
+        ap.error(f"no .txt/.md documents in {folder}")
+    return docs, question, questions, tmp
+
+
 def format_docs(docs: list[Document]) -> str:
     return "\n\n".join(d.page_content for d in docs)
 
@@ -289,19 +331,7 @@ def build_chain(retriever: Runnable, llm: Runnable, prompt: PromptTemplate = PRO
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--docs", type=Path, default=None, help="folder of .txt/.md files (default: Spec-Bench rag passages)"
-    )
-    ap.add_argument("--question", default=None, help="default: the first Spec-Bench rag question")
-    ap.add_argument(
-        "--data",
-        type=Path,
-        default=DEV_DATA,
-        help=f"Spec-Bench JSONL the default passages and questions come from (default: {DEV_DATA})",
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=3, help="passages retrieved")
-    ap.add_argument("--model", default=None, help="registry name, GGUF or HF folder (default model)")
+    add_corpus_args(ap, max_new_tokens=96, k=3)
     ap.add_argument(
         "--batch", type=int, default=0, help="also answer N dev questions as a batch vs HuggingFacePipeline"
     )
@@ -313,21 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     quiet_transformers()  # no "Loading weights" bars from transformers between the lines below
 
-    tmp = None
-    folder, question = args.docs, args.question
-    if folder is None:
-        if not args.data.is_file():
-            ap.error(f"no Spec-Bench data at {args.data}: give --data PATH, or your own --docs FOLDER --question TEXT")
-        tmp = tempfile.TemporaryDirectory(prefix="ragspec-docs-")
-        folder = Path(tmp.name)
-        questions = write_specbench_passages(folder, args.data, num_prompts=max(3, args.batch))
-        question = question or questions[0]
-        print(f"# wrote the passages of {len(questions)} Spec-Bench rag prompts to {folder}")
-    if not question:
-        ap.error("--question is required with --docs")
-    docs = load_folder(folder)
-    if not docs:
-        ap.error(f"no .txt/.md documents in {folder}")
+    docs, question, questions, tmp = open_corpus(ap, args, num_prompts=max(3, args.batch))
 
     t0 = time.perf_counter()
     engine = load_engine(args.model)

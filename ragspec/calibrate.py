@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -144,7 +145,52 @@ def measure_latency(
         ValueError: no q or context left to time, or ``batch`` < 1.
     """
     device = torch.device(target.device)
-    cuda = device.type == "cuda"
+    plan = _plan(target, qs, contexts, repeats, early, batch, trees)
+    gen = torch.Generator().manual_seed(0)
+    full: dict[int, dict[int, float]] = {}
+    first: dict[int, dict[int, float]] = {}
+    with torch.inference_mode():
+        for context in plan.contexts:
+            samples = _samples_at(target, context, batch, plan, gen)
+            full[context] = _monotone({q: _slowest(samples, q, False, plan.shapes) for q in plan.qs})
+            if plan.early:
+                first[context] = _monotone({q: _slowest(samples, q, True, plan.shapes) for q in plan.qs})
+    name = model_name or str(getattr(target.capability(Capability.CONFIG), "_name_or_path", "") or "")
+    table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
+    for c in plan.contexts:
+        logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
+    return table
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :func:`measure_latency` times: the q values and contexts (ascending), the
+    timed rounds after the warm-up one, whether first-row-only forwards too (``early``),
+    and the draft shapes (False: a chain; True: a tree)."""
+
+    qs: tuple[int, ...]
+    contexts: tuple[int, ...]
+    repeats: int
+    early: bool
+    shapes: tuple[bool, ...]
+
+
+def _plan(
+    target: Target,
+    qs: Optional[Sequence[int]],
+    contexts: Optional[Sequence[int]],
+    repeats: Optional[int],
+    early: Optional[bool],
+    batch: int,
+    trees: Optional[bool],
+) -> _Plan:
+    """:func:`measure_latency`'s arguments with the target's device's defaults filled in,
+    its contexts capped to fit the model's length.
+
+    Raises:
+        ValueError: no q or context left to time, or ``batch`` < 1.
+    """
+    cuda = torch.device(target.device).type == "cuda"
     qs = tuple(sorted({int(q) for q in (qs if qs is not None else (_CUDA_QS if cuda else _CPU_QS)) if int(q) >= 1}))
     contexts = tuple(contexts) if contexts is not None else ((512, 2048) if cuda else (512,))
     repeats = int(repeats) if repeats is not None else (5 if cuda else 3)
@@ -160,57 +206,47 @@ def measure_latency(
     contexts = tuple(sorted({c for c in contexts if c >= 1}))
     if not contexts:
         raise ValueError(f"no context fits q up to {qs[-1]} in the model's {limit} positions")
+    return _Plan(qs, contexts, repeats, early, shapes)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
 
-    gen = torch.Generator().manual_seed(0)
-    modes = (False, True) if early else (False,)
-    full: dict[int, dict[int, float]] = {}
-    first: dict[int, dict[int, float]] = {}
-    with torch.inference_mode():
-        for context in contexts:
-            prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
-            samples: dict[tuple[int, bool, bool], list[float]] = {}
-            states = []
-            for ids in prompts:
-                states.append(target.new_state())
-                target.prefill(states[-1], ids)
-            base = target.state_length(states[0])
-            for rnd in range(repeats + 1):
-                for q in qs:
-                    for lazy, wide in ((lazy, wide) for lazy in modes for wide in shapes):
-                        # q - 1 draft tokens after each root (a chain or a tree); wrap around the prompt for long q
-                        items = [
-                            VerifyItem(
-                                state,
-                                ids[-1],
-                                _draft([ids[i % context] for i in range(q - 1)], wide),
-                                lazy_logits=lazy,
-                            )
-                            for state, ids in zip(states, prompts)
-                        ]
-                        sync()
-                        t0 = time.perf_counter()
-                        for out in target.verify(items):
-                            if out.row_logits is not None:
-                                out.row_logits.argmax(0)
-                        sync()
-                        dt = time.perf_counter() - t0
-                        for state in states:
-                            target.rollback(state, base)
-                        if rnd:  # the first round warms up
-                            samples.setdefault((q, lazy, wide), []).append(dt)
-            full[context] = _monotone({q: _slowest(samples, q, False, shapes) for q in qs})
-            if early:
-                first[context] = _monotone({q: _slowest(samples, q, True, shapes) for q in qs})
-            del states
-    name = model_name or str(getattr(target.capability(Capability.CONFIG), "_name_or_path", "") or "")
-    table = LatencyTable(_device_key(device), str(target.dtype).removeprefix("torch."), name, full, first)
-    for c in contexts:
-        logger.info("latency (ms) at %d cached tokens: %s", c, {q: round(v * 1e3, 2) for q, v in full[c].items()})
-    return table
+def _samples_at(
+    target: Target, context: int, batch: int, plan: _Plan, gen: torch.Generator
+) -> dict[tuple[int, bool, bool], list[float]]:
+    """Seconds of each timed verification forward at one ``context``: ``batch`` random
+    prompts of that length (drawn from ``gen``) prefilled, then the plan's rounds, each
+    forward rolled back after it. Keyed by (q, first row only, tree)."""
+    device = torch.device(target.device)
+    cuda = device.type == "cuda"
+    prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
+    samples: dict[tuple[int, bool, bool], list[float]] = {}
+    states = []
+    for ids in prompts:
+        states.append(target.new_state())
+        target.prefill(states[-1], ids)
+    base = target.state_length(states[0])
+    modes = (False, True) if plan.early else (False,)
+    for rnd in range(plan.repeats + 1):
+        for q in plan.qs:
+            for lazy, wide in ((lazy, wide) for lazy in modes for wide in plan.shapes):
+                # q - 1 draft tokens after each root (a chain or a tree); wrap around the prompt for long q
+                items = [
+                    VerifyItem(state, ids[-1], _draft([ids[i % context] for i in range(q - 1)], wide), lazy_logits=lazy)
+                    for state, ids in zip(states, prompts)
+                ]
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for out in target.verify(items):
+                    if out.row_logits is not None:
+                        out.row_logits.argmax(0)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                for state in states:
+                    target.rollback(state, base)
+                if rnd:  # the first round warms up
+                    samples.setdefault((q, lazy, wide), []).append(dt)
+    return samples
 
 
 def _draft(tokens: list[int], wide: bool) -> DraftTree:

@@ -4,7 +4,8 @@ what replaces it (then it goes; CHANGELOG.md lists each under "Deprecated").
 :func:`warn_deprecated` is the warning; :func:`moved_names` makes the module-level
 ``__getattr__`` (PEP 562) of a module whose names moved elsewhere, so that
 ``from ragspec.drafting import PromptLookupDrafter`` still works, with a warning naming
-``ragspec.drafters``.
+``ragspec.drafters``; :func:`moved_module` the same for a module that moved whole
+(``ragspec.eagle.train`` is ``ragspec.training`` now).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import warnings
 from typing import Any, Callable, Mapping
 
-__all__ = ["warn_deprecated", "moved_names"]
+__all__ = ["warn_deprecated", "moved_names", "moved_module"]
 
 
 def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
@@ -42,5 +43,27 @@ def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warn_deprecated(f"{module}.{name}", f"{target}.{name}")
         return getattr(importlib.import_module(target), name)
+
+    return __getattr__
+
+
+def moved_module(module: str, new: str) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module``, a module that moved whole to ``new`` and stays at
+    its old path one release: every name of ``new`` is found there too, with a warning
+    (:func:`warn_deprecated`) naming its new place. The new module is imported on the
+    first look-up, not before (an old path on a lower floor of the house keeps no import
+    of a higher one).
+
+    Raises (from the returned function):
+        AttributeError: a name ``new`` does not have (as any missing attribute).
+    """
+
+    def __getattr__(name: str) -> Any:
+        if not (name.startswith("__") and name.endswith("__")):
+            found = importlib.import_module(new)
+            if hasattr(found, name):
+                warn_deprecated(f"{module}.{name}", f"{new}.{name}")
+                return getattr(found, name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

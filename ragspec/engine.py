@@ -48,7 +48,9 @@ from .drafters.base import (
     salted_drafter,
     session_capabilities,
 )
+from .drafters.forced import ForcedTokenSession
 from .errors import ConfigError, PromptTooLongError
+from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
@@ -104,6 +106,8 @@ class Engine:
             drafted from by a drafter composed from ``parts``
             (:class:`~ragspec.composition.DraftSources`); ``parts.datastore``, the default,
             is one of them.
+        grammars: another engine's grammar compiler over the same tokenizer, its compiled
+            grammars shared (None: a new one).
 
     Constructing does no I/O: build engines with :func:`ragspec.loading.load_engine`.
 
@@ -128,6 +132,7 @@ class Engine:
         parts: DrafterParts = DrafterParts(),
         prefix_cache: Optional[PrefixCache] = None,
         datastores: Optional[Mapping[str, "Datastore"]] = None,
+        grammars: Optional[GrammarCompiler] = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -147,6 +152,13 @@ class Engine:
         target without ``Capability.PREFIX_KV``."""
         self.last_step = StepReport()
         """What the latest :meth:`step` call did."""
+        self.grammars = (
+            grammars
+            if grammars is not None and grammars.tokenizer is tokenizer
+            else GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids)
+        )
+        """Compiles and caches the requests' structured-output constraints
+        (``RequestParams.response_format``; :mod:`ragspec.grammar`)."""
 
     @property
     def drafting(self) -> str:
@@ -224,6 +236,7 @@ class Engine:
             parts=parts,
             prefix_cache=self.prefix_cache,  # kept where the new policy's chunks and budget are the same
             datastores=datastores,
+            grammars=self.grammars,
         )
 
     def _new_prefix_cache(self) -> Optional[PrefixCache]:
@@ -278,14 +291,17 @@ class Engine:
         """
         return encode_prompt(self.tokenizer, prompt, chat, documents)
 
-    def encode_messages(self, messages: Messages, documents: Sequence[str] = ()) -> list[int]:
+    def encode_messages(
+        self, messages: Messages, documents: Sequence[str] = (), tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) through the chat template,
-        ``documents`` laid in for the model to read (:func:`ragspec.prompts.encode_messages`).
+        ``documents`` laid in for the model to read, ``tools`` (OpenAI's definitions)
+        shown where the template declares tool use (:func:`ragspec.prompts.encode_messages`).
 
         Raises:
             ConfigError: a message's content is not valid Unicode text (a lone surrogate).
         """
-        return encode_messages(self.tokenizer, messages, documents)
+        return encode_messages(self.tokenizer, messages, documents, tools)
 
     def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
         """Token ids of each document (no special tokens).
@@ -297,27 +313,40 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def prepare(
-        self, prompt: Union[Prompt, Messages], params: Optional[RequestParams] = None, *, chat: bool = True
+        self,
+        prompt: Union[Prompt, Messages],
+        params: Optional[RequestParams] = None,
+        *,
+        chat: bool = True,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> PreparedPrompt:
         """The token ids a request reads (no forward; a front end may run it on another
         thread than the one that steps): the prompt with ``params.documents`` laid in for
         the model (:mod:`ragspec.prompts`: the chat template's documents where it takes
         them, else the default layout), and, when the request drafts, the token ids of its
-        ``documents`` and ``draft_documents`` for the drafter.
+        ``documents`` and ``draft_documents`` for the drafter. A ``response_format`` is
+        compiled here (into :attr:`grammars`' cache), so a constraint that cannot be served
+        is refused before the request is queued.
 
         Args:
             prompt: text (chat-templated when ``chat``), token ids, or a chat
                 (``{"role", "content"}`` messages, always chat-templated).
             params: the request's parameters (None: the defaults).
             chat: apply the chat template to a text prompt.
+            tools: OpenAI's tool definitions, shown to a chat template that declares tool
+                use (:func:`ragspec.prompts.template_takes_tools`).
 
         Raises:
             ConfigError: an empty prompt, text that is not valid Unicode, a non-string
                 document, documents with a prompt of token ids.
+            StructuredOutputError: a ``response_format`` that does not compile (naming its
+                field in ``param``).
         """
         params = params if params is not None else RequestParams()
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
         if _is_messages(prompt):
-            ids = self.encode_messages(prompt, params.documents)  # type: ignore[arg-type]
+            ids = self.encode_messages(prompt, params.documents, tools)  # type: ignore[arg-type]
         else:
             ids = self.encode_prompt(prompt, chat=chat, documents=params.documents)  # type: ignore[arg-type]
         docs = self.encode_documents([*params.documents, *params.draft_documents]) if params.drafts else []
@@ -356,6 +385,7 @@ class Engine:
             DatastoreNotFoundError: ``params.datastore`` names no datastore of this engine.
             IsolationError: a salted request that drafts, on a drafter that does not declare
                 whether it reads other requests' tokens.
+            StructuredOutputError: a ``response_format`` that does not compile.
         """
         extra_ids: Sequence[Sequence[int]] = ()
         if sampling is not None or deprecated or isinstance(params, DecodeConfig):
@@ -387,9 +417,14 @@ class Engine:
                 generator.seed()
         seeded = not params.greedy and params.seed is not None
         doc_ids = [list(d) for d in prompt.document_ids] + [list(d) for d in extra_ids]
-        session = self._session(drafter, params, prompt_ids, doc_ids, seeded)
+        fmt = params.constraint
+        grammar = self.grammars.compile(fmt) if fmt is not None else None
+        session = self._session(drafter, params, prompt_ids, doc_ids, seeded, grammar)
         processors = build_processors(
-            params, ProcessorContext(tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer)
+            params,
+            ProcessorContext(
+                tuple(prompt_ids), self.target.vocab_size, self.eos_token_ids, self.tokenizer, grammar=grammar
+            ),
         )
         req = Request(
             prompt_ids=prompt_ids,
@@ -481,18 +516,24 @@ class Engine:
         prompt_ids: Sequence[int],
         doc_ids: Sequence[Sequence[int]],
         seeded: bool,
+        grammar: Optional[Grammar] = None,
     ) -> Optional[DraftSession]:
         """The request's draft session (None: it does not draft): a seeded sampled request
         drafts only from its own tokens (same seed, same output); a salted one from its
         salt's partition (:func:`~ragspec.drafters.base.salted_drafter`, which refuses a
-        drafter that does not declare its isolation)."""
-        if not params.drafts or drafter is None:
+        drafter that does not declare its isolation). A request under a ``grammar`` drafts
+        the tokens it forces first (:class:`~ragspec.drafters.forced.ForcedTokenSession`),
+        also on an engine without a drafter."""
+        if not params.drafts:
             return None
+        session: Optional[DraftSession] = None
         chosen = reproducible_drafter(drafter) if seeded else drafter
         chosen = salted_drafter(chosen, params.cache_salt)
-        if chosen is None:
-            return None
-        return chosen.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        if chosen is not None:
+            session = chosen.start_request(prompt_ids, doc_ids, eos_token_ids=self.eos_token_ids)
+        if grammar is not None:
+            session = ForcedTokenSession(session, grammar.follower())
+        return session
 
     def step_tokens(self, req: Request) -> int:
         """Most tokens ``req`` puts through the model in its next step: its next prefill

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "UnsupportedParameterError",
     "InvalidParameterError",
+    "StructuredOutputError",
     "DatastoreNotFoundError",
     "IsolationError",
     "ModelNotFoundError",
@@ -58,6 +59,17 @@ class UnsupportedParameterError(ConfigError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class StructuredOutputError(InvalidParameterError):
+    """A structured-output constraint cannot be served: a malformed ``response_format``, a
+    JSON schema or grammar the grammar engine cannot compile (a keyword it does not
+    implement, a schema too large or too deeply nested for its limits), a tool without a
+    parameters schema, or constraints that conflict. ``param`` names the request's field
+    (``"response_format"``, ``"tools[0].function.parameters"`` ...)."""
+
+    def __init__(self, message: str, *, param: str = "response_format") -> None:
+        super().__init__(message, param=param)
 
 
 class DatastoreNotFoundError(ConfigError):

@@ -43,6 +43,7 @@ __all__ = [
     "load_engine",
     "engine_for_target",
     "engine_with_drafter",
+    "engine_on_target",
     "load_target",
     "select_target",
     "load_eagle",
@@ -492,6 +493,32 @@ def engine_with_drafter(
         latency=latency,
         eos_token_ids=eos_token_ids,
         model_name=model_name,
+    )
+
+
+def engine_on_target(
+    engine: Engine,
+    target: "Target",
+    *,
+    drafter: Optional[Drafter],
+    policy: Optional[PolicyConfig] = None,
+    latency: Optional[LatencyModel] = None,
+) -> Engine:
+    """An engine like ``engine`` (its tokenizer, end-of-sequence ids, name, drafter parts
+    and datastores) over another target of the same model, built by the caller with other
+    options (e.g. the CUDA backend's numerics, KV slots or graphs, as the GPU check
+    compares them), drafting with ``drafter`` (None: plain decoding). ``policy``,
+    ``latency``: None keeps ``engine``'s. No I/O."""
+    return Engine(
+        target,
+        engine.tokenizer,
+        drafter=drafter,
+        policy=policy if policy is not None else engine.policy,
+        latency=latency if latency is not None else engine.latency,
+        eos_token_ids=engine.eos_token_ids,
+        model_name=engine.model_name,
+        parts=engine.parts,
+        datastores=engine.datastores if engine.parts.composed else None,
     )
 
 

@@ -4,13 +4,14 @@ Everything a request can ask is here (vLLM's ``SamplingParams`` and llama.cpp's 
 parameters are the models): how tokens are chosen (``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``seed``, the penalties, ``logit_bias``, ``min_tokens``: the processing of
 :mod:`ragspec.logit_processors`), what comes back (``n`` choices, ``logprobs`` /
-``top_logprobs`` in ``logprobs_mode``), when generation ends (``max_new_tokens``,
-``stop``), how it drafts (``speculative``, ``max_draft_tokens``, ``datastore``,
-``draft_documents``), what the model reads besides the prompt (``documents``), the tenant
-partition of the shared caches (``cache_salt``), and, named already, what the engine does
-not do yet (``response_format``): setting it to anything but its neutral value raises
-:class:`~ragspec.errors.UnsupportedParameterError` naming it, never silently ignored. A
-value out of range raises :class:`~ragspec.errors.InvalidParameterError` naming its field.
+``top_logprobs`` in ``logprobs_mode``), what the output must be (``response_format``: a
+JSON schema, a regex, a choice, a grammar; :mod:`ragspec.structured`), when generation
+ends (``max_new_tokens``, ``stop``), how it drafts (``speculative``, ``max_draft_tokens``,
+``datastore``, ``draft_documents``), what the model reads besides the prompt
+(``documents``), the tenant partition of the shared caches (``cache_salt``). A value out
+of range raises :class:`~ragspec.errors.InvalidParameterError` naming its field; a field
+the engine does not do yet, if any (:data:`UNSUPPORTED_FIELDS`), set to anything but its
+neutral value, :class:`~ragspec.errors.UnsupportedParameterError`, never silently ignored.
 
 Each front end builds one from its own input (the CLI's arguments, an OpenAI or summary
 body, a LangChain call's keywords) and hands it to :meth:`ragspec.Engine.start`;
@@ -28,10 +29,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from .config import DecodeConfig, SamplingParams
 from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
 from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
+from .structured import ResponseFormat
+from .structured import response_format as _response_format
 
 __all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
 
-UNSUPPORTED_FIELDS = ("response_format",)
+UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
 their neutral value (the defaults), refused otherwise."""
 
@@ -144,10 +147,15 @@ class RequestParams:
     """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
     one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;
     0: off; greedy decoding ignores it)."""
-    # ------------------------------------------------------------------ not implemented yet
-    response_format: Optional[Mapping[str, Any]] = None
-    """A structured-output constraint (OpenAI's ``response_format``: a JSON schema, a
-    grammar); None: free text (not implemented: None only)."""
+    # ------------------------------------------------------------------ the output's structure
+    response_format: Union[None, Mapping[str, Any], ResponseFormat] = None
+    """What the output must be: a :class:`~ragspec.structured.ResponseFormat`, or its
+    OpenAI-shaped mapping (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,
+    ``{"type": "json_object"}``, and the ``regex``, ``choice`` and ``grammar`` kinds), kept
+    as a ``ResponseFormat``; None (or ``{"type": "text"}``): free text. Every token is
+    chosen among those the constraint allows (drafts included), and EOS only where the
+    output is complete (:mod:`ragspec.grammar`); the schema compiles when the request is
+    prepared (:meth:`Engine.prepare <ragspec.engine.Engine.prepare>`)."""
 
     _decode: DecodeConfig = field(init=False, repr=False, compare=False, hash=False)
     _sampling: SamplingParams = field(init=False, repr=False, compare=False, hash=False)
@@ -157,6 +165,7 @@ class RequestParams:
         set_(self, "stop", _texts(self.stop, "stop"))
         set_(self, "documents", _texts(self.documents, "documents"))
         set_(self, "draft_documents", _texts(self.draft_documents, "draft_documents"))
+        set_(self, "response_format", _response_format(self.response_format))
         for name in ("speculative", "return_steps", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -257,7 +266,7 @@ class RequestParams:
     def _refuse_unimplemented(self) -> None:
         """Raise :class:`UnsupportedParameterError` for the first field of
         :data:`UNSUPPORTED_FIELDS` set to anything but its neutral value."""
-        checks = (("response_format", self.response_format is not None, "only free-text output is supported"),)
+        checks: tuple[tuple[str, bool, str], ...] = ()
         for name, bad, message in checks:
             if bad:
                 raise UnsupportedParameterError(message, param=name)
@@ -272,6 +281,13 @@ class RequestParams:
     def sampling(self) -> SamplingParams:
         """How tokens are chosen, as the verifiers read it."""
         return self._sampling
+
+    @property
+    def constraint(self) -> Optional[ResponseFormat]:
+        """``response_format`` as the :class:`~ragspec.structured.ResponseFormat` it was
+        read into (None: free text)."""
+        fmt = self.response_format
+        return fmt if isinstance(fmt, ResponseFormat) else None
 
     @property
     def greedy(self) -> bool:

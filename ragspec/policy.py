@@ -254,7 +254,7 @@ class AcceptanceModel:
         prior_first: float = 0.25,
         prior_next: float = 0.8,
         prior_weight: float = 2.0,
-        calibrated_sources: tuple[str, ...] = ("eagle",),
+        calibrated_sources: tuple[str, ...] = ("eagle", "grammar"),
         long_match_priors: Optional[tuple[float, float]] = (0.9, 0.95),
     ) -> None:
         self.prior_first = prior_first
@@ -265,7 +265,8 @@ class AcceptanceModel:
         self.long_match_priors = long_match_priors
         self.prior_weight = prior_weight
         # sources whose scores are already acceptance estimates (EAGLE-2's draft
-        # confidence, Li et al. 2024b, section 3): their prior factor is 1 at every depth
+        # confidence, Li et al. 2024b, section 3; a grammar's forced tokens, score 1: the
+        # only token its mask allows): their prior factor is 1 at every depth
         self.calibrated_sources = tuple(calibrated_sources)
         self._stats: dict[tuple[str, int, int], _Beta] = {}
 

@@ -31,16 +31,25 @@ class ProcessorContext:
         vocab_size: V, the target's output rows.
         eos_token_ids: the ids that end a generation (the engine's).
         tokenizer: the target's tokenizer (a grammar compiles against it).
+        grammar: the request's compiled ``response_format``
+            (:class:`ragspec.grammar.Grammar`; None: free text).
     """
 
     prompt_ids: tuple[int, ...]
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: Any = None
+    grammar: Any = None
 
 
 ProcessorFactory = Callable[[RequestParams, ProcessorContext], Optional[LogitsProcessor]]
 """``factory(params, context) -> processor`` (None: the request does not ask for it)."""
+
+
+def _grammar(params: RequestParams, context: ProcessorContext) -> Optional[LogitsProcessor]:
+    if context.grammar is None:
+        return None
+    return context.grammar.processor()
 
 
 def _min_tokens(params: RequestParams, context: ProcessorContext) -> Optional[LogitsProcessor]:
@@ -68,6 +77,7 @@ def _penalties(params: RequestParams, context: ProcessorContext) -> Optional[Log
 
 PROCESSOR_FACTORIES: tuple[ProcessorFactory, ...] = (
     # a structured-output constraint (``response_format``) goes first: a mask
+    _grammar,
     _min_tokens,
     _logit_bias,
     _penalties,

@@ -4,7 +4,7 @@ the CPU kernels, calibrating the latency model.
 They go to the ``ragspec.progress`` logger (:data:`PROGRESS_LOGGER`) at INFO, never to
 stdout: a library user sees them only when that logger (or its parents) logs INFO; the
 ``ragspec`` command line prints them to stderr unless ``-q``
-(:func:`ragspec.cli_common.show_progress`).
+(:func:`ragspec.cli.common.show_progress`).
 
 Example, a first ``ragspec generate`` on a fresh machine (stderr)::
 

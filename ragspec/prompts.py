@@ -38,6 +38,7 @@ __all__ = [
     "render_documents",
     "grounded_text",
     "template_takes_documents",
+    "template_takes_tools",
 ]
 
 Prompt = Union[str, Sequence[int]]
@@ -81,21 +82,35 @@ def _template_for_documents(tokenizer: Any) -> Optional[str]:
     return "rag" if isinstance(templates, dict) and "rag" in templates else None
 
 
-def template_takes_documents(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template reads a ``documents`` variable (a RAG
-    template: transformers passes ``apply_chat_template(..., documents=...)`` to it), found
-    by parsing the template (jinja2's ``meta.find_undeclared_variables``); False without a
-    template or for one that does not parse."""
+def _template_reads(tokenizer: Any, variable: str, name: Optional[str] = None) -> bool:
+    """Whether the tokenizer's chat template (``name`` of a dict of them) reads
+    ``variable``, found by parsing it (jinja2's ``meta.find_undeclared_variables``); False
+    without a template or for one that does not parse."""
     if not getattr(tokenizer, "chat_template", None):
         return False
     import jinja2
     from jinja2 import meta
 
     try:
-        source = tokenizer.get_chat_template(_template_for_documents(tokenizer))
-        return "documents" in meta.find_undeclared_variables(jinja2.Environment().parse(source))
+        source = tokenizer.get_chat_template(name)
+        return variable in meta.find_undeclared_variables(jinja2.Environment().parse(source))
     except (ValueError, TypeError, jinja2.TemplateError):
         return False
+
+
+def template_takes_documents(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template reads a ``documents`` variable (a RAG
+    template: transformers passes ``apply_chat_template(..., documents=...)`` to it)."""
+    return _template_reads(tokenizer, "documents", _template_for_documents(tokenizer))
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template declares tool use: it reads a ``tools``
+    variable (transformers passes ``apply_chat_template(..., tools=...)`` to it), so the
+    model was shown how to call them."""
+    templates = getattr(tokenizer, "chat_template", None)
+    name = "tool_use" if isinstance(templates, dict) and "tool_use" in templates else None
+    return _template_reads(tokenizer, "tools", name)
 
 
 def _template_documents(documents: Sequence[str]) -> list[dict[str, str]]:
@@ -150,11 +165,14 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool = True, documents: 
     return list(ids)
 
 
-def encode_messages(tokenizer: Any, messages: Messages, documents: Sequence[str] = ()) -> list[int]:
+def encode_messages(
+    tokenizer: Any, messages: Messages, documents: Sequence[str] = (), tools: Sequence[Mapping[str, Any]] = ()
+) -> list[int]:
     """Token ids of a chat (list of {"role", "content"}) through the chat template.
     ``documents``: texts the model reads, through the template's documents where it takes
     them (:func:`template_takes_documents`), else laid before the last user message's text
-    (:func:`grounded_text`).
+    (:func:`grounded_text`). ``tools``: OpenAI's tool definitions, given to a template that
+    declares tool use (:func:`template_takes_tools`; others do not show them).
 
     Raises:
         ConfigError: a message's content is not valid Unicode text (a lone surrogate); a
@@ -172,7 +190,9 @@ def encode_messages(tokenizer: Any, messages: Messages, documents: Sequence[str]
         name = _template_for_documents(tokenizer)
         if name is not None:
             kwargs["chat_template"] = name
-    elif documents:
+    if tools and template_takes_tools(tokenizer):
+        kwargs["tools"] = [dict(t) for t in tools]
+    if documents and "documents" not in kwargs:
         users = [i for i, m in enumerate(chat) if m.get("role") == "user"]
         if not users:
             raise ConfigError("documents are laid in the last user message, and this chat has none")

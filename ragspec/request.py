@@ -278,6 +278,12 @@ def record_step(
     stats.draft_s += draft_s
     stats.verify_s += verify_s
     stats.accepted_histogram[res.num_accepted] = stats.accepted_histogram.get(res.num_accepted, 0) + 1
+    if tree.num_nodes:
+        sources = tree.sources if len(tree.sources) == tree.num_nodes else ("draft",) * tree.num_nodes
+        for src in sources:
+            stats.drafted_per_source[src] = stats.drafted_per_source.get(src, 0) + 1
+        for i in res.accepted_nodes[:acc]:
+            stats.accepted_per_source[sources[i]] = stats.accepted_per_source.get(sources[i], 0) + 1
     for d in range(int(tree.depth.max().item()) + 1 if tree.num_nodes else 0):
         stats.drafted_per_position[d] = stats.drafted_per_position.get(d, 0) + 1
         if d < res.num_accepted:

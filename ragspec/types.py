@@ -240,6 +240,12 @@ class GenerationStats:
     accepted_histogram: dict[int, int] = field(default_factory=dict)
     accepted_per_position: dict[int, int] = field(default_factory=dict)
     drafted_per_position: dict[int, int] = field(default_factory=dict)
+    accepted_per_source: dict[str, int] = field(default_factory=dict)
+    """Accepted draft tokens (kept: a stop may cut a step short) by the tag of the source
+    that proposed them (``DraftTree.sources``: ``"prompt"``, ``"datastore"``, ``"eagle"``,
+    ``"grammar"`` for a grammar's forced tokens ...); they sum to ``num_accepted_tokens``."""
+    drafted_per_source: dict[str, int] = field(default_factory=dict)
+    """Verified draft tokens by source tag; they sum to ``num_drafted_tokens``."""
     steps: list[StepStats] = field(default_factory=list)
 
     @property
@@ -278,6 +284,9 @@ class GenerationStats:
         * ``draft_acceptance_rate``: ``acceptance_rate``;
         * ``acceptance_histogram``: ints [max accepted + 1], steps by accepted draft tokens
           (``accepted_histogram`` as a list; ``[]`` without a step);
+        * ``num_draft_tokens_per_source``, ``num_accepted_draft_tokens_per_source``: the
+          same two counts by the source that proposed each token (``drafted_per_source``,
+          ``accepted_per_source``: ``"grammar"`` for a grammar's forced tokens);
         * ``draft_s``, ``verify_s``: seconds drafting and verifying.
         """
         steps = self.num_steps
@@ -289,6 +298,8 @@ class GenerationStats:
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / steps if steps else 0.0,
             "draft_acceptance_rate": self.acceptance_rate,
             "acceptance_histogram": [self.accepted_histogram.get(k, 0) for k in range(top + 1)],
+            "num_draft_tokens_per_source": dict(sorted(self.drafted_per_source.items())),
+            "num_accepted_draft_tokens_per_source": dict(sorted(self.accepted_per_source.items())),
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
         }
@@ -315,6 +326,8 @@ class GenerationStats:
             "tokens_per_s": self.tokens_per_s,
             "finish_reason": self.finish_reason,
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
+            "drafted_per_source": dict(sorted(self.drafted_per_source.items())),
+            "accepted_per_source": dict(sorted(self.accepted_per_source.items())),
         }
         if with_steps:
             d["steps"] = [s.to_dict() for s in self.steps]

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ragspec.bench.data import category_group, load_prompts
 from ragspec.bench.runner import hf_generate
 from ragspec.datastore import Datastore, build_datastore
 from ragspec.loading import engine_over, load_engine
+from ragspec.specbench import category_group, load_prompts
 
 
 def main(argv=None) -> int:

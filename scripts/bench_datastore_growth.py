@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     if not args.data.exists():
         ap.error(f"{args.data} not found: give --data")
 
+    from ragspec.cli.datastore import _corpus_contexts, _load_tokenizer, bench_lookup
     from ragspec.datastore import Datastore, build_datastore
-    from ragspec.datastore.cli import _corpus_contexts, _load_tokenizer, bench_lookup
     from ragspec.datastore.live import DatastoreWriter
 
     tokenizer, _ = _load_tokenizer(args.model)

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from ragspec.bench.data import category_group, load_prompts
 from ragspec.config import PolicyConfig
 from ragspec.drafters.response_cache import ResponseCache
 from ragspec.loading import engine_over, load_engine
+from ragspec.specbench import category_group, load_prompts
 
 REWORD = "Please answer the following request.\n\n"
 
@@ -60,6 +60,89 @@ def _workload_pairs(rows: list[dict], kind: str) -> list[tuple[str, list, list]]
         elif len(r["turns"]) > 1:
             out.append((r["category"], first, None))  # follow-up: the second needs answer 1
     return out
+
+
+def _second_request(engine, engines: dict, order: list[str], ids: list[int], n: int) -> dict[str, dict]:
+    """The second request ``ids`` under each engine, in ``order``, each from the prefix
+    cache the first request left: per method, its tokens and speeds."""
+    res = {}
+    prefixes = engine.prefix_cache.snapshot() if engine.prefix_cache is not None else None
+    for name in order:
+        eng = engines[name]
+        if prefixes is not None:
+            engine.prefix_cache.restore(prefixes)  # every method from the first request's cache
+        out = eng.generate(ids, max_new_tokens=n, chat=False, speculative=name != "off")
+        s = out.stats
+        decode_s = max(s.total_s - s.prefill_s, 1e-9)
+        res[name] = {
+            "tokens": out.token_ids,
+            "tok_s": len(out.token_ids) / s.total_s,
+            "decode_tok_s": max(len(out.token_ids) - 1, 0) / decode_s,
+            "mean_accepted": s.mean_accepted_tokens,
+            "prefill_s": s.prefill_s,
+            "cached_prompt_tokens": s.num_cached_prompt_tokens,
+        }
+    return res
+
+
+def _record(kind: str, cat: str, ids: list[int], res: dict[str, dict]) -> dict:
+    """One prompt's record: its workload and category, whether every method's tokens are
+    drafts-off's, and each method's figures."""
+    rec = {
+        "workload": kind,
+        "category": category_group(cat),
+        "prompt_tokens": len(ids),
+        "identical": all(res[m]["tokens"] == res["off"]["tokens"] for m in res),
+    }
+    for m, v in res.items():
+        rec.update(
+            {f"{m}_{k}": v[k] for k in ("tok_s", "decode_tok_s", "mean_accepted", "prefill_s", "cached_prompt_tokens")}
+        )
+    return rec
+
+
+def _summary(records: list[dict], methods: list[str]) -> dict[str, dict]:
+    """Per workload: prompts, identical outputs, each method's mean speeds and acceptance,
+    and its speedups over drafts off."""
+    table = {}
+    for kind in ("repeated", "reworded", "follow_up"):
+        rs = [r for r in records if r["workload"] == kind]
+        if not rs:
+            continue
+        row = {"prompts": len(rs), "identical": sum(r["identical"] for r in rs)}
+        for m in methods:
+            row[f"{m}_tok_s"] = statistics.mean(r[f"{m}_tok_s"] for r in rs)
+            row[f"{m}_decode_tok_s"] = statistics.mean(r[f"{m}_decode_tok_s"] for r in rs)
+            row[f"{m}_mean_accepted"] = statistics.mean(r[f"{m}_mean_accepted"] for r in rs)
+        for m in methods[1:]:
+            row[f"{m}_speedup"] = row[f"{m}_tok_s"] / row["off_tok_s"]
+            row[f"{m}_decode_speedup"] = row[f"{m}_decode_tok_s"] / row["off_decode_tok_s"]
+        table[kind] = row
+    return table
+
+
+def _print_summary(table: dict[str, dict], methods: list[str]) -> None:
+    """The summary table, and a line per extra draft budget."""
+    print(
+        f"\n{'workload':<10} {'n':>3} {'off tok/s':>9} {'ragspec':>8} {'cached':>8} {'e2e gain':>17} "
+        f"{'decode gain':>17} {'accepted':>13} identical"
+    )
+    for kind, r in table.items():
+        print(
+            f"{kind:<10} {r['prompts']:>3} {r['off_tok_s']:>9.1f} {r['ragspec_tok_s']:>8.1f} {r['cached_tok_s']:>8.1f} "
+            f"{r['ragspec_speedup']:>7.2f}x -> {r['cached_speedup']:.2f}x {r['ragspec_decode_speedup']:>7.2f}x -> "
+            f"{r['cached_decode_speedup']:.2f}x {r['ragspec_mean_accepted']:>5.2f} -> {r['cached_mean_accepted']:.2f} "
+            f"{r['identical']}/{r['prompts']}"
+        )
+    for m in methods[3:]:
+        print(
+            "# "
+            + ", ".join(
+                f"{kind} {m} e2e {r[f'{m}_speedup']:.2f}x decode {r[f'{m}_decode_speedup']:.2f}x "
+                f"accepted {r[f'{m}_mean_accepted']:.2f}"
+                for kind, r in table.items()
+            )
+        )
 
 
 def main(argv=None) -> int:
@@ -121,37 +204,8 @@ def main(argv=None) -> int:
                     {"role": "user", "content": mt_rows[i]["turns"][1]},
                 ]
             ids = engine.encode_messages(second)
-            res = {}
             order = methods if i % 2 == 0 else methods[::-1]
-            prefixes = engine.prefix_cache.snapshot() if engine.prefix_cache is not None else None
-            for name in order:
-                eng = engines[name]
-                if prefixes is not None:
-                    engine.prefix_cache.restore(prefixes)  # every method from the first request's cache
-                out = eng.generate(ids, max_new_tokens=n, chat=False, speculative=name != "off")
-                s = out.stats
-                decode_s = max(s.total_s - s.prefill_s, 1e-9)
-                res[name] = {
-                    "tokens": out.token_ids,
-                    "tok_s": len(out.token_ids) / s.total_s,
-                    "decode_tok_s": max(len(out.token_ids) - 1, 0) / decode_s,
-                    "mean_accepted": s.mean_accepted_tokens,
-                    "prefill_s": s.prefill_s,
-                    "cached_prompt_tokens": s.num_cached_prompt_tokens,
-                }
-            rec = {
-                "workload": kind,
-                "category": category_group(cat),
-                "prompt_tokens": len(ids),
-                "identical": all(res[m]["tokens"] == res["off"]["tokens"] for m in res),
-            }
-            for m, v in res.items():
-                rec.update(
-                    {
-                        f"{m}_{k}": v[k]
-                        for k in ("tok_s", "decode_tok_s", "mean_accepted", "prefill_s", "cached_prompt_tokens")
-                    }
-                )
+            rec = _record(kind, cat, ids, _second_request(engine, engines, order, ids, n))
             records.append(rec)
             print(
                 f"{kind:<10} {rec['category']:<14} off {rec['off_tok_s']:6.1f}  ragspec {rec['ragspec_tok_s']:6.1f}  "
@@ -159,40 +213,8 @@ def main(argv=None) -> int:
                 f"{rec['cached_mean_accepted']:.2f}  {'identical' if rec['identical'] else 'DIFFERENT'}",
                 flush=True,
             )
-    table = {}
-    for kind in ("repeated", "reworded", "follow_up"):
-        rs = [r for r in records if r["workload"] == kind]
-        if not rs:
-            continue
-        row = {"prompts": len(rs), "identical": sum(r["identical"] for r in rs)}
-        for m in methods:
-            row[f"{m}_tok_s"] = statistics.mean(r[f"{m}_tok_s"] for r in rs)
-            row[f"{m}_decode_tok_s"] = statistics.mean(r[f"{m}_decode_tok_s"] for r in rs)
-            row[f"{m}_mean_accepted"] = statistics.mean(r[f"{m}_mean_accepted"] for r in rs)
-        for m in methods[1:]:
-            row[f"{m}_speedup"] = row[f"{m}_tok_s"] / row["off_tok_s"]
-            row[f"{m}_decode_speedup"] = row[f"{m}_decode_tok_s"] / row["off_decode_tok_s"]
-        table[kind] = row
-    print(
-        f"\n{'workload':<10} {'n':>3} {'off tok/s':>9} {'ragspec':>8} {'cached':>8} {'e2e gain':>17} "
-        f"{'decode gain':>17} {'accepted':>13} identical"
-    )
-    for kind, r in table.items():
-        print(
-            f"{kind:<10} {r['prompts']:>3} {r['off_tok_s']:>9.1f} {r['ragspec_tok_s']:>8.1f} {r['cached_tok_s']:>8.1f} "
-            f"{r['ragspec_speedup']:>7.2f}x -> {r['cached_speedup']:.2f}x {r['ragspec_decode_speedup']:>7.2f}x -> "
-            f"{r['cached_decode_speedup']:.2f}x {r['ragspec_mean_accepted']:>5.2f} -> {r['cached_mean_accepted']:.2f} "
-            f"{r['identical']}/{r['prompts']}"
-        )
-    for m in methods[3:]:
-        print(
-            "# "
-            + ", ".join(
-                f"{kind} {m} e2e {r[f'{m}_speedup']:.2f}x decode {r[f'{m}_decode_speedup']:.2f}x "
-                f"accepted {r[f'{m}_mean_accepted']:.2f}"
-                for kind, r in table.items()
-            )
-        )
+    table = _summary(records, methods)
+    _print_summary(table, methods)
     print(f"# response cache: {len(cache)} responses, {cache.num_tokens} tokens, {cache.hits} draft lookups hit")
     if engine.prefix_cache is not None:
         pc = engine.prefix_cache.stats

@@ -188,6 +188,125 @@ def compiled(fn: Callable, mode: str, fullgraph: bool) -> Callable:
 
 
 # --------------------------------------------------------------------------- main
+def warm(name: str, runner: Any, prompts: dict[str, list[int]], steps: int) -> dict[str, float]:
+    """One warm-up measurement of ``runner`` per prompt: the seconds of each first step
+    (a compiled runner's compile time)."""
+    firsts = {}
+    for cat, ids in prompts.items():
+        t0 = time.perf_counter()
+        _, _, first = runner.run(ids, steps)
+        firsts[cat] = first
+        logger.info("warm-up %s %s: %.1f s (first step %.2f s)", name, cat, time.perf_counter() - t0, first)
+    return firsts
+
+
+def add_compiled(
+    runners: dict[str, Any],
+    hf_model: Any,
+    max_cache_len: int,
+    modes: list[str],
+    prompts: dict[str, list[int]],
+    steps: int,
+) -> dict[str, dict[str, Any]]:
+    """Add a runner per ``torch.compile`` mode that compiles (``fullgraph=True``, else
+    ``False``; a later mode only when an earlier one compiled), warmed up; returns each
+    mode's compile record (its compile seconds, or why it failed)."""
+    compile_info: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        name = f"compile[{mode}]"
+        info: dict[str, Any] = {"mode": mode}
+        compile_info[name] = info
+        if mode != modes[0] and not any(v.get("ok") for v in compile_info.values() if v is not info):
+            info.update(ok=False, skipped="the first mode did not compile")
+            continue
+        for fullgraph in (True, False):
+            fn = compiled(hf_model.forward, mode, fullgraph)
+            runner = StaticRunner(hf_model, max_cache_len, step_fn=fn)
+            try:
+                t0 = time.perf_counter()
+                firsts = warm(name, runner, prompts, steps)
+                info.update(
+                    ok=True,
+                    fullgraph=fullgraph,
+                    warmup_s=time.perf_counter() - t0,
+                    compile_s={cat: round(v, 3) for cat, v in firsts.items()},
+                )
+                runners[name] = runner
+                break
+            except Exception as e:  # noqa: BLE001 - record why the compile failed
+                err = f"{type(e).__name__}: {e}"
+                logger.warning("%s fullgraph=%s failed: %s", name, fullgraph, err.splitlines()[0][:300])
+                info[f"error_fullgraph_{fullgraph}"] = err[:4000]
+                info[f"traceback_fullgraph_{fullgraph}"] = traceback.format_exc()[-4000:]
+                info["ok"] = False
+    return compile_info
+
+
+def interleaved(
+    runners: dict[str, Any], prompts: dict[str, list[int]], rounds: int, steps: int
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[int]]]]:
+    """``rounds`` rounds of every runner on every prompt, the order rotating each round:
+    (ms per step of each measurement, the greedy tokens), per runner and prompt."""
+    names = list(runners)
+    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in prompts} for n in names}
+    tokens: dict[str, dict[str, list[int]]] = {n: {} for n in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for cat, ids in prompts.items():
+            for name in order:
+                toks, secs, _ = runners[name].run(ids, steps)
+                times[name][cat].append(1000.0 * secs / steps)
+                prev = tokens[name].get(cat)
+                if prev is not None and prev != toks:
+                    logger.warning("%s %s: tokens changed between rounds", name, cat)
+                tokens[name][cat] = toks
+        logger.info("round %d done", r + 1)
+    return times, tokens
+
+
+def summarise(
+    times: dict[str, dict[str, list[float]]], tokens: dict[str, dict[str, list[int]]], cats: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Best and median ms per runner and prompt, and whether its tokens agree with
+    ``native``'s (the first divergence if not)."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in times:
+        results[name] = {}
+        for cat in cats:
+            ms = times[name][cat]
+            div = first_divergence(tokens["native"][cat], tokens[name][cat])
+            results[name][cat] = {
+                "ms_best": round(min(ms), 3),
+                "ms_median": round(statistics.median(ms), 3),
+                "ms_all": [round(v, 3) for v in ms],
+                "tokens_agree_with_native": div is None,
+                "first_divergence": div,
+            }
+    return results
+
+
+def print_table(
+    results: dict[str, dict[str, Any]], compile_info: dict[str, dict[str, Any]], names: list[str], cats: list[str]
+) -> None:
+    """The table of ``results`` and each compile mode's outcome, on stdout."""
+    header = f"{'method':44s}" + "".join(f" {c + ' best':>11s} {c + ' med':>10s} {'agree':>6s}" for c in cats)
+    lines = [header, "-" * len(header)]
+    for name in names:
+        row = f"{name:44s}"
+        for cat in cats:
+            res = results[name][cat]
+            agree = "yes" if res["tokens_agree_with_native"] else f"@{res['first_divergence']}"
+            row += f" {res['ms_best']:11.2f} {res['ms_median']:10.2f} {agree:>6s}"
+        lines.append(row)
+    print("\n".join(lines))
+    for name, info in compile_info.items():
+        if info.get("ok"):
+            print(f"{name}: fullgraph={info['fullgraph']}, first compiled call (compile) s: {info['compile_s']}")
+        else:
+            err = info.get("skipped") or next((v for k, v in info.items() if k.startswith("error")), "?")
+            print(f"{name}: FAILED: {err.splitlines()[0][:200]}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per measurement (default 64)")
@@ -237,98 +356,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if native_f32 is not None:
         runners["native_f32"] = NativeRunner(native_f32)
     runners["hf_eager"] = StaticRunner(hf_model, max_cache_len)
-    compile_info: dict[str, dict[str, Any]] = {}
-    results: dict[str, dict[str, Any]] = {}
-
-    def warm(name: str, runner: Any) -> dict[str, float]:
-        firsts = {}
-        for cat, ids in prompts.items():
-            t0 = time.perf_counter()
-            _, _, first = runner.run(ids, args.steps)
-            firsts[cat] = first
-            logger.info("warm-up %s %s: %.1f s (first step %.2f s)", name, cat, time.perf_counter() - t0, first)
-        return firsts
-
     for name in list(runners):
-        warm(name, runners[name])
-
+        warm(name, runners[name], prompts, args.steps)
     modes = [m for m in args.modes.split(",") if m]
-    for mode in modes:
-        name = f"compile[{mode}]"
-        info: dict[str, Any] = {"mode": mode}
-        compile_info[name] = info
-        if mode != modes[0] and not any(v.get("ok") for v in compile_info.values() if v is not info):
-            info.update(ok=False, skipped="the first mode did not compile")
-            continue
-        for fullgraph in (True, False):
-            fn = compiled(hf_model.forward, mode, fullgraph)
-            runner = StaticRunner(hf_model, max_cache_len, step_fn=fn)
-            try:
-                t0 = time.perf_counter()
-                firsts = warm(name, runner)
-                info.update(
-                    ok=True,
-                    fullgraph=fullgraph,
-                    warmup_s=time.perf_counter() - t0,
-                    compile_s={cat: round(v, 3) for cat, v in firsts.items()},
-                )
-                runners[name] = runner
-                break
-            except Exception as e:  # noqa: BLE001 - record why the compile failed
-                err = f"{type(e).__name__}: {e}"
-                logger.warning("%s fullgraph=%s failed: %s", name, fullgraph, err.splitlines()[0][:300])
-                info[f"error_fullgraph_{fullgraph}"] = err[:4000]
-                info[f"traceback_fullgraph_{fullgraph}"] = traceback.format_exc()[-4000:]
-                info["ok"] = False
-
-    # interleaved rounds (the order rotates each round)
-    names = list(runners)
-    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in prompts} for n in names}
-    tokens: dict[str, dict[str, list[int]]] = {n: {} for n in names}
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for cat, ids in prompts.items():
-            for name in order:
-                toks, secs, _ = runners[name].run(ids, args.steps)
-                times[name][cat].append(1000.0 * secs / args.steps)
-                prev = tokens[name].get(cat)
-                if prev is not None and prev != toks:
-                    logger.warning("%s %s: tokens changed between rounds", name, cat)
-                tokens[name][cat] = toks
-        logger.info("round %d done", r + 1)
-
-    for name in names:
-        results[name] = {}
-        for cat in prompts:
-            ms = times[name][cat]
-            div = first_divergence(tokens["native"][cat], tokens[name][cat])
-            results[name][cat] = {
-                "ms_best": round(min(ms), 3),
-                "ms_median": round(statistics.median(ms), 3),
-                "ms_all": [round(v, 3) for v in ms],
-                "tokens_agree_with_native": div is None,
-                "first_divergence": div,
-            }
-
-    cats = list(prompts)
-    header = f"{'method':44s}" + "".join(f" {c + ' best':>11s} {c + ' med':>10s} {'agree':>6s}" for c in cats)
-    lines = [header, "-" * len(header)]
-    for name in names:
-        row = f"{name:44s}"
-        for cat in cats:
-            res = results[name][cat]
-            agree = "yes" if res["tokens_agree_with_native"] else f"@{res['first_divergence']}"
-            row += f" {res['ms_best']:11.2f} {res['ms_median']:10.2f} {agree:>6s}"
-        lines.append(row)
+    compile_info = add_compiled(runners, hf_model, max_cache_len, modes, prompts, args.steps)
+    times, tokens = interleaved(runners, prompts, args.rounds, args.steps)
+    results = summarise(times, tokens, list(prompts))
+    names, cats = list(runners), list(prompts)
     print(f"ms per decode step, {args.steps} steps, {args.rounds} rounds, {args.threads} threads")
     print("contexts: " + ", ".join(f"{c} {len(ids)} tokens" for c, ids in prompts.items()))
-    print("\n".join(lines))
-    for name, info in compile_info.items():
-        if info.get("ok"):
-            print(f"{name}: fullgraph={info['fullgraph']}, first compiled call (compile) s: {info['compile_s']}")
-        else:
-            err = info.get("skipped") or next((v for k, v in info.items() if k.startswith("error")), "?")
-            print(f"{name}: FAILED: {err.splitlines()[0][:200]}")
+    print_table(results, compile_info, names, cats)
 
     if args.json:
         payload = {

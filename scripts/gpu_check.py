@@ -136,9 +136,9 @@ def _cuda_engine(
     target=None,
     latency=None,
 ):
-    """An Engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
-    drafter (``drafts=False``: plain decoding; ``drafting="retrieval"``: its retrieval part
-    alone, no head), its latency model measured on the CUDA step (q 1-64 with
+    """An engine over the CUDA backend sharing ``base``'s transformers model, tokenizer and
+    drafter (:func:`ragspec.loading.engine_on_target`; ``drafts=False``: plain decoding;
+    ``drafting="retrieval"``: its retrieval part alone, no head), its latency model measured on the CUDA step (q 1-64 with
     synchronisation on CUDA) unless ``calibrate`` is off, its draft budget ``budget``, or
     with ``budget`` 0 GPU-sized from that latency table
     (:func:`ragspec.backend.cuda.gpu_draft_policy`: 16-64 nodes). ``target``: an existing
@@ -148,8 +148,7 @@ def _cuda_engine(
 
     from ragspec.backend.cuda import gpu_draft_policy, load_cuda_target
     from ragspec.calibrate import measure_latency_model
-    from ragspec.engine import Engine
-    from ragspec.loading import compose_drafter
+    from ragspec.loading import compose_drafter, engine_on_target
 
     if target is None:
         target = load_cuda_target(base.model, numerics=numerics, max_slots=slots, context=context, graphs=graphs)
@@ -165,8 +164,7 @@ def _cuda_engine(
     if drafts:
         print(f"# CUDA {numerics}: draft budget {policy.max_draft_tokens}, step rows {policy.max_step_rows}"
               + ("" if budget > 0 else " (from its latency table)"), flush=True)  # fmt: skip
-    return Engine(target, base.tokenizer, drafter=drafter, policy=policy, latency=latency,
-                  eos_token_ids=base.eos_token_ids, model_name=base.model_name, parts=base.parts)  # fmt: skip
+    return engine_on_target(base, target, drafter=drafter, policy=policy, latency=latency)
 
 
 def cmd_cuda_micro(args) -> int:
@@ -221,7 +219,7 @@ def cmd_concurrent(args) -> int:
     speculative against plain; the drafter's time per step."""
     from ragspec import load_engine
     from ragspec.bench import runner as bench
-    from ragspec.bench.data import load_prompts
+    from ragspec.specbench import load_prompts
     from ragspec.config import PolicyConfig
 
     if _cuda_backend() is None:
@@ -311,7 +309,7 @@ def cmd_bench(args) -> int:
 
     from ragspec import load_engine
     from ragspec.bench import runner as bench
-    from ragspec.bench.data import load_prompts
+    from ragspec.specbench import load_prompts
     from ragspec.config import PolicyConfig
 
     if args.dtype in ("fp32", "float32"):
@@ -545,10 +543,81 @@ def _cuda_lines(dirs, gb: dict, gf: dict, st: dict) -> list:
     return lines
 
 
-def cmd_table(args) -> int:
-    """One compact table from the JSON files of both device calls."""
+def _group_rows(res) -> dict:
+    """A bench result's records by category (in :data:`CATEGORIES`' order) and ``"all"``."""
+    out: dict = {}
+    if not res:
+        return out
+    for r in res["records"]:
+        cat = r["category"]
+        for g in (cat, "all"):
+            out.setdefault(g, []).append(r)
+    return {g: out[g] for g in [c for c in CATEGORIES if c in out] + ["all"] if g in out}
+
+
+def _budget_tps(records, b):
+    """ragspec's tokens/s over ``records`` at draft budget ``b`` (nan: none ran at it)."""
+    if not records:
+        return float("nan")
+    if records[0].get("max_draft_tokens") == b:
+        return _tps(sum(r["ragspec_tokens"] for r in records), sum(r["ragspec_s"] for r in records))
+    ms = [r["more_budgets"][str(b)] for r in records if str(b) in r.get("more_budgets", {})]
+    return _tps(sum(m["tokens"] for m in ms), sum(m["s"] for m in ms)) if ms else float("nan")
+
+
+def _ident(records, b) -> str:
+    """How many of ``records`` at draft budget ``b`` are token-identical to the baseline."""
     from ragspec.bench.records import format_identity
 
+    if not records:
+        return "-"
+    if records[0].get("max_draft_tokens") == b:
+        pairs = [(r["identical"], r["first_diff"]) for r in records]
+    else:
+        pairs = [(m["identical"], m["first_diff"]) for r in records
+                 for m in [r.get("more_budgets", {}).get(str(b))] if m]  # fmt: skip
+    if not pairs:
+        return "-"
+    return format_identity(sum(bool(i) for i, _ in pairs), len(pairs), [d for i, d in pairs if not i and d >= 0])
+
+
+def _test_and_stage_lines(dirs) -> list:
+    """The table's last lines: the GPU and e2e test results (JUnit files) and each call's
+    stages with their exit status and seconds."""
+    lines: list = []
+    for name, label in (
+        ("tests-gpu.xml", "tests/gpu/test_cuda_backend.py"),
+        ("tests-gpu-real.xml", "tests/gpu (real model)"),
+        ("tests-e2e.xml", "tests/e2e identity (fp32)"),
+    ):
+        res = _junit(dirs, name)
+        if res is None:
+            if name == "tests-gpu.xml":
+                lines.append(f"{label}: not run")
+            continue
+        tot, failed = res
+        passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+        lines.append(f"{label}: {passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped"
+                     + (f"; FAILED: {', '.join(failed[:12])}" if failed else ""))  # fmt: skip
+    seen = set()
+    for d in dirs:
+        for p in sorted(Path(d).glob("stages*.tsv")):
+            if p.name in seen:  # (the first call's, in this call's results and on the machine)
+                continue
+            seen.add(p.name)
+            stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
+            lines.append(
+                f"stages ({p}): "
+                + ", ".join(
+                    f"{s[0]} {'ok' if s[1] == '0' else s[1] if s[1] == 'skipped' else 'rc=' + s[1]} {float(s[2]):.0f}s"
+                    for s in stages
+                )
+            )
+    return lines
+
+
+def cmd_table(args) -> int:
+    """One compact table from the JSON files of both device calls."""
     dirs = args.dir
     bf16, fp32, micro = _load(dirs, "bench-bf16.json"), _load(dirs, "bench-fp32.json"), _load(dirs, "cuda-micro.json")
     env = (bf16 or fp32 or {}).get("settings", {}).get("env") or (micro or {}).get("env") or {}
@@ -586,17 +655,7 @@ def cmd_table(args) -> int:
         "-" * len(head),
     ]
 
-    def group_rows(res):
-        out = {}
-        if not res:
-            return out
-        for r in res["records"]:
-            cat = r["category"]
-            for g in (cat, "all"):
-                out.setdefault(g, []).append(r)
-        return {g: out[g] for g in [c for c in CATEGORIES if c in out] + ["all"] if g in out}
-
-    gb, gf = group_rows(bf16), group_rows(fp32)
+    gb, gf = _group_rows(bf16), _group_rows(fp32)
     budgets = (st.get("budgets") or [8, 32])[:2]
     for g in list(gb) or list(gf):
         rs = gb.get(g, [])
@@ -605,67 +664,16 @@ def cmd_table(args) -> int:
         static = _tps(sum(r["static_tokens"] for r in stat), sum(r["static_s"] for r in stat)) if stat else float("nan")
         pld = [r for r in rs if r.get("hf_pld_s")]
         pld_tps = _tps(sum(r["hf_pld_tokens"] for r in pld), sum(r["hf_pld_s"] for r in pld)) if pld else float("nan")
-
-        def budget_tps(records, b):
-            if not records:
-                return float("nan")
-            if records[0].get("max_draft_tokens") == b:
-                return _tps(sum(r["ragspec_tokens"] for r in records), sum(r["ragspec_s"] for r in records))
-            ms = [r["more_budgets"][str(b)] for r in records if str(b) in r.get("more_budgets", {})]
-            return _tps(sum(m["tokens"] for m in ms), sum(m["s"] for m in ms)) if ms else float("nan")
-
-        def ident(records, b):
-            if not records:
-                return "-"
-            if records[0].get("max_draft_tokens") == b:
-                pairs = [(r["identical"], r["first_diff"]) for r in records]
-            else:
-                pairs = [(m["identical"], m["first_diff"]) for r in records
-                         for m in [r.get("more_budgets", {}).get(str(b))] if m]  # fmt: skip
-            if not pairs:
-                return "-"
-            return format_identity(
-                sum(bool(i) for i, _ in pairs), len(pairs), [d for i, d in pairs if not i and d >= 0]
-            )
-
-        t8 = budget_tps(rs, budgets[0])
-        t32 = budget_tps(rs, budgets[-1])
+        t8 = _budget_tps(rs, budgets[0])
+        t32 = _budget_tps(rs, budgets[-1])
         fr = gf.get(g, [])
         lines.append(
             f"{g:<14}{len(rs) or len(fr):>3}{_fmt(base, 10)}{_fmt(static, 9)}{_fmt(pld_tps, 9)}{_fmt(t8, 9)}{_fmt(t32, 9)}"
             f"{_fmt(t8 / base if base else float('nan'), 7, 2)}{_fmt(t32 / base if base else float('nan'), 7, 2)}"
-            f"  {ident(rs, budgets[0]) + ' | ' + ident(rs, budgets[-1]):<26}{ident(fr, budgets[0]) + ' | ' + ident(fr, budgets[-1]):<24}"
+            f"  {_ident(rs, budgets[0]) + ' | ' + _ident(rs, budgets[-1]):<26}{_ident(fr, budgets[0]) + ' | ' + _ident(fr, budgets[-1]):<24}"
         )
-    lines += _cuda_lines(dirs, gb, group_rows(fp32), st)
-
-    for name, label in (
-        ("tests-gpu.xml", "tests/gpu/test_cuda_backend.py"),
-        ("tests-gpu-real.xml", "tests/gpu (real model)"),
-        ("tests-e2e.xml", "tests/e2e identity (fp32)"),
-    ):
-        res = _junit(dirs, name)
-        if res is None:
-            if name == "tests-gpu.xml":
-                lines.append(f"{label}: not run")
-            continue
-        tot, failed = res
-        passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
-        lines.append(f"{label}: {passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped"
-                     + (f"; FAILED: {', '.join(failed[:12])}" if failed else ""))  # fmt: skip
-    seen = set()
-    for d in dirs:
-        for p in sorted(Path(d).glob("stages*.tsv")):
-            if p.name in seen:  # (the first call's, in this call's results and on the machine)
-                continue
-            seen.add(p.name)
-            stages = [line.split("\t") for line in p.read_text().splitlines() if line.strip()]
-            lines.append(
-                f"stages ({p}): "
-                + ", ".join(
-                    f"{s[0]} {'ok' if s[1] == '0' else s[1] if s[1] == 'skipped' else 'rc=' + s[1]} {float(s[2]):.0f}s"
-                    for s in stages
-                )
-            )
+    lines += _cuda_lines(dirs, gb, _group_rows(fp32), st)
+    lines += _test_and_stage_lines(dirs)
     lines.append("=" * 100)
     print("\n".join(lines))
     return 0

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ragspec.bench.data import DEFAULT_DATA, load_prompts  # noqa: E402
+from ragspec.specbench import DEFAULT_DATA, load_prompts  # noqa: E402
 
 COUNTERS = {
     "latency": r'ragspec_request_latency_seconds_sum\{endpoint="/v1/chat/completions"\} ([0-9.e+-]+)',

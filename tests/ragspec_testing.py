@@ -27,6 +27,40 @@ def make_char_tokenizer():
     return tok
 
 
+JSON_TOKENS = ('{"', '": ', '", "', ", ", "true", "false", "null", '"}')
+"""The multi-character tokens of :func:`make_json_tokenizer` (never produced by its
+encoder: a model may still emit them, as a real model emits non-canonical tokenizations)."""
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "quotes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["answer", "quotes"],
+    "additionalProperties": False,
+}
+"""A JSON schema of the structured-output tests: an answer and its quotes, short enough that
+a random model's constrained output ends within a hundred tokens."""
+
+
+def make_json_tokenizer():
+    """A character-level fast tokenizer that can spell JSON: ids 0-2 are <unk>, <s>, </s>;
+    then printable characters with the brackets and underscores, then :data:`JSON_TOKENS`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(string.ascii_letters + string.digits + " .,;:!?'\"-\n(){}[]_"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in [*chars, *JSON_TOKENS]:
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def make_tiny_llama(
     vocab_size: int = 96,
     seed: int = 0,

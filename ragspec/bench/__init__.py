@@ -3,7 +3,6 @@
 It builds engines through :mod:`ragspec.loading` and measures them; nothing in the engine
 imports it.
 
-- :mod:`~ragspec.bench.data`: Spec-Bench rows (``load_prompts``) and category groups.
 - :mod:`~ragspec.bench.records`: one prompt's record (``BenchRecord``) and its identity to
   the baseline.
 - :mod:`~ragspec.bench.runner`: ``ragspec bench``, ragspec against plain transformers
@@ -20,5 +19,8 @@ imports it.
 - :mod:`~ragspec.bench.eagle`: ``ragspec eagle bench``, several drafter sets at once.
 - :mod:`~ragspec.bench.cli`: the ``ragspec bench`` options and commands.
 
-The package imports none of its modules here, so ``import ragspec.bench.data`` stays light.
+Its prompts are Spec-Bench rows, read by :mod:`ragspec.specbench` (also the EAGLE
+trainer's and ``ragspec summarize --specbench``'s).
+
+The package imports none of its modules here, so ``import ragspec.bench.records`` stays light.
 """

@@ -1,11 +1,11 @@
 """``ragspec bench``: its options and its commands (the bench itself, ``--replay``,
-``--profile-step``, ``--concurrency``, ``--processors``, ``--serve``).
+``--profile-step``, ``--concurrency``, ``--processors``, ``--serve``, ``--structured``).
 
 Registered by :func:`ragspec.cli.build_parser` through :func:`add_bench_command`. The
 measuring lives in the modules beside this one (:mod:`~ragspec.bench.runner`,
 :mod:`~ragspec.bench.replay`, :mod:`~ragspec.bench.profile`,
 :mod:`~ragspec.bench.concurrency`, :mod:`~ragspec.bench.compare`, :mod:`~ragspec.bench.serve`); this module parses the
-options, builds the engine (:func:`ragspec.cli_common.engine_from_args`) and prints.
+options, builds the engine (:func:`ragspec.cli.common.engine_from_args`) and prints.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..backend.base import Capability, SpeedUps
-from ..cli_common import add_model_args, engine_from_args
+from ..cli.common import add_model_args, engine_from_args
 from ..config import check_drafting
 from ..errors import ConfigError
-from .data import DEFAULT_DATA, category_group, load_prompts
+from ..specbench import DEFAULT_DATA, category_group, load_prompts
 from .serve import SERVE_PHASES
 
 __all__ = [
@@ -165,13 +165,22 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
         "--llama-server",
         default=None,
         metavar="PATH",
-        help="with --serve: the llama-server binary (default: llama-server on PATH; none: ragspec only)",
+        help="with --serve or --structured: the llama-server binary (default: llama-server on PATH; none: "
+        "ragspec only)",
     )
     b.add_argument(
         "--serve-timeout",
         type=float,
         default=600.0,
-        help="with --serve: seconds a server may take to be ready, and each request (default 600)",
+        help="with --serve or --structured: seconds a server may take to be ready, and each request (default 600)",
+    )
+    # --structured: ragspec.bench.structured (a JSON extraction: constrained, plain, free; llama-server)
+    b.add_argument(
+        "--structured",
+        action="store_true",
+        help="time structured outputs on a RAG extraction (each rag prompt's answer as JSON with quotes, greedy): "
+        "constrained with drafts, constrained plain, unconstrained with drafts, and llama-server with the same "
+        "json_schema (--llama-server PATH) (ragspec/bench/structured.py); default categories rag, --limit 8",
     )
     b.add_argument(
         "--serve-source",
@@ -312,6 +321,10 @@ def _check_bench_outputs(args) -> None:
             raise ConfigError(f"--{opt} {out}: its folder {out.parent} does not exist")
     if getattr(args, "concurrency", None) and getattr(args, "replay", None):
         raise ConfigError("--concurrency and --replay are separate benchmarks: give one of them")
+    if getattr(args, "structured", False) and (getattr(args, "serve", False) or getattr(args, "concurrency", None)):
+        raise ConfigError("--structured is a benchmark of its own: not with --serve or --concurrency")
+    if getattr(args, "structured", False) and getattr(args, "temperature", 0.0) != 0:
+        raise ConfigError("--structured times greedy extractions: use --temperature 0")
     if getattr(args, "serve", False):
         other = [
             f"--{o.replace('_', '-')}"
@@ -338,6 +351,10 @@ def cmd_bench(args) -> int:
         return cmd_serve_bench(args)
     if getattr(args, "prefix_cache_tokens", None) is None:
         args.prefix_cache_tokens = 0  # off: every method prefills its prompts itself
+    if getattr(args, "structured", False):
+        from .structured import cmd_structured_bench
+
+        return cmd_structured_bench(args)
     if getattr(args, "concurrency", None):
         return cmd_concurrency(args)
     if getattr(args, "processors", False):

@@ -1,7 +1,7 @@
 """``ragspec eagle bench``: ``ragspec bench`` for several drafter sets at once (the EAGLE head
 alone, prompt lookup alone, both, merged, longest match), interleaved prompt by prompt.
 
-Its options are registered by :func:`ragspec.eagle.cli.add_eagle_commands`, which calls
+Its options are registered by :func:`ragspec.cli.eagle.add_eagle_commands`, which calls
 :func:`run_eagle_bench`.
 """
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
-from .data import load_prompts
+from ..specbench import load_prompts
 
 __all__ = ["make_drafter", "run_eagle_bench"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from ..engine import Engine
-from .data import category_group
+from ..specbench import category_group
 
 __all__ = ["VARIANTS", "ProcessorsRecord", "run_processors_bench", "summarize_processors", "format_processors_table"]
 

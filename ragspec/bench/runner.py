@@ -35,8 +35,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
+from ..specbench import category_group
 from .compare import compare_entry, format_compare_table, summarize_compare
-from .data import category_group
 from .records import BenchRecord, first_diff, format_identity
 
 logger = logging.getLogger(__name__)

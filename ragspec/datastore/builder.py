@@ -490,6 +490,40 @@ def _html_text_pieces(pieces: Iterable[str]) -> Iterator[str]:
     yield from lines_of("".join(parser.parts), True)
 
 
+def _stream_input(
+    path: Optional[Path],
+    stdin: Optional[TextIO],
+    field: str,
+    strict: bool,
+    tokenizer: Any,
+    si: int,
+    sources: list[dict[str, Any]],
+    chunk_bytes: int,
+    update: Optional[Any],
+) -> tuple[_Source, _Ids]:
+    """One input streamed in chunks (:func:`_stream_source`): the file at ``path`` (its kind
+    from its suffix), or JSONL on standard input (``path`` None). Returns (its record, its
+    documents' token ids).
+
+    Raises:
+        DatastoreError: the input cannot be read.
+    """
+    where = "-" if path is None else str(path)
+    try:
+        if path is None:
+            src, ids = _stream_source(
+                _binary_stdin(stdin), "<stdin>", "jsonl", field, strict, tokenizer, si, sources, chunk_bytes, update
+            )
+            src.path = "-"
+            return src, ids
+        suffix = path.suffix.lower()
+        file_kind = "jsonl" if suffix in JSONL_SUFFIXES else "html" if suffix in HTML_SUFFIXES else "text"
+        with open(path, "rb") as f:
+            return _stream_source(f, where, file_kind, field, strict, tokenizer, si, sources, chunk_bytes, update)
+    except OSError as e:
+        raise DatastoreError(f"cannot read {where!r}: {e.strerror or e}") from e
+
+
 def _tokenize_inputs(
     inputs: Sequence[str | os.PathLike],
     tokenizer: Any,
@@ -551,25 +585,8 @@ def _tokenize_inputs(
                 where = "-" if path is None else str(path)
                 si = len(sources)
                 sources.append({"path": where})  # a placeholder: the record needs the whole stream
-                try:
-                    if path is None:
-                        src, ids = _stream_source(
-                            _binary_stdin(stdin), "<stdin>", "jsonl", field, strict, tokenizer, si, sources,
-                            chunk_bytes, bar.update if bar is not None else None,
-                        )  # fmt: skip
-                        src.path = "-"
-                    else:
-                        suffix = path.suffix.lower()
-                        file_kind = (
-                            "jsonl" if suffix in JSONL_SUFFIXES else "html" if suffix in HTML_SUFFIXES else "text"
-                        )
-                        with open(path, "rb") as f:
-                            src, ids = _stream_source(
-                                f, where, file_kind, field, strict, tokenizer, si, sources, chunk_bytes,
-                                bar.update if bar is not None else None,
-                            )  # fmt: skip
-                except OSError as e:
-                    raise DatastoreError(f"cannot read {where!r}: {e.strerror or e}") from e
+                update = bar.update if bar is not None else None
+                src, ids = _stream_input(path, stdin, field, strict, tokenizer, si, sources, chunk_bytes, update)
                 sources.pop()
                 record(src)
                 out.extend(ids)

@@ -1,10 +1,10 @@
 """The EAGLE draft head: the learned fallback when retrieval finds nothing to copy.
 
 * :mod:`ragspec.eagle.head`: the head, its fingerprints, save/load, the shipped heads;
-* :mod:`ragspec.eagle.drafter`: EAGLE-2 dynamic draft trees from a head;
-* :mod:`ragspec.eagle.train`: self-distillation training (its data in
-  :mod:`ragspec.eagle.train_data`, its loss and loop in :mod:`ragspec.eagle.train_loop`);
-* :mod:`ragspec.eagle.cli`: ``ragspec eagle`` (train, info, bench).
+* :mod:`ragspec.eagle.drafter`: EAGLE-2 dynamic draft trees from a head.
+
+Training a head is :mod:`ragspec.training`, its command ``ragspec eagle``
+:mod:`ragspec.cli.eagle`: both on the house's top floor, above the drafters.
 """
 
 from ..deprecation import moved_names

@@ -43,7 +43,7 @@ probabilities at all.
 
 The head reads the target only through the backend's named capabilities
 (:class:`~ragspec.backend.base.Capability`: the embeddings, the decoder layout). Drafting
-with it is :mod:`ragspec.eagle.drafter`; training :mod:`ragspec.eagle.train`.
+with it is :mod:`ragspec.eagle.drafter`; training :mod:`ragspec.training`.
 """
 
 from __future__ import annotations

@@ -161,49 +161,11 @@ def _say_ready(where: str) -> None:
     print(f"ragspec serve: {where} (Ctrl-C stops)", file=sys.stderr, flush=True)
 
 
-def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve`` to the main CLI's subparsers (``func=cmd_serve``)."""
-    p = subparsers.add_parser(
-        "serve",
-        help="REST service: OpenAI-compatible completions and chat, /v1/summarize, /metrics",
-        description="Serve the model over HTTP. Options fall back to RAGSPEC_* environment variables.",
-    )
-    from ragspec.cli_common import add_model_args
-
-    add_model_args(p, datastore=False)
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; RAGSPEC_HOST)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default 8000; RAGSPEC_PORT)")
-    p.add_argument(
-        "--datastore",
-        action="append",
-        metavar="NAME=DIR",
-        help="a datastore requests may name (repeatable; the first is the default; RAGSPEC_DATASTORES)",
-    )
-    p.add_argument(
-        "--eagle",
-        default=None,
-        help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys (the flag repeated, or keys "
-        "separated by commas), one per tenant: each its own cache partition and share of the queue "
-        "(RAGSPEC_API_KEY, keys separated by commas)",
-    )
-    p.add_argument(
-        "--admin-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="keys that may also add documents to the datastores (POST /v1/datastores/NAME/documents) and see their "
-        "sizes; API keys too; several (the flag repeated, or keys separated by commas). With keys, other keys cannot write (RAGSPEC_ADMIN_KEY)",
-    )
-    p.add_argument(
-        "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"
-    )
+def _add_step_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options of how requests are served: the queue, the requests stepped
+    together, each step's token budget, chunked prefill and the prefix cache, and what a
+    request that says nothing gets (its ``max_tokens``, speculation), calibration and the
+    model's name."""
     p.add_argument(
         "--max-queue", type=int, default=None, help="requests waiting beyond the active ones; more get 429 (default 32)"
     )
@@ -236,6 +198,11 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         "--no-speculation", action="store_true", help="plain decoding unless a request sets speculative=true"
     )
     p.add_argument("--no-calibrate", action="store_true", help="skip measuring the forward latency at start-up")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s limits on what a request may send, and how slowly (each refused with a
+    status code before it costs a step)."""
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -288,6 +255,53 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
         help="requests one client (API key, else address) may have in the server at once; more get 429 "
         "(default: 3/4 of --max-active + --max-queue; 0 = no limit; RAGSPEC_MAX_CLIENT_REQUESTS)",
     )
+
+
+def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the main CLI's subparsers (``func=cmd_serve``)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="REST service: OpenAI-compatible completions and chat, /v1/summarize, /metrics",
+        description="Serve the model over HTTP. Options fall back to RAGSPEC_* environment variables.",
+    )
+    from ragspec.cli.common import add_model_args
+
+    add_model_args(p, datastore=False)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; RAGSPEC_HOST)")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default 8000; RAGSPEC_PORT)")
+    p.add_argument(
+        "--datastore",
+        action="append",
+        metavar="NAME=DIR",
+        help="a datastore requests may name (repeatable; the first is the default; RAGSPEC_DATASTORES)",
+    )
+    p.add_argument(
+        "--eagle",
+        default=None,
+        help="EAGLE draft head directory, 'auto' (default: the head shipped for the model) or 'none' (RAGSPEC_EAGLE)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; several keys (the flag repeated, or keys "
+        "separated by commas), one per tenant: each its own cache partition and share of the queue "
+        "(RAGSPEC_API_KEY, keys separated by commas)",
+    )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="keys that may also add documents to the datastores (POST /v1/datastores/NAME/documents) and see their "
+        "sizes; API keys too; several (the flag repeated, or keys separated by commas). With keys, other keys cannot write (RAGSPEC_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the API key (RAGSPEC_PUBLIC_METRICS)"
+    )
+    _add_step_args(p)
+    _add_limit_args(p)
     p.add_argument(
         "--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json (RAGSPEC_DOCS=0)"
     )

@@ -25,6 +25,13 @@ of one of the engine's datastores to draft from), and OpenAI's ``n``, ``logprobs
 raises ``TypeError``. They and the fields become one :class:`~ragspec.params.RequestParams`
 per call (:meth:`_RagspecBase.request_params`).
 
+Structured outputs: a call's ``response_format`` (OpenAI's mapping, a JSON schema, a
+Pydantic model or a TypedDict) constrains its output (:mod:`ragspec.structured`; exact
+under speculation, the grammar's forced tokens drafted); ``ChatRagspec.bind_tools`` and
+``ChatRagspec.with_structured_output`` (``method="json_schema"``, ``"function_calling"``,
+``"json_mode"``; ``include_raw``) work as ``ChatOpenAI``'s, tool calls in
+``AIMessage.tool_calls`` (:mod:`ragspec.integrations.langchain_structured`).
+
 Log-probabilities (``logprobs=True``, ``top_logprobs=k``) come as ``ChatOpenAI`` and
 LangChain's ``OpenAI`` give them: ``ChatRagspec`` replies in
 ``response_metadata["logprobs"]`` (``{"content": [{"token", "logprob", "bytes",
@@ -32,10 +39,6 @@ LangChain's ``OpenAI`` give them: ``ChatRagspec`` replies in
 ``generation_info["logprobs"]`` (the legacy ``tokens``, ``token_logprobs``,
 ``top_logprobs``, ``text_offset``). ``n`` choices: ``generate`` returns all of them (one
 prefill shared), ``invoke`` the first; a stream is one choice.
-
-Not supported yet: tool calling and schema-constrained output (``bind_tools``,
-``with_structured_output``, ``tools=`` / ``response_format=`` arguments); they raise
-:class:`~ragspec.errors.UnsupportedError` (a ``NotImplementedError``) naming the call.
 
 Each generation's drafting statistics (vLLM's per-request names, as the server's
 ``usage.speculative_decoding``) are in its metadata under ``"speculative_decoding"``
@@ -82,8 +85,18 @@ from ragspec.params import RequestParams
 from ragspec.prompts import Messages, PreparedPrompt, Prompt
 from ragspec.types import GenerationStats, StreamChunk, TokenLogprob
 
+from .langchain_structured import (
+    STRUCTURED_KWARGS,
+    ToolChunks,
+    call_constraint,
+    openai_tools,
+    structured_output,
+    tool_choice_of,
+    tool_message,
+)
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, shown_entries
 from .stepper import AsyncOutbox, Job, Stepper, ThreadOutbox, choice_makers
+from .tools import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +135,7 @@ _CALL_KWARGS = (
     "draft_documents",
     "datastore",
     *_SAMPLING_KWARGS,
+    *STRUCTURED_KWARGS,
 )
 
 Wrapper = TypeVar("Wrapper", bound="_RagspecBase")
@@ -163,21 +177,6 @@ def merge_stop(*lists: Optional[Sequence[str]]) -> list[str]:
             if s and s not in out:
                 out.append(s)
     return out
-
-
-_TOOL_KWARGS = ("tools", "tool_choice", "functions", "function_call", "response_format", "ls_structured_output_format")
-"""Call arguments of tool calling and structured output (what ``bind_tools`` and
-``with_structured_output`` bind), unsupported."""
-
-
-def _unsupported(what: str) -> UnsupportedError:
-    """The error of a LangChain call ragspec does not support: it names ``what`` and where
-    to look (tool calling and structured output are not supported yet)."""
-    return UnsupportedError(
-        f"{what} is not supported: ragspec's LangChain classes generate plain text, without tool calls or "
-        "schema-constrained output (yet). What they support: ragspec's docs/usage.md, section 'LangChain'. "
-        "Meanwhile, ask for JSON in the prompt and parse the answer (langchain_core.output_parsers.JsonOutputParser)."
-    )
 
 
 def stats_metadata(stats: Optional[GenerationStats], model_name: str = "") -> dict:
@@ -321,19 +320,13 @@ class _RagspecBase(BaseModel):
         added to the fields', the rest replacing them).
 
         Raises:
-            UnsupportedError: a tool-calling or structured-output argument (``tools``,
-                ``response_format`` ...).
             TypeError: an unknown keyword argument.
             ConfigError: a value out of range.
         """
         unknown = sorted(set(kwargs) - set(_CALL_KWARGS))
-        tooling = [k for k in unknown if k in _TOOL_KWARGS]
-        if tooling:
-            raise _unsupported(
-                f"{type(self).__name__}: the call argument(s) {tooling} (tool calling, structured output)"
-            )
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {list(_CALL_KWARGS)}")
+        fmt, _ = call_constraint(kwargs, self.engine.tokenizer)
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
         sampling = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_KWARGS}
         sampling["top_logprobs"] = sampling["top_logprobs"] or 0
@@ -350,6 +343,7 @@ class _RagspecBase(BaseModel):
             top_k=int(kwargs.get("top_k", self.top_k)),
             top_p=float(kwargs.get("top_p", self.top_p)),
             seed=kwargs.get("seed", self.seed),
+            response_format=fmt,
         )
 
     @property
@@ -367,9 +361,10 @@ class _RagspecBase(BaseModel):
         """What :meth:`Engine.prepare` reads for one LangChain input: (prompt, chat)."""
         raise NotImplementedError
 
-    def _prepare(self, value: Any, params: RequestParams) -> PreparedPrompt:
+    def _prepare(self, value: Any, params: RequestParams, plan: Optional[ToolPlan] = None) -> PreparedPrompt:
         prompt, chat = self._input(value)
-        return self.engine.prepare(prompt, params, chat=chat)
+        tools = plan.definitions() if plan is not None and plan.show_tools else ()
+        return self.engine.prepare(prompt, params, chat=chat, tools=tools)
 
     def _submit(
         self, values: Sequence[Any], stop: Optional[Sequence[str]], kwargs: dict, outbox, stream: bool = False
@@ -385,7 +380,10 @@ class _RagspecBase(BaseModel):
         if stream and params.n > 1:
             raise ConfigError(f"n={params.n}: a stream is one choice (use generate() for several)")
         engine = self.engine
-        prepared = [self._prepare(v, params) for v in values]
+        _, plan = call_constraint(kwargs, engine.tokenizer)
+        if plan is not None:
+            plan.check(engine.grammars.compile)  # an error names the tool
+        prepared = [self._prepare(v, params, plan) for v in values]
         makes = [make for p in prepared for make in choice_makers(engine, p, params)]
         return self.stepper.submit_many(makes, outbox), params.n
 
@@ -552,12 +550,17 @@ class RagspecLLM(_RagspecBase, LLM):
 
     # ------------------------------------------------------------------ LangChain hooks
     def with_structured_output(self, schema: dict[str, Any] | type, **kwargs: Any) -> NoReturn:
-        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
+        """Not for a text-completion model (as LangChain's own LLMs): raises
+        :class:`~ragspec.errors.UnsupportedError` naming what does it instead.
 
         Raises:
             UnsupportedError: always.
         """
-        raise _unsupported("RagspecLLM.with_structured_output (output constrained to a schema)")
+        raise UnsupportedError(
+            "RagspecLLM.with_structured_output is not supported: a text-completion LLM returns text. Use "
+            "ChatRagspec.with_structured_output(schema), or pass response_format=... to RagspecLLM per call "
+            "(ragspec's docs/usage.md, section 'LangChain')."
+        )
 
     def _call(
         self,
@@ -663,38 +666,95 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
     def _llm_type(self) -> str:
         return "ragspec-chat"
 
-    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> NoReturn:
-        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
-
-        Raises:
-            UnsupportedError: always.
-        """
-        raise _unsupported("ChatRagspec.bind_tools (tool calling)")
-
-    def with_structured_output(
-        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
-    ) -> NoReturn:
-        """Not supported yet: raises :class:`~ragspec.errors.UnsupportedError` naming it.
-
-        Raises:
-            UnsupportedError: always.
-        """
-        raise _unsupported("ChatRagspec.with_structured_output (output constrained to a schema)")
-
     def _input(self, value: Any) -> tuple[Messages, bool]:
         if not getattr(self.engine.tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template: use RagspecLLM for plain text prompts")
         return _chat_messages(value), True
 
-    def _message(self, out: _Output) -> AIMessage:
+    def _message(self, out: _Output, plan: Optional[ToolPlan] = None) -> AIMessage:
         metadata = stats_metadata(out.stats, self._display_name())
         if any(c.logprobs for c in out.chunks):
             entries = [e for c in out.chunks for e in self._shown(c)]
             metadata["logprobs"] = chat_logprobs(entries, TokenTexts(self.engine.tokenizer))
+        if plan is not None:
+            return tool_message(plan, out.text, response_metadata=metadata, usage_metadata=_usage(out.stats))
         return AIMessage(content=out.text, response_metadata=metadata, usage_metadata=_usage(out.stats))
 
-    def _result(self, outs: list[_Output]) -> ChatResult:
-        return ChatResult(generations=[ChatGeneration(message=self._message(o)) for o in outs])
+    def _result(self, outs: list[_Output], kwargs: Optional[dict] = None) -> ChatResult:
+        plan = call_constraint(kwargs, self.engine.tokenizer)[1] if kwargs else None
+        return ChatResult(generations=[ChatGeneration(message=self._message(o, plan)) for o in outs])
+
+    # ------------------------------------------------------------------ structured outputs
+    def bind_tools(
+        self,
+        tools: Sequence[Any],
+        *,
+        tool_choice: Any = None,
+        strict: Optional[bool] = None,
+        parallel_tool_calls: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """This model with ``tools`` (functions, Pydantic models, TypedDicts, ``BaseTool`` s
+        or OpenAI's definitions) on every call. ``tool_choice``: ``"auto"`` (the default:
+        the model decides, where its chat template declares tool use), ``"none"``,
+        ``"any"``/``"required"``/``True`` (a call is generated, under its function's
+        schema), or a tool's name. Replies carry the calls in ``tool_calls``."""
+        defs = openai_tools(tools, strict)
+        extra: dict[str, Any] = {"tools": defs, **kwargs}
+        if tool_choice is not None:
+            extra["tool_choice"] = tool_choice_of(tool_choice, defs)
+        if parallel_tool_calls is not None:
+            extra["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**extra)
+
+    def with_structured_output(
+        self,
+        schema: Any = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """A runnable returning ``schema``'s parsed object (a Pydantic model's instance;
+        a dict for a TypedDict or JSON schema), generated under it: ``method`` is
+        ``"json_schema"`` (the default: the schema as the response format),
+        ``"function_calling"`` (the schema as the one tool, called) or ``"json_mode"``
+        (any JSON object). ``include_raw``: ``{"raw", "parsed", "parsing_error"}``.
+
+        Raises:
+            ConfigError: an unknown method or keyword.
+        """
+        if kwargs:
+            raise ConfigError(f"with_structured_output got unexpected argument(s) {sorted(kwargs)}")
+        return structured_output(self, schema, method=method, include_raw=include_raw, strict=strict)
+
+    def _tool_chunk(self, calls: ToolChunks, chunk: StreamChunk) -> ChatGenerationChunk:
+        """A streamed reply's chunk under a tool plan, with ``tool_call_chunks``."""
+        if chunk.stats is None:
+            return ChatGenerationChunk(message=calls.chunk(chunk.text, False))
+        msg = calls.chunk(
+            chunk.text,
+            True,
+            response_metadata=stats_metadata(chunk.stats, self._display_name()),
+            usage_metadata=_usage(chunk.stats),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": chunk.stats.finish_reason})
+
+    def _tool_chunks(
+        self, messages: list[BaseMessage], stop: Any, kwargs: dict, plan: ToolPlan
+    ) -> Iterator[ChatGenerationChunk]:
+        calls = ToolChunks(plan)
+        for chunk in self._iter(messages, stop, kwargs):
+            yield self._tool_chunk(calls, chunk)
+
+    async def _atool_chunks(
+        self, messages: list[BaseMessage], stop: Any, kwargs: dict, plan: ToolPlan
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        calls = ToolChunks(plan)
+        async for chunk in self._aiter(messages, stop, kwargs):
+            yield self._tool_chunk(calls, chunk)
 
     def _wrap(self, chunk: StreamChunk) -> ChatGenerationChunk:
         logprobs = {}
@@ -718,7 +778,7 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         (outs,) = self._run_many([messages], stop, kwargs)
-        return self._result(outs)
+        return self._result(outs, kwargs)
 
     async def _agenerate(
         self,
@@ -728,7 +788,7 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         (outs,) = await self._arun_many([messages], stop, kwargs)
-        return self._result(outs)
+        return self._result(outs, kwargs)
 
     def _stream(
         self,
@@ -737,7 +797,10 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         run_manager: Optional[CallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        return self._stream_wrapped(messages, stop, run_manager, kwargs)
+        plan = call_constraint(kwargs, self.engine.tokenizer)[1]
+        if plan is None:
+            return self._stream_wrapped(messages, stop, run_manager, kwargs)
+        return self._tool_chunks(messages, stop, kwargs, plan)
 
     def _astream(
         self,
@@ -746,7 +809,10 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        return self._astream_wrapped(messages, stop, run_manager, kwargs)
+        plan = call_constraint(kwargs, self.engine.tokenizer)[1]
+        if plan is None:
+            return self._astream_wrapped(messages, stop, run_manager, kwargs)
+        return self._atool_chunks(messages, stop, kwargs, plan)
 
 
 # ---------------------------------------------------------------------- chains

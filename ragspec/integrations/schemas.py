@@ -2,10 +2,12 @@
 
 The OpenAI-compatible bodies accept the fields OpenAI's clients commonly send; fields that
 ask for something ragspec does not do are accepted only at their neutral value and
-otherwise answered with a 400 naming the field: tools, ``echo``, ``suffix``, ``best_of``,
-vLLM's ``prompt_logprobs`` here (:func:`unsupported`), the request parameters the engine
-does not implement yet (a structured ``response_format``) by
-:class:`ragspec.params.RequestParams` itself. Anything else unknown is a 400 too.
+otherwise answered with a 400 naming the field: ``echo``, ``suffix``, ``best_of``, vLLM's
+``prompt_logprobs`` here (:func:`unsupported`). Anything else unknown is a 400 too.
+Structured outputs: OpenAI's ``response_format`` (chat, completions, summaries), ``tools``
+with ``tool_choice`` and ``parallel_tool_calls`` (chat), and vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``; chat and completions),
+read by :mod:`ragspec.integrations.server.structured`.
 Sampling: OpenAI's ``n``, ``logprobs``/``top_logprobs``, penalties and ``logit_bias``, and
 vLLM's ``repetition_penalty``, ``min_tokens``, ``min_p``, ``logprobs_mode``.
 ragspec extensions: ``top_k``, ``documents`` (texts the model reads as grounding and the
@@ -169,7 +171,19 @@ class _OpenAIExtras(_Body):
     ``--smooth-streaming``)."""
 
 
-class CompletionRequest(_Sampling, _OpenAIExtras):
+class _Structured(_Body):
+    """The structured-output fields of the generation bodies (their values are read and
+    checked by :mod:`ragspec.integrations.server.structured`)."""
+
+    response_format: Optional[dict[str, Any]] = None
+    """OpenAI's: ``{"type": "text" | "json_object" | "json_schema", ...}`` (and ragspec's
+    ``regex``, ``choice``, ``grammar`` types)."""
+    structured_outputs: Optional[dict[str, Any]] = None
+    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar``,
+    ``json_object``."""
+
+
+class CompletionRequest(_Sampling, _OpenAIExtras, _Structured):
     """``POST /v1/completions``."""
 
     prompt: Union[
@@ -213,7 +227,7 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Sampling, _OpenAIExtras):
+class ChatCompletionRequest(_Sampling, _OpenAIExtras, _Structured):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
@@ -225,7 +239,6 @@ class ChatCompletionRequest(_Sampling, _OpenAIExtras):
     tools: Optional[Annotated[list[dict[str, Any]], _at_most(MAX_TOOLS)]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
     # accepted, ignored
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
@@ -244,6 +257,9 @@ class SummarizeRequest(_Body):
     """The texts to summarize (each non-empty)."""
     instruction: Optional[StrictStr] = Field(default=None, max_length=4000)
     """What to do with them (default: summarize in a few sentences)."""
+    response_format: Optional[dict[str, Any]] = None
+    """The summary's structure, as OpenAI's ``response_format`` (e.g. a JSON schema of
+    findings, each with the index of the document it comes from)."""
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
@@ -356,8 +372,6 @@ def unsupported(req: BaseModel) -> Optional[tuple[str, str]]:
         ),
         ("echo", lambda v: bool(v), "echo is not supported"),
         ("suffix", lambda v: bool(v), "suffix is not supported"),
-        ("tools", lambda v: bool(v), "tools are not supported"),
-        ("tool_choice", lambda v: v not in (None, "none", "auto"), "tool_choice is not supported"),
     ]
     for name, bad, message in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):

@@ -49,14 +49,14 @@ def test_cli_generate_with_a_damaged_datastore_prints_no_traceback(tmp_path, tin
 
 def test_cli_unexpected_failure_is_one_line(monkeypatch, capsys):
     """Any failure that is not a typed error is one line too (the traceback only with -v)."""
-    from ragspec import cli
+    from ragspec.cli import commands
 
     def boom(args):
         raise IndexError("index out of range in self\nand a second line")
 
-    monkeypatch.setattr(cli, "cmd_generate", boom)
+    monkeypatch.setattr(commands, "cmd_generate", boom)
     capsys.readouterr()
-    assert cli.main(["generate", "x"]) == 1
+    assert commands.main(["generate", "x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("ragspec: internal error: IndexError: index out of range in self and a second line")

@@ -186,27 +186,20 @@ def test_info_verify_says_what_was_verified(tiny_folder, tmp_path, corpus, capsy
     assert json.loads(text)["verified"] is False
 
 
-@pytest.mark.parametrize(
-    "call, named",
-    [
-        (lambda chat, llm: chat.bind_tools([]), "ChatRagspec.bind_tools"),
-        (lambda chat, llm: chat.with_structured_output({"type": "object"}), "ChatRagspec.with_structured_output"),
-        (lambda chat, llm: llm.with_structured_output({"type": "object"}), "RagspecLLM.with_structured_output"),
-        (lambda chat, llm: chat.bind(tools=[{"type": "function"}]).invoke("hi"), "'tools'"),
-        (lambda chat, llm: llm.invoke("hi", response_format={"type": "json_object"}), "'response_format'"),
-    ],
-)
-def test_unsupported_langchain_calls_name_what_and_where(tiny_engine, call, named):
-    """Regression: ``ChatRagspec.bind_tools`` raised an empty ``NotImplementedError``."""
+def test_unsupported_langchain_calls_name_what_and_where(tiny_engine):
+    """Regression: LangChain's unsupported calls raised an empty ``NotImplementedError``
+    (``ChatRagspec.bind_tools`` did, before tools were supported); the one left,
+    ``RagspecLLM.with_structured_output``, names itself and what to use instead."""
     from ragspec.errors import UnsupportedError
-    from ragspec.integrations.langchain import ChatRagspec, RagspecLLM
+    from ragspec.integrations.langchain import RagspecLLM
 
-    chat, llm = ChatRagspec(engine=tiny_engine, max_new_tokens=2), RagspecLLM(engine=tiny_engine, max_new_tokens=2)
+    llm = RagspecLLM(engine=tiny_engine, max_new_tokens=2)
     with pytest.raises(UnsupportedError) as caught:
-        call(chat, llm)
+        llm.with_structured_output({"type": "object"})
     message = str(caught.value)
     assert isinstance(caught.value, NotImplementedError)  # as LangChain's own unsupported calls
-    assert named in message and "not supported" in message and "docs/usage.md" in message, message
+    assert "RagspecLLM.with_structured_output" in message and "not supported" in message, message
+    assert "ChatRagspec.with_structured_output" in message and "docs/usage.md" in message, message
 
 
 def test_rag_chain_example_needs_no_langchain_community(monkeypatch):

@@ -595,6 +595,44 @@ def test_two_replicas_serve_concurrent_load(deployed, reference, cluster):
     assert f"127.0.0.1:{cluster.port}" in listening
 
 
+def _cut_by_the_kill(stream_results: list[dict], plain_results: list, victim: str, full: str) -> int:
+    """How many requests the kill cut, each checked: in flight on the killed replica, a
+    clean, retryable error (a stream's text a true prefix of the answer); elsewhere the
+    full answer."""
+    cut = 0
+    for s in stream_results:
+        if s["status"] != 200:  # had not started on the killed replica
+            assert s["status"] == 503 and s["retry_after"] == "1" and s["error"]["code"] == "replica_unavailable", s
+            cut += 1
+        elif s["replica"] == victim:
+            assert "error" in s["events"][-1], s["events"][-2:]
+            err = s["events"][-1]["error"]
+            assert err["code"] == "replica_unavailable" and err["type"] == "server_error"
+            assert full.startswith(s["text"]) and len(s["text"]) < len(full)  # a true prefix
+            cut += 1
+        else:
+            assert s["text"] == full
+    for r in plain_results:
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["text"] == full
+        else:
+            assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.text)
+            assert r.json()["error"]["code"] == "replica_unavailable"
+            cut += 1
+    return cut
+
+
+def _restarted_replica(before: dict, victim: str) -> str:
+    """The replica Ray Serve starts in place of ``victim`` (waited for, 90 s at most)."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        now = replica_actors()
+        if len(now) == 2 and victim not in now and replica_states() == {"RUNNING": 2}:
+            return (set(now) - set(before)).pop()
+        time.sleep(0.5)
+    pytest.fail(f"the killed replica was not restarted: {replica_states()}, {sorted(replica_actors())}")
+
+
 @pytest.mark.slow
 def test_killing_a_replica_mid_load(deployed, reference):
     import ray
@@ -658,38 +696,8 @@ def test_killing_a_replica_mid_load(deployed, reference):
     for r in after:
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == full, r.text
         assert r.headers[REPLICA_HEADER] != victim
-    # in flight on the killed replica: a clean, retryable error; elsewhere: the full answer
-    cut = 0
-    for s in stream_results:
-        if s["status"] != 200:  # had not started on the killed replica
-            assert s["status"] == 503 and s["retry_after"] == "1" and s["error"]["code"] == "replica_unavailable", s
-            cut += 1
-        elif s["replica"] == victim:
-            assert "error" in s["events"][-1], s["events"][-2:]
-            err = s["events"][-1]["error"]
-            assert err["code"] == "replica_unavailable" and err["type"] == "server_error"
-            assert full.startswith(s["text"]) and len(s["text"]) < len(full)  # a true prefix
-            cut += 1
-        else:
-            assert s["text"] == full
-    for r in plain_results:
-        if r.status_code == 200:
-            assert r.json()["choices"][0]["text"] == full
-        else:
-            assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.text)
-            assert r.json()["error"]["code"] == "replica_unavailable"
-            cut += 1
-    assert cut >= 1
-    # Ray Serve replaces the killed replica
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        now = replica_actors()
-        if len(now) == 2 and victim not in now and replica_states() == {"RUNNING": 2}:
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"the killed replica was not restarted: {replica_states()}, {sorted(replica_actors())}")
-    new = (set(now) - set(before)).pop()
+    assert _cut_by_the_kill(stream_results, plain_results, victim, full) >= 1
+    new = _restarted_replica(before, victim)
     short = httpx.post(
         reference.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8}, timeout=TIMEOUT
     ).json()

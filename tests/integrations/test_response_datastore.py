@@ -8,8 +8,8 @@ import json
 import pytest
 from _integ_helpers import make_tiny_engine
 
+from ragspec.cli import datastore as ds_cli
 from ragspec.datastore import Datastore
-from ragspec.datastore import cli as ds_cli
 from ragspec.datastore.responses import build_response_datastore, generate_responses, read_prompts
 from ragspec.errors import ConfigError, DatastoreInputError, EmptyCorpusError
 

@@ -369,7 +369,7 @@ BAD = [
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        "tools",
+        "tools[0]",  # a tool without its function: named by its place
     ),
     (
         "/v1/chat/completions",
@@ -399,7 +399,7 @@ BAD = [
         400,
         "top_logprobs",
     ),
-    # a request parameter the engine does not implement yet: refused by name (RequestParams)
+    # a constraint on an engine that stops at no end-of-sequence token: refused by name
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},

@@ -18,8 +18,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ragspec.cli import datastore as ds_cli
 from ragspec.datastore import Datastore, DatastoreDrafter, add_to_datastore, build_datastore
-from ragspec.datastore import cli as ds_cli
 from ragspec.datastore.format import MANIFEST_NAME, read_manifest, vocab_fingerprint
 from ragspec.datastore.suffix import (
     build_suffix_array,

@@ -290,7 +290,7 @@ def test_from_log_takes_the_unsalted_answers_unless_asked_for_a_partition(
 ):
     """A tenant's answers (journaled under their partition since they are kept) never reach
     a shared datastore by default; ``--partition`` takes one tenant's, and only its."""
-    from ragspec.datastore import cli as ds_cli
+    from ragspec.cli import datastore as ds_cli
 
     monkeypatch.setattr(ds_cli, "_load_tokenizer", lambda model: (char_tokenizer, "chars"))
     d = _store(tmp_path, char_tokenizer)
@@ -316,8 +316,8 @@ def test_from_log_takes_the_unsalted_answers_unless_asked_for_a_partition(
 def test_quiet_silences_every_progress_bar_of_a_build(tmp_path, char_tokenizer, monkeypatch, capsys):
     """Regression: ``-q`` did not silence the progress bars of ``datastore build`` and
     ``add`` (only ``--no-progress`` did)."""
+    from ragspec.cli import datastore as ds_cli
     from ragspec.cli import main
-    from ragspec.datastore import cli as ds_cli
 
     monkeypatch.setattr(ds_cli, "_load_tokenizer", lambda model: (char_tokenizer, "chars"))
     src = tmp_path / "seed.txt"

@@ -21,8 +21,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ragspec.cli import datastore as ds_cli
 from ragspec.datastore import Datastore, add_to_datastore, build_datastore
-from ragspec.datastore import cli as ds_cli
 from ragspec.datastore.format import MANIFEST_NAME, find_leftovers, sha256_file
 from ragspec.errors import DatastoreFormatError, DatastoreInputError
 

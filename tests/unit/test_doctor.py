@@ -229,8 +229,8 @@ def test_cuda_reason_names_the_missing_device_or_cpu_torch_first(monkeypatch, to
     the reason the CUDA backend is not available."""
     import torch
 
-    from ragspec import doctor
     from ragspec.backend.cuda import kernels as cuda_kernels
+    from ragspec.cli import doctor
 
     monkeypatch.delenv("RAGSPEC_CUDA_BACKEND", raising=False)
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)

@@ -136,7 +136,7 @@ def test_composite_prefers_longest_match():
 def test_cli_stop_strings_unescape_newlines():
     # regression (found by a fresh user): `--stop "\n\n"` in a shell passes backslash-n,
     # which never matched; the CLI turns \n, \t, \r and \\ into the characters
-    from ragspec.cli import _unescape
+    from ragspec.cli.commands import _unescape
 
     assert _unescape(r"\n\n") == "\n\n"
     assert _unescape(r"a\tb\\n") == "a\tb\\n"

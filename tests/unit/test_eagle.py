@@ -50,7 +50,7 @@ PROMPTS = ["Hello there, how are you?", "The cat sat on the mat.", "abc abc abc"
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory, model, tok):
     """A head trained for a few steps on the tiny model's greedy continuations."""
-    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
+    from ragspec.training import DataConfig, TrainConfig, run_training
 
     d = tmp_path_factory.mktemp("eagle")
     data = d / "data.jsonl"
@@ -363,7 +363,7 @@ def test_tiny_training_reduces_loss(trained_dir):
 
 def test_training_resume_continues_exactly(tmp_path, model, tok):
     # 6 steps, then resume to 12 == 12 steps straight (checkpoint keeps optimizer, RNG, step)
-    from ragspec.eagle.train import TrainConfig, train_head
+    from ragspec.training import TrainConfig, train_head
 
     target = HFTarget(model)
     seqs = [tok(p)["input_ids"] for p in PROMPTS]
@@ -496,7 +496,7 @@ def test_eagle_bench_and_cli_take_auto_and_an_empty_variable_as_unset(target, mo
 def test_ttt_unrolled_step_equals_drafting_on_its_own_predictions(target, tok):
     # row t of unrolled step k == the head fed the target's features up to t - k, then its own
     # predictions for k steps, one causal forward (what drafting k tokens ahead computes)
-    from ragspec.eagle.train import ttt_unroll
+    from ragspec.training import ttt_unroll
 
     torch.manual_seed(3)
     head = EagleHead.from_target(target).float()
@@ -525,7 +525,7 @@ def test_ttt_unrolled_step_equals_drafting_on_its_own_predictions(target, tok):
 
 
 def test_ttt_config_validation():
-    from ragspec.eagle.train import TrainConfig
+    from ragspec.training import TrainConfig
 
     with pytest.raises(ConfigError):
         TrainConfig(ttt_steps=0)
@@ -534,7 +534,7 @@ def test_ttt_config_validation():
 
 
 def test_ttt_fine_tune_from_a_head_keeps_its_vocabulary_and_reports_each_step(trained_dir, model, tok, tmp_path):
-    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
+    from ragspec.training import DataConfig, TrainConfig, run_training
 
     data = trained_dir[0].parent / "data.jsonl"  # the prompts the head was trained on
     record = run_training(
@@ -562,8 +562,8 @@ def test_ttt_fine_tune_from_a_head_keeps_its_vocabulary_and_reports_each_step(tr
 
 def test_engine_generated_responses_equal_model_generate_greedy(model, tok):
     # the training data's responses through ragspec's batched engine: the same greedy tokens
-    from ragspec.eagle.train import generate_responses, generate_responses_with_engine
     from ragspec.engine import Engine
+    from ragspec.training import generate_responses, generate_responses_with_engine
 
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -593,7 +593,7 @@ def test_eagle_bench_drafter_set_names_its_own_head(trained_dir, target, tok):
 def test_init_head_that_is_not_a_head_fails_before_any_generation(model, tok, tmp_path):
     """Regression (fresh-user trial): ``ragspec eagle train --init-head DIR`` with a folder
     that is not a head failed only after the responses and features were built (minutes)."""
-    from ragspec.eagle.train import DataConfig, TrainConfig, run_training
+    from ragspec.training import DataConfig, TrainConfig, run_training
 
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hello"]}) + "\n")

@@ -196,7 +196,7 @@ def test_cli_compare_with_stop_string_is_not_reported_as_mismatch():
     NO" because plain `model.generate` knows no stop strings and ran on past the stop."""
     from types import SimpleNamespace
 
-    from ragspec.cli import _identity
+    from ragspec.cli.commands import _identity
 
     stopped = SimpleNamespace(token_ids=[5, 6, 7], stats=SimpleNamespace(finish_reason="stop"))
     assert _identity(stopped, [5, 6, 7, 8, 9]).startswith("yes")

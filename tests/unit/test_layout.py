@@ -9,7 +9,6 @@ places every module on a floor, and takes no other package's private names
 trees at the end."""
 
 import ast
-import fnmatch
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,12 +85,19 @@ def test_every_package_folder_is_an_import_path():
     assert Path(ragspec.integrations.__file__).parent == PACKAGE / "integrations"
 
 
+def _scripts_and_examples():
+    """The repository's scripts and examples beside the package (none when it is installed)."""
+    for folder in ("scripts", "examples"):
+        for path in sorted((PACKAGE.parent / folder).glob("*.py")):
+            yield f"{folder}/{path.name}", ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
 def test_engine_is_built_only_by_the_loader():
-    """Front ends build engines through ragspec.loading: no module outside it calls
-    ``Engine(`` (nor, outside the backend, ``HFTarget(``) or sets an engine attribute
-    after construction."""
+    """Front ends, scripts and examples build engines through ragspec.loading: no module
+    outside it calls ``Engine(`` (nor, outside the backend, ``HFTarget(``) or sets an
+    engine attribute after construction."""
     offenders = []
-    for rel, tree in _modules():
+    for rel, tree in [*_modules(), *_scripts_and_examples()]:
         if rel in ("loading.py", "engine.py"):
             continue
         for node in ast.walk(tree):
@@ -112,9 +118,11 @@ def test_engine_is_built_only_by_the_loader():
 # ---------------------------------------------------------------------------- import graph
 # The house's floors, lowest first: core -> backend -> drafters -> loop -> front ends and
 # bench. A module imports only modules of its own floor or a lower one; there are no
-# cycles. Patterns are fnmatch patterns on the dotted name inside the package ("" is the
-# package's own __init__, on the front ends' floor); an exact name wins over a pattern, a
-# longer pattern over a shorter one. A package's __init__ sits on the floor of its package.
+# cycles. Folders are floors: each name is a module of the package's top folder or one of
+# its sub-folders (a package), and a sub-folder's floor is that of every module in it, at
+# any depth ("" is the package's own __init__, on the front ends' floor). Nothing inside a
+# sub-folder is placed by its own name: a command module left in a drafter folder sits on
+# the drafters' floor, and its imports of the loop point up (:func:`floor_of`).
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "core",
@@ -136,35 +144,18 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "logit_processors",
             "processing",
             "logprobs",
+            "specbench",
+            "structured",
+            "grammar",
             "scheduling",
         ),
     ),
-    ("backend", ("models", "models.*", "calibrate", "calibration_cache", "backend", "backend.*")),
-    (
-        "drafters",
-        ("drafters", "drafters.*", "drafting", "eagle", "eagle.head", "eagle.drafter", "datastore", "datastore.*"),
-    ),
+    ("backend", ("models", "calibrate", "calibration_cache", "backend")),
+    ("drafters", ("drafters", "drafting", "eagle", "datastore")),
     ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
-    (
-        "top",
-        (
-            "",
-            "__main__",
-            "cli",
-            "cli.*",
-            "cli_*",
-            "doctor",
-            "integrations",
-            "integrations.*",
-            "bench",
-            "bench.*",
-            "eagle.cli",
-            "eagle.train",
-            "eagle.train_data",
-            "eagle.train_loop",
-            "datastore.cli",
-        ),
-    ),
+    # the front ends: the command line, the integrations, EAGLE training, the measuring wing
+    # (and the deprecated old paths of ragspec.cli.common and ragspec.cli.doctor)
+    ("top", ("", "__main__", "cli", "integrations", "training", "bench", "cli_common", "doctor")),
 )
 
 
@@ -300,17 +291,16 @@ def import_cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
 
 
 def floor_of(module: str, package: str, floors=FLOORS) -> Optional[int]:
-    """The floor (index into ``floors``, lowest first) of a dotted module name, or None
-    when no pattern places it."""
+    """The floor (index into ``floors``, lowest first) of a dotted module name: that of
+    its folder in the package's top folder (``ragspec.datastore.cli`` is on the floor of
+    ``datastore``), or of itself for a module of the top folder; None when no floor names
+    it."""
     inner = module[len(package) + 1 :] if module != package else ""
-    best: Optional[tuple[tuple[bool, int], int]] = None
-    for i, (_, patterns) in enumerate(floors):
-        for p in patterns:
-            if p == inner or ("*" in p and fnmatch.fnmatchcase(inner, p)):
-                rank = ("*" not in p, len(p))
-                if best is None or rank > best[0]:
-                    best = (rank, i)
-    return None if best is None else best[1]
+    first = inner.split(".")[0]
+    for i, (_, names) in enumerate(floors):
+        if first in names:
+            return i
+    return None
 
 
 def unplaced_modules(graph: dict[str, list[Edge]], package: str, floors=FLOORS) -> list[str]:
@@ -385,8 +375,77 @@ def test_no_module_takes_another_packages_private_names():
     assert private_imports(_package_graph(), PACKAGE.name) == []
 
 
+def test_floors_are_folders():
+    """Each floor names modules of the package's top folder and whole sub-folders, once
+    each, every one of them there: nothing inside a sub-folder is placed by its own name."""
+    names = [n for _, floor in FLOORS for n in floor]
+    assert len(names) == len(set(names))
+    assert [n for n in names if "." in n or "*" in n] == []
+    top = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert sorted(set(names) - {""} - top) == []  # no floor names what is not there
+    assert sorted(top - set(names) - {"__init__"}) == []
+
+
+def test_old_paths_of_moved_modules_hold_no_code():
+    """A module that moved whole stays one release at its old path as a deprecated alias
+    (:func:`ragspec.deprecation.moved_module`) importing nothing of the package but the
+    deprecation helper: what it names is looked up on use, so an old path left in a lower
+    folder (``ragspec/datastore/cli.py``) holds no import of a higher floor."""
+    graph = _package_graph()
+    aliases = {}
+    for rel, tree in _modules():
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "moved_module"]
+        if calls:
+            aliases[rel] = tree
+    assert "datastore/cli.py" in aliases and "eagle/train.py" in aliases
+    for rel, tree in aliases.items():
+        name = PACKAGE.name + "." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        assert {e.target for e in graph[name]} == {PACKAGE.name + ".deprecation"}, rel
+        kinds = {type(statement).__name__ for statement in tree.body}
+        assert kinds <= {"Expr", "ImportFrom", "AnnAssign", "Assign"}, (rel, kinds)  # no def, no class
+
+
+def test_nothing_imports_the_old_path_of_a_moved_module():
+    """Regression (code merged beside a move still imported ``ragspec.cli_common`` and
+    ``ragspec.bench.data``, which warn): the package, its scripts and examples import a
+    moved module at its new path only."""
+    graph = _package_graph()
+    aliases = set()
+    for rel, tree in _modules():
+        if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "moved_module" for n in ast.walk(tree)):
+            aliases.add(PACKAGE.name + "." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", "."))
+    assert aliases
+    inside = sorted((src, e.target) for src, edges in graph.items() for e in edges if e.target in aliases)
+    assert inside == []
+    root = PACKAGE.parent
+    outside = []
+    for path in sorted([*(root / "scripts").glob("*.py"), *(root / "examples").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            outside += [(path.name, n) for n in names if n in aliases]
+    assert outside == []
+
+
+def test_every_import_of_the_package_is_read_by_the_checker():
+    """The graph reads ``import`` statements: the package reaches none of its own modules
+    through ``importlib.import_module`` / ``__import__`` (which it could not see), except
+    the deprecation helper's look-ups of moved names."""
+    found = []
+    for rel, tree in _modules():
+        if rel == "deprecation.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")):
+                first = node.args[0] if node.args else None
+                if not (isinstance(first, ast.Constant) and not str(first.value).startswith((PACKAGE.name, "."))):
+                    found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
 # --- the checker itself, on planted trees
-PLANTED_FLOORS = (("low", ("core", "core.*")), ("high", ("", "app", "app.*")))
+PLANTED_FLOORS = (("low", ("core",)), ("high", ("", "app")))
 
 
 def _fake_package(root: Path, extra: Optional[dict[str, str]] = None) -> dict[str, list[Edge]]:
@@ -472,14 +531,43 @@ def test_checker_reports_an_unplaced_module_and_private_imports(tmp_path):
     ]
 
 
+def test_checker_places_a_command_module_by_its_folder(tmp_path):
+    # a command module inside the low folder importing the high one: the folder decides
+    # its floor, whatever its name
+    graph = _fake_package(tmp_path, {"fake/core/cli.py": "import argparse\n\nfrom ..app import main\n"})
+    assert floor_of("fake.core.cli", "fake", PLANTED_FLOORS) == 0
+    assert upward_imports(graph, "fake", PLANTED_FLOORS) == ["fake.core.cli (low) -> fake.app.main (high) :3"]
+
+
+def _python_only(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())]
+
+
+def test_checker_reports_command_modules_planted_below_the_top_floor_in_a_copy_of_the_package(tmp_path):
+    """The real floors: the datastore command written back into ``ragspec/datastore/``
+    (where it lived, importing the engine builder) and the EAGLE trainer's data written back
+    into ``ragspec/eagle/`` (borrowing the bench's category groups, as it did) are upward
+    imports from the drafters' floor; the copy is otherwise clean."""
+    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=_python_only)
+    planted = tmp_path / PACKAGE.name
+    (planted / "datastore" / "cli.py").write_text(
+        "def cmd_build(args):\n    from ragspec.loading import load_engine\n", encoding="utf-8"
+    )
+    (planted / "eagle" / "train_data.py").write_text(
+        "def _group(category):\n    from ..bench.data import category_group\n", encoding="utf-8"
+    )
+    graph = import_graph(tmp_path, PACKAGE.name)
+    assert upward_imports(graph, PACKAGE.name) == [
+        "ragspec.datastore.cli (drafters) -> ragspec.loading (loop) :2",
+        "ragspec.eagle.train_data (drafters) -> ragspec.bench.data (top) :2",
+    ]
+
+
 def test_checker_reports_a_cycle_and_an_upward_import_planted_in_a_copy_of_the_package(tmp_path):
     """The real floors: ``ragspec.errors`` (core) made to import the engine (loop), which
     imports ``errors``."""
 
-    def python_only(folder: str, names: list[str]) -> list[str]:
-        return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())]
-
-    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=python_only)
+    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=_python_only)
     errors = tmp_path / PACKAGE.name / "errors.py"
     text = errors.read_text(encoding="utf-8") + "\n\ndef _planted():\n    from .engine import Engine\n"
     errors.write_text(text, encoding="utf-8")
@@ -576,17 +664,16 @@ def test_checker_reports_a_target_probe_planted_in_a_copy_of_the_package(tmp_pat
     """The real package: a ``getattr(engine.target, ...)`` planted in the CLI is reported;
     the same probe inside ``backend/`` is not."""
 
-    def python_only(folder: str, names: list[str]) -> list[str]:
-        return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())]
-
-    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=python_only)
+    shutil.copytree(PACKAGE, tmp_path / PACKAGE.name, ignore=_python_only)
     probe = "\n\ndef _planted(engine):\n    return getattr(engine.target, 'numerics', 'exact')\n"
-    cli = tmp_path / PACKAGE.name / "cli.py"
+    cli = tmp_path / PACKAGE.name / "cli" / "commands.py"
     text = cli.read_text(encoding="utf-8") + probe
     cli.write_text(text, encoding="utf-8")
     hf = tmp_path / PACKAGE.name / "backend" / "hf.py"
     hf.write_text(hf.read_text(encoding="utf-8") + probe, encoding="utf-8")
-    assert target_probes(tmp_path, PACKAGE.name) == [f"cli.py:{text.count(chr(10))} getattr(engine.target, 'numerics')"]
+    assert target_probes(tmp_path, PACKAGE.name) == [
+        f"cli/commands.py:{text.count(chr(10))} getattr(engine.target, 'numerics')"
+    ]
 
 
 def test_no_backend_switches_on_its_states_type():

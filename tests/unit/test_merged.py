@@ -18,7 +18,15 @@ from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle import EagleDrafter, EagleHead, EagleTreeConfig
 from ragspec.engine import DrafterParts, Engine
 from ragspec.errors import ConfigError
-from ragspec.loading import compose_drafter, engine_with_drafter, resolve_drafting, select_target, with_drafting
+from ragspec.loading import (
+    compose_drafter,
+    engine_for_target,
+    engine_on_target,
+    engine_with_drafter,
+    resolve_drafting,
+    select_target,
+    with_drafting,
+)
 from ragspec.params import RequestParams
 from ragspec.policy import AcceptanceModel, run_depths
 from ragspec.tree import merge_trees
@@ -122,8 +130,10 @@ def _head(tree=HEAD_TREE, scores=(0.6, 0.3, 0.5)):
 
 def test_merged_tree_hangs_retrieval_copies_under_the_heads_tokens():
     # context ... 9 (a fresh token): retrieval has nothing; the head proposes 4 and 8; the
-    # copy after [4] is [5, 6, 7] (from the document), hung under the head's 4
-    sel = MergedDrafter(PromptLookupDrafter(), _head())
+    # copy after [4] is [5, 6, 7] (from the document), hung under the head's 4. Not
+    # calibrated: the calibration times the head's drafts and, under load, skipped the head
+    # in the second proposal (an empty tree), which is not what this test checks
+    sel = MergedDrafter(PromptLookupDrafter(), _head(), calibrate=False)
     s = sel.start_request([10, 11, 9], [[3, 4, 5, 6, 7]])
     tree = s.propose(8)
     toks, parents, sources = tree.tokens.tolist(), tree.parents.tolist(), tree.sources
@@ -492,6 +502,27 @@ def test_loading_builds_engines_over_a_model_already_held(model, tok):
         with_drafting(engine, "merged")
     prompt = [5, 6, 7, 5, 6]
     assert engine.generate(prompt, max_new_tokens=8, chat=False).token_ids == greedy_reference(model, prompt, 8)
+
+
+def test_engine_on_target_is_the_engine_over_another_target(model, tok):
+    """The GPU check's engines over a second target of the same model (the CUDA backend
+    with other numerics, slots or graphs) come from ragspec.loading, not built by hand:
+    the engine's tokenizer, end-of-sequence ids, name and drafter parts over the other
+    target, its drafter the caller's (None: plain decoding); the same greedy output."""
+    target = select_target(model, speed_ups=False)
+    base = engine_for_target(target, tok, eos_token_ids=[2], model_name="tiny")
+    other = select_target(model, speed_ups=False)  # a second target of the same model
+    policy = PolicyConfig(max_draft_tokens=3, adaptive=False)
+    moved = engine_on_target(base, other, drafter=base.drafter, policy=policy)
+    assert moved.target is other and moved.tokenizer is tok and moved.model_name == "tiny"
+    assert moved.eos_token_ids == (2,) and moved.parts is base.parts and moved.drafter is base.drafter
+    assert moved.policy == policy and moved.latency is base.latency
+    plain = engine_on_target(base, other, drafter=None)
+    assert plain.drafter is None and plain.policy == base.policy
+    prompt = [5, 6, 7, 5, 6]
+    want = greedy_reference(model, prompt, 8)
+    assert moved.generate(prompt, max_new_tokens=8, chat=False).token_ids == want
+    assert plain.generate(prompt, max_new_tokens=8, chat=False).token_ids == want
 
 
 def test_head_gate_counts_declined_head_drafts_as_no_gain():

@@ -18,7 +18,7 @@ from ragspec.datastore.docindex import DocumentDrafter
 from ragspec.drafters import CompositeDrafter, PromptLookupDrafter, TenantIsolation, salted_drafter
 from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
 from ragspec.eagle.drafter import EagleDrafter
-from ragspec.errors import ConfigError, DatastoreNotFoundError, IsolationError, UnsupportedParameterError
+from ragspec.errors import ConfigError, DatastoreNotFoundError, IsolationError
 from ragspec.loading import engine_over
 from ragspec.params import UNSUPPORTED_FIELDS, request_params
 from ragspec.prompts import PreparedPrompt, grounded_text, template_takes_documents
@@ -73,18 +73,11 @@ def test_request_params_validate_once_and_normalise():
             RequestParams(**bad)
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("response_format", {"type": "json_object"}),
-    ],
-)
-def test_a_field_the_engine_does_not_implement_is_refused_by_name(field, value):
-    assert field in UNSUPPORTED_FIELDS
-    with pytest.raises(UnsupportedParameterError) as e:
-        RequestParams(**{field: value})
-    assert e.value.param == field and isinstance(e.value, ConfigError)
-    RequestParams(**{field: getattr(RequestParams(), field)})  # the neutral value is accepted
+def test_every_field_is_implemented():
+    # n, logprobs and response_format were refused by name until the engine served them
+    assert UNSUPPORTED_FIELDS == ()
+    p = RequestParams(n=2, logprobs=True, top_logprobs=3, response_format={"type": "json_object"}, temperature=0.5)
+    assert p.n == 2 and p.constraint is not None and p.constraint.kind == "json_object"
 
 
 def test_keywords_build_params_in_one_place(engine):

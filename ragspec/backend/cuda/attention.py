@@ -270,7 +270,25 @@ def tree_attention(
         STAGES=2,
         UPCAST=interpreted,
     )
-    launch.launcher(_attn_combine_kernel, q.device)[(r,)](
+    _combine_chunks(m, lse, acc, o, ctx_len, path_len, window)
+    return o
+
+
+def _combine_chunks(
+    m: torch.Tensor,
+    lse: torch.Tensor,
+    acc: torch.Tensor,
+    o: torch.Tensor,
+    ctx_len: torch.Tensor,
+    path_len: torch.Tensor,
+    window: int,
+) -> None:
+    """:func:`tree_attention`'s second launch: each row's chunk partials (``m``, ``lse``:
+    float32 [R, Hq, C]; ``acc``: float32 [R, Hq, C, d]) combined, in a fixed order, into
+    ``o`` [R, Hq, d]."""
+    r, hq, chunks = m.shape
+    d = int(o.shape[2])
+    launch.launcher(_attn_combine_kernel, o.device)[(r,)](
         m,
         lse,
         acc,
@@ -288,7 +306,6 @@ def tree_attention(
         D_P=next_pow2(d),
         CHUNK=ATTN_CHUNK,
     )
-    return o
 
 
 def attention_reference(

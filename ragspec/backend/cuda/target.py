@@ -36,6 +36,7 @@ import torch
 
 from ...config import NUMERICS
 from ...errors import ConfigError, MissingDependencyError
+from ...models.load import text_config
 from ...types import DraftTree
 from ..base import Capability, DecoderLayout, Embeddings, ForwardOutput, StepCounts, VerifyItem
 from . import kernels as K
@@ -149,7 +150,7 @@ class CudaTarget:
                 "the CUDA backend's kernels need triton: pip install 'ragspec[test]' or triton"
             )
         self.numerics = numerics
-        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        cfg = text_config(self.config)
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
         max_length = int(context) if context else min(limit, DEFAULT_CONTEXT)
         self.max_length: Optional[int] = max_length

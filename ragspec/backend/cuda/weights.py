@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ...errors import ConfigError
+from ...models.load import text_config
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderWeights", "LayerWeights", "read_decoder_weights"]
 
@@ -87,14 +88,9 @@ class DecoderWeights:
     logit_softcap: Optional[float]
 
 
-def _text_config(model: Any) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def unsupported_reason(model: Any) -> Optional[str]:
     """Why the CUDA step cannot run ``model``'s decoder, or None."""
-    cfg = _text_config(model)
+    cfg = text_config(model.config)
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
         return f"model type {kind!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -144,7 +140,7 @@ def read_decoder_weights(model: Any, context: int) -> DecoderWeights:
     reason = unsupported_reason(model)
     if reason is not None:
         raise ConfigError(f"the CUDA backend cannot run this model: {reason}")
-    cfg = _text_config(model)
+    cfg = text_config(model.config)
     decoder = model.get_decoder()
     embed_mod = decoder.embed_tokens
     embed = embed_mod.weight.detach()

@@ -145,6 +145,78 @@ async def _save_response_cache(cache: ResponseCache, path: str) -> None:
         logger.error("cannot save the response cache to %s: %s", path, e)
 
 
+async def _load(
+    app: FastAPI,
+    settings: ServerSettings,
+    engine: Optional[Engine],
+    response_cache: Any,
+    datastore_engines: Optional[dict[str, Engine]],
+) -> Optional[ResponseCache]:
+    """Load what is served (``engine``, else the settings' model) and start the worker;
+    ``app.state.ready`` once done. Returns the response cache served (or None)."""
+    config = settings.serving_config()
+    if engine is None:
+        logger.info("loading model %s", settings.model or "(default)")
+        eng = await _in_daemon_thread(serving.load_serving_engine, config)
+    else:
+        cache = engine.parts.response_cache if response_cache is _UNSET else response_cache
+        eng = await _in_daemon_thread(_ready_engine, engine, config.datastores, datastore_engines, cache)
+    app.state.response_cache = eng.parts.response_cache
+    scheduler = _scheduler(eng, settings, app.state.metrics)
+    scheduler.start()
+    # the worker computes from here on: a pool this thread holds (a model handed over,
+    # loaded or warmed up here) would slow its every step (ragspec.backend.threads)
+    release_openmp_pool()
+    pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")
+    app.state.engine = eng
+    app.state.scheduler = scheduler
+    app.state.prepare_pool = pool
+    app.state.limits = settings.limits(eng.target.max_length)
+    app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
+    app.state.started = int(time.time())
+    logger.info("request limits: %s", app.state.limits)
+    app.state.ready = True
+    return app.state.response_cache
+
+
+async def _stop(app: FastAPI, settings: ServerSettings, loading: Optional[asyncio.Task]) -> None:
+    """The lifespan's end: cancel a load still running, stop the worker and the prepare
+    pool, close the datastore writers, save the response cache to its log."""
+    cache = getattr(app.state, "response_cache", None)
+    if loading is not None and not loading.done():
+        loading.cancel()  # the load's thread finishes on its own; nothing of it is served
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await loading
+    scheduler = getattr(app.state, "scheduler", None)
+    if scheduler is not None:
+        await asyncio.to_thread(scheduler.stop)
+    pool = getattr(app.state, "prepare_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    for writer in list(app.state.datastore_writers.values()):
+        await asyncio.to_thread(writer.close)  # a merge running is abandoned
+    if cache is not None and settings.response_log and app.state.ready:
+        await _save_response_cache(cache, settings.response_log)
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    """The middleware, the last added running first: count, check the key, then admit
+    (limits, read deadline)."""
+    app.add_middleware(
+        Admission,
+        read_timeout_s=settings.read_timeout_s,
+        min_read_rate=settings.min_read_rate,
+        max_reading=settings.max_reading,
+        client_limit=settings.client_limit,
+        keyed=bool(settings.api_keys),
+        metrics=metrics,
+        retry_after_s=settings.retry_after_s,
+    )
+    if settings.api_keys:
+        app.add_middleware(RequireApiKey, api_key=settings.api_keys, public_metrics=settings.public_metrics)
+    app.add_middleware(CountRequests, metrics=metrics)
+
+
 def create_app(
     engine: Optional[Engine] = None,
     settings: Optional[ServerSettings] = None,
@@ -173,35 +245,9 @@ def create_app(
             "an engine with its datastores (ragspec.serving.serve_engine), or the datastores in the settings",
         )
 
-    async def load(app: FastAPI) -> Optional[ResponseCache]:
-        """Load what is served and start the worker; ``app.state.ready`` once done."""
-        config = settings.serving_config()
-        if engine is None:
-            logger.info("loading model %s", settings.model or "(default)")
-            eng = await _in_daemon_thread(serving.load_serving_engine, config)
-        else:
-            cache = engine.parts.response_cache if response_cache is _UNSET else response_cache
-            eng = await _in_daemon_thread(_ready_engine, engine, config.datastores, datastore_engines, cache)
-        app.state.response_cache = eng.parts.response_cache
-        scheduler = _scheduler(eng, settings, metrics)
-        scheduler.start()
-        # the worker computes from here on: a pool this thread holds (a model handed over,
-        # loaded or warmed up here) would slow its every step (ragspec.backend.threads)
-        release_openmp_pool()
-        pool = concurrent.futures.ThreadPoolExecutor(settings.prepare_threads, thread_name_prefix="ragspec-prepare")
-        app.state.engine = eng
-        app.state.scheduler = scheduler
-        app.state.prepare_pool = pool
-        app.state.limits = settings.limits(eng.target.max_length)
-        app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
-        app.state.started = int(time.time())
-        logger.info("request limits: %s", app.state.limits)
-        app.state.ready = True
-        return app.state.response_cache
-
     async def load_in_background(app: FastAPI) -> Optional[ResponseCache]:
         try:
-            cache = await load(app)
+            cache = await _load(app, settings, engine, response_cache, datastore_engines)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # kept for /health and the CLI; the server keeps answering 503
@@ -223,25 +269,11 @@ def create_app(
         if engine is None:
             loading = asyncio.ensure_future(load_in_background(app))
         else:
-            await load(app)  # a ready engine: nothing slow to wait for
+            await _load(app, settings, engine, response_cache, datastore_engines)  # a ready engine: nothing slow
         try:
             yield
         finally:
-            cache = getattr(app.state, "response_cache", None)
-            if loading is not None and not loading.done():
-                loading.cancel()  # the load's thread finishes on its own; nothing of it is served
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await loading
-            scheduler = getattr(app.state, "scheduler", None)
-            if scheduler is not None:
-                await asyncio.to_thread(scheduler.stop)
-            pool = getattr(app.state, "prepare_pool", None)
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-            for writer in list(app.state.datastore_writers.values()):
-                await asyncio.to_thread(writer.close)  # a merge running is abandoned
-            if cache is not None and settings.response_log and app.state.ready:
-                await _save_response_cache(cache, settings.response_log)
+            await _stop(app, settings, loading)
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ragspec", version="0.1.0", lifespan=lifespan, **docs)  # type: ignore[arg-type]
@@ -250,20 +282,7 @@ def create_app(
     app.state.datastore_writers = {}
     metrics = _metrics(app)
     app.state.metrics = metrics
-    # the last added runs first: count, check the key, then admit (limits, read deadline)
-    app.add_middleware(
-        Admission,
-        read_timeout_s=settings.read_timeout_s,
-        min_read_rate=settings.min_read_rate,
-        max_reading=settings.max_reading,
-        client_limit=settings.client_limit,
-        keyed=bool(settings.api_keys),
-        metrics=metrics,
-        retry_after_s=settings.retry_after_s,
-    )
-    if settings.api_keys:
-        app.add_middleware(RequireApiKey, api_key=settings.api_keys, public_metrics=settings.public_metrics)
-    app.add_middleware(CountRequests, metrics=metrics)
+    _add_middleware(app, settings, metrics)
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")

@@ -11,6 +11,8 @@ its ``logprobs`` where asked (:mod:`.logprobs`), the ``usage`` of all of them (t
 once), and the request's drafting statistics under ``metrics.speculative_decoding``
 (vLLM's per-request names). With ``smooth_streaming`` (or the server's
 ``--smooth-streaming``) a step's run of accepted tokens is sent one token per event.
+Structured outputs (``response_format``, ``structured_outputs``, ``tools``) are read by
+:mod:`.structured`; a chat's tool calls come back as OpenAI's ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .responses import (
     usage,
 )
 from .state import ServerState, check_datastore, check_model, server_state
+from .structured import ChatTools, chat_messages, output_constraint
 
 __all__ = ["router", "models", "completions", "chat_completions", "COMPLETIONS_DEFAULT_MAX_TOKENS"]
 
@@ -162,7 +165,10 @@ async def completions(request: Request, state: State) -> Union[dict, StreamingRe
     with gen.closing_on_error():
         body = await gen.read(CompletionRequest)
         check_model(state, body.model)
-        params = request_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, state.settings, gen.cache_salt(body.cache_salt))
+        fmt, _ = output_constraint(body, state.engine)
+        params = request_params(
+            body, COMPLETIONS_DEFAULT_MAX_TOKENS, state.settings, gen.cache_salt(body.cache_salt), fmt
+        )
         check_datastore(state, body.datastore)
         prompt = _completion_prompt(body.prompt)
         engine, limits = state.engine, gen.limits
@@ -207,20 +213,20 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
     with gen.closing_on_error():
         body = await gen.read(ChatCompletionRequest)
         check_model(state, body.model)
+        fmt, plan = output_constraint(body, state.engine)
         params = request_params(
-            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt)
+            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt), fmt
         )
         check_datastore(state, body.datastore)
         try:
-            messages = [
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-            ]
+            messages = chat_messages(body.messages, show_tools=plan is not None and plan.show_tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         engine, limits = state.engine, gen.limits
-        await gen.start(lambda cancel: prepare_chat(engine, messages, params, limits, cancel), params)
+        await gen.start(lambda cancel: prepare_chat(engine, messages, params, limits, cancel, plan), params)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     answer = _Answer(state, params, body)
+    tools = ChatTools(plan, params.n) if plan is not None else None
 
     def envelope(choices: list[dict], usage_: Optional[dict] = None, obj: str = "chat.completion.chunk") -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": name, "choices": choices}
@@ -230,15 +236,16 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
 
     if not body.stream:
         chunks = await collect_choices_and_close(gen)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(c.text for c in cs)},
-                "logprobs": answer.chat_logprobs(cs),
-                "finish_reason": finish_reason(cs[-1].finish_reason if cs else "stop"),
-            }
-            for i, cs in enumerate(chunks)
-        ]
+        choices = []
+        for i, cs in enumerate(chunks):
+            text, reason = "".join(c.text for c in cs), cs[-1].finish_reason if cs else "stop"
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            shown = finish_reason(reason)
+            if tools is not None:
+                message, shown = tools.message(text, reason)
+            choices.append(
+                {"index": i, "message": message, "logprobs": answer.chat_logprobs(cs), "finish_reason": shown}
+            )
         return answer.whole(lambda c, u: envelope(c, u, "chat.completion"), choices, chunks)
     first = [
         envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
@@ -248,6 +255,14 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
     def events(index: int, chunk: StreamChunk) -> list[dict]:
         out = []
         for part in answer.parts(chunk):
+            if tools is not None:
+
+                def emit(delta: dict, reason: Optional[str], first: bool, part: StreamChunk = part) -> dict:
+                    logprobs = answer.chat_logprobs([part]) if first else None
+                    return envelope([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+
+                out += tools.events(index, part.text, part.finish_reason, emit)
+                continue
             delta = {"content": part.text} if part.text or part.finish_reason is None else {}
             choice = {
                 "index": index,

@@ -19,10 +19,13 @@ from ragspec.engine import Engine
 from ragspec.errors import ConfigError, PromptTooLongError
 from ragspec.params import RequestParams
 from ragspec.prompts import PreparedPrompt, grounded_text
+from ragspec.structured import ResponseFormat
 
 from ..schemas import ChatCompletionRequest, CompletionRequest, SummarizeRequest, unsupported
 from ..settings import RequestLimits, ServerSettings
+from ..tools import ToolPlan
 from .errors import APIError
+from .structured import check_tools
 
 __all__ = [
     "SUMMARY_INSTRUCTION",
@@ -96,12 +99,17 @@ def _check_choices(n: int, max_tokens: int, settings: ServerSettings) -> None:
 
 
 def request_params(
-    body: AnyBody, default_max_tokens: int, settings: ServerSettings, cache_salt: str = ""
+    body: AnyBody,
+    default_max_tokens: int,
+    settings: ServerSettings,
+    cache_salt: str = "",
+    response_format: Optional[ResponseFormat] = None,
 ) -> RequestParams:
     """The :class:`~ragspec.params.RequestParams` a body asks for, the settings' defaults
     where it gives none; ``cache_salt``: the request's partition
-    (:func:`.admission.cache_salt`). A summary's documents are its prompt's input
-    (:func:`prepare_summary`), not grounding of another prompt.
+    (:func:`.admission.cache_salt`); ``response_format``: the constraint its structured-output
+    fields ask for (:func:`.structured.output_constraint`). A summary's documents are its
+    prompt's input (:func:`prepare_summary`), not grounding of another prompt.
 
     Raises:
         APIError: 400 for an OpenAI parameter ragspec does not support, or ``n`` over the
@@ -117,9 +125,6 @@ def request_params(
     logprobs, top_logprobs = _logprobs(body)
     n = getattr(body, "n", None) or 1
     _check_choices(n, max_tokens, settings)
-    response_format = getattr(body, "response_format", None)
-    if response_format is not None and response_format.get("type") in (None, "text"):
-        response_format = None  # free text, the default
     return RequestParams(
         max_new_tokens=max_tokens,
         stop=body.stop or (),
@@ -228,14 +233,21 @@ def prepare_completion(
 
 
 def prepare_chat(
-    engine: Engine, messages: list[dict], params: RequestParams, limits: RequestLimits, cancel: threading.Event
+    engine: Engine,
+    messages: list[dict],
+    params: RequestParams,
+    limits: RequestLimits,
+    cancel: threading.Event,
+    tools: Optional[ToolPlan] = None,
 ) -> PreparedPrompt:
     """Token ids of a chat (``messages``: ``{"role", "content"}`` dicts) through the
     model's chat template, the request's documents laid in (the template's documents, or
-    before the last user message: :mod:`ragspec.prompts`), and of the drafter's documents.
+    before the last user message: :mod:`ragspec.prompts`), its ``tools`` shown where the
+    plan says so (their schemas compiled first, one by one), and of the drafter's documents.
 
     Raises:
         APIError: 400 for messages or documents over the limits.
+        StructuredOutputError: a tool's schema or the request's constraint does not compile.
         ConfigError: the model has no chat template.
         PromptTooLongError: the prompt and ``max_new_tokens`` do not fit the context.
         Cancelled: ``cancel`` was set.
@@ -246,7 +258,8 @@ def prepare_chat(
         raise ConfigError("this model has no chat template: use /v1/completions")
     if cancel.is_set():
         raise Cancelled()
-    prepared = engine.prepare(messages, params)
+    check_tools(engine, tools)
+    prepared = engine.prepare(messages, params, tools=tools.definitions() if tools and tools.show_tools else ())
     _check_fits(engine, prepared.prompt_ids, params.max_new_tokens)
     return prepared
 

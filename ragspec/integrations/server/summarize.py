@@ -5,7 +5,8 @@ The handler is a module-level function on :data:`router` (mounted under ``/v1`` 
 :func:`.app.create_app`). The documents go into the prompt (:func:`.prepare.build_summary_prompt`,
 chat-templated), where prompt lookup copies from them; the same layout puts a chat's or a
 completion's ``documents`` before its prompt where the chat template takes none
-(:mod:`ragspec.prompts`).
+(:mod:`ragspec.prompts`). A ``response_format`` shapes the summary (e.g. a JSON list of
+findings, each with the index of the document it comes from).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .generation import Generation
 from .prepare import prepare_summary, request_params
 from .responses import collect_and_close, finish_reason, stats_dict, stream_events, usage
 from .state import ServerState, check_datastore, check_model, server_state
+from .structured import output_constraint
 
 __all__ = ["router", "summarize"]
 
@@ -42,8 +44,9 @@ async def summarize(
         body = await gen.read(SummarizeRequest)
         check_model(state, body.model)
         # the documents are the prompt's input: prompt lookup copies from them already
+        fmt, _ = output_constraint(body, state.engine)
         params = request_params(
-            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt)
+            body, state.settings.default_max_tokens, state.settings, gen.cache_salt(body.cache_salt), fmt
         )
         check_datastore(state, body.datastore)
         engine, limits = state.engine, gen.limits

@@ -1,4 +1,7 @@
-"""The ``ragspec`` command line: models, generation, summaries, benchmarks, datastores, server.
+"""The ``ragspec`` command: its parser and :func:`main`, and the ``model``, ``generate`` and
+``summarize`` commands; the other command groups register themselves from their modules
+(:mod:`.datastore`, :mod:`.eagle`, :mod:`.doctor`; ``ragspec bench`` from
+:mod:`ragspec.bench.cli`, ``ragspec serve`` from :mod:`ragspec.integrations.cli`).
 
 Every command prints a one-line error and exits with status 2 on bad input (a typed
 :class:`~ragspec.errors.RagspecError`), never a traceback; any other failure is one line
@@ -15,20 +18,19 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .bench.cli import add_bench_command
-from .cli_common import (
+from ..errors import ConfigError, RagspecError
+from ..params import RequestParams
+from ..prompts import grounded_text
+from .common import (
     add_global_args,
     add_global_args_everywhere,
     add_model_args,
     engine_from_args,
     show_progress,
 )
-from .errors import ConfigError, RagspecError
-from .params import RequestParams
-from .prompts import grounded_text
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 logger = logging.getLogger("ragspec")
 
@@ -193,7 +195,7 @@ def _generate_and_print(engine: "Engine", prompt: str, args, params: RequestPara
     """Generate ``prompt`` with ``params`` (:meth:`Engine.prepare`, then :meth:`Engine.start`
     stepped to the end), streaming the text to stdout, or print it as JSON with ``--json``;
     the statistics (and with ``compare`` plain greedy's) to stderr."""
-    from .types import GenerationOutput
+    from ..types import GenerationOutput
 
     prepared = engine.prepare(prompt, params)  # the token ids the model reads, documents laid in
     chunks = []
@@ -233,7 +235,7 @@ def _baseline(engine: "Engine", prompt_ids: list[int], args) -> dict:
     """Plain transformers ``model.generate`` greedy on the same prompt token ids, timed."""
     import time
 
-    from .bench.runner import hf_generate
+    from ..bench.runner import hf_generate
 
     t0 = time.perf_counter()
     toks = hf_generate(engine.model, prompt_ids, args.max_new_tokens, engine.eos_token_ids, do_sample=False)
@@ -242,7 +244,7 @@ def _baseline(engine: "Engine", prompt_ids: list[int], args) -> dict:
 
 # ---------------------------------------------------------------------- commands
 def cmd_model_fetch(args) -> int:
-    from . import models
+    from .. import models
 
     if args.name and args.model_opt and args.name != args.model_opt:
         raise ConfigError(f"two different models named: {args.name!r} and --model {args.model_opt!r}")
@@ -252,7 +254,7 @@ def cmd_model_fetch(args) -> int:
 
 
 def cmd_model_info(args) -> int:
-    from . import models
+    from .. import models
 
     spec = models.resolve_model(args.model)
     model, tok = models.load_model(spec, device=args.device, dtype=args.dtype)
@@ -260,8 +262,8 @@ def cmd_model_info(args) -> int:
     if args.json:
         # the facts of `ragspec doctor` for this model: its backend with the speed-ups a
         # command would install (CPU only; elsewhere the bare backend, nothing compiled)
+        from ..loading import select_target
         from .doctor import kernel_report
-        from .loading import select_target
 
         on_cpu = next(model.parameters()).device.type == "cpu"
         target = select_target(model, gguf=spec.gguf_file, speed_ups=on_cpu)
@@ -291,7 +293,7 @@ def cmd_generate(args) -> int:
 def _specbench_documents(path: str, category: str, index: int) -> tuple[list[str], str]:
     """Documents of one Spec-Bench prompt: a rag prompt's passages (its last line, the
     question, dropped), or a summarization prompt's article."""
-    from .bench.data import load_prompts
+    from ..specbench import load_prompts
 
     rows = load_prompts(path, [category])
     if not rows:
@@ -417,25 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_gen_args(s)
     s.set_defaults(func=cmd_summarize)
 
+    # the other command groups, each registered by its own module
+    from ..bench.cli import add_bench_command
+    from ..integrations.cli import add_serve_command
+    from .datastore import add_datastore_commands
+    from .doctor import add_doctor_command
+    from .eagle import add_eagle_commands
+
     add_bench_command(sub)
-
-    from .doctor import add_doctor_command  # ragspec doctor: which speed-ups run here, and why not
-
-    add_doctor_command(sub)
-
-    # command groups of the other packages, when installed
-    for mod, fn in (
-        ("ragspec.datastore.cli", "add_datastore_commands"),
-        ("ragspec.integrations.cli", "add_serve_command"),
-        ("ragspec.eagle.cli", "add_eagle_commands"),
-    ):
-        try:
-            module = __import__(mod, fromlist=[fn])
-        except ImportError as e:
-            if e.name and mod.startswith(e.name):
-                continue
-            raise
-        getattr(module, fn)(sub)
+    add_doctor_command(sub)  # ragspec doctor: which speed-ups run here, and why not
+    add_datastore_commands(sub)
+    add_serve_command(sub)
+    add_eagle_commands(sub)
     add_global_args_everywhere(parser)
     return parser
 
@@ -450,7 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.verbose:
         # transformers' de-quantization progress bars and deprecation notices are noise here
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from .models import quiet_transformers
+        from ..models import quiet_transformers
 
         quiet_transformers()
     if args.threads is not None:
