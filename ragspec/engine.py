@@ -54,12 +54,13 @@ from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
-from .prefill import prefill, prefill_budget
+from .prefill import prefill_budget, prefill_chunks
 from .prefix_cache import PrefixCache
 from .processing import ProcessorContext, build_processors
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
 from .request import Request, StepReport, commit_tokens, record_step, take_chunk
 from .scheduling import StepPlan, Work
+from .stepping import select_work
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import GreedyVerifier, Verifier, verify_greedy
 
@@ -551,42 +552,6 @@ class Engine:
         ``requests``); ``tenants[i]``: whose request i is (None: one tenant)."""
         return [req.work(i, tenants[i] if tenants is not None else "") for i, req in enumerate(requests)]
 
-    def _selected(
-        self, requests: Sequence[Request], plan: Optional[StepPlan]
-    ) -> tuple[list[Request], list[tuple[int, Request]]]:
-        """The step's prefilling requests (in the order their chunks run) and decoding
-        requests ``(index, request)``: with no ``plan`` every request, the earliest
-        prefills first; else the plan's. Cancelled requests are marked finished; a request
-        is started (``started_s``) at its first step with work (without a plan: its first
-        step).
-
-        Raises:
-            ConfigError: the plan names a request that is not prefilling or decoding.
-        """
-        if plan is not None:
-            _check_plan(requests, plan)
-        chosen = None if plan is None else set(plan.indices)
-        prefilling: dict[int, Request] = {}
-        decoding: list[tuple[int, Request]] = []
-        for i, req in enumerate(requests):
-            ends = bool(req.finish_reason or req.cancel_requested)
-            if not req.started_s and (chosen is None or i in chosen or ends):
-                req.started_s = time.perf_counter()
-                req.stats.queue_s = req.started_s - req.created_s
-            if req.finish_reason:
-                continue
-            if req.cancel_requested:
-                req.finish_reason = "cancelled"
-            elif chosen is not None and i not in chosen:
-                continue
-            elif req.root is None:
-                prefilling[i] = req
-            else:
-                decoding.append((i, req))
-        if plan is None:  # earliest first
-            return [prefilling[i] for i in sorted(prefilling, key=lambda i: (prefilling[i].created_s, i))], decoding
-        return [prefilling[i] for i in plan.prefill if i in prefilling], decoding
-
     def step(self, requests: Sequence[Request], plan: Optional[StepPlan] = None) -> list[StreamChunk]:
         """Advance each request by one step: one chunk of its prefill, or one
         draft-verify-commit round in one ``Target.verify`` call for all of them.
@@ -599,6 +564,53 @@ class Engine:
         ``plan.decode`` are verified; the others do nothing in this step (finished or
         cancelled ones still end in it). Each request's own steps are the same whichever
         plan: outputs do not depend on the schedule.
+
+        Drafts (batch-aware, time-gated): :meth:`_decode`.
+
+        Returns:
+            one :class:`~ragspec.types.StreamChunk` per request, in order: the text and
+            tokens committed by this step (possibly empty), and for a request that finished
+            in it ``finish_reason`` and ``stats`` (its last chunk).
+
+        Raises:
+            ConfigError: a request was already finished; a plan naming a request that is
+                not prefilling (in ``plan.prefill``) or not decoding (in ``plan.decode``).
+        """
+        for req in requests:
+            if req.done:
+                raise ConfigError("request already finished: its final chunk was returned")
+        t_step = time.perf_counter()
+        counts = self.target.capability(Capability.STEP_COUNTS)
+        with torch.inference_mode():
+            prefilling, decoding = select_work(requests, plan)
+            prefill_tokens, chunks, prefill_s = prefill_chunks(
+                self.target,
+                prefilling,
+                self.prefix_cache,
+                budget=prefill_budget(self.policy) if plan is None else None,  # a plan is run as it is
+                hidden_states=self._hidden_states,
+                eos_token_ids=self.eos_token_ids,
+            )
+            pending, decode_s = self._decode(decoding)
+        after = self.target.capability(Capability.STEP_COUNTS)
+        self.last_step = StepReport(
+            requests=len(requests) if plan is None else len(plan.indices),
+            verified=len(pending),
+            rows=sum(1 + p.tree.num_nodes for p in pending),
+            prefill_tokens=prefill_tokens,
+            prefill_chunks=chunks,
+            seconds=time.perf_counter() - t_step,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            graph_steps=after.graph_steps - counts.graph_steps if after else 0,
+            eager_steps=after.eager_steps - counts.eager_steps if after else 0,
+        )
+        return [take_chunk(req) for req in requests]
+
+    def _decode(self, decoding: Sequence[tuple[int, Request]]) -> tuple[list[Pending], float]:
+        """The step's decoding part for ``decoding`` (``(index, request)``): each request's
+        draft, one ``Target.verify`` over all of them, each verified and committed. Returns
+        what was verified and the part's seconds (0 with nobody decoding).
 
         Drafts in a batch (``PolicyConfig.batch_aware`` with ``adaptive``): the verification
         forward costs about ``latency(total rows)``, so each request's draft is chosen for
@@ -617,89 +629,45 @@ class Engine:
         while its drafting has been adding more tokens than its drafting seconds and draft
         rows cost (:class:`~ragspec.policy.DraftTimeGate`); otherwise its steps are plain
         ones, with a retry every few steps. Seeded sampled requests are never gated.
-
-        Returns:
-            one :class:`~ragspec.types.StreamChunk` per request, in order: the text and
-            tokens committed by this step (possibly empty), and for a request that finished
-            in it ``finish_reason`` and ``stats`` (its last chunk).
-
-        Raises:
-            ConfigError: a request was already finished; a plan naming a request that is
-                not prefilling (in ``plan.prefill``) or not decoding (in ``plan.decode``).
         """
-        for req in requests:
-            if req.done:
-                raise ConfigError("request already finished: its final chunk was returned")
-        t_step = time.perf_counter()
-        counts = self.target.capability(Capability.STEP_COUNTS)
         pending: list[Pending] = []
-        prefill_tokens = chunks = 0
-        prefill_s = decode_s = 0.0
-        with torch.inference_mode():
-            prefilling, decoding = self._selected(requests, plan)
-            budget = prefill_budget(self.policy) if plan is None else None  # a plan is run as it is
-            for req in prefilling:
-                if chunks and budget is not None and prefill_tokens + req.next_prefill_tokens() > budget:
-                    break
-                t_chunk = time.perf_counter()
-                prefill_tokens += prefill(
-                    self.target,
-                    req,
-                    self.prefix_cache,
-                    hidden_states=self._hidden_states,
-                    eos_token_ids=self.eos_token_ids,
-                )
-                prefill_s += time.perf_counter() - t_chunk
-                chunks += 1
-            batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
-            cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
-            # a request drafts while its drafting pays for its own seconds (DraftTimeGate),
-            # alone and in a batched step; seeded sampled requests' drafts must not depend
-            # on timing: never gated
-            solo = len(decoding) == 1
-            gate = self.policy.draft_time_gate and self.policy.adaptive and (batch or solo)
-            gates: list[Optional[DraftTimeGate]] = []  # fed after the step (None: not gated)
-            t_decode = time.perf_counter()
-            other_rows, other_committed = 0, 0.0
-            for j, (i, req) in enumerate(decoding):
-                later = len(decoding) - 1 - j  # not drafted yet: one row, one token each
-                g = None
-                if gate and req.session is not None and not req.batch_independent:
-                    g = req.solo_draft_gate if solo else req.draft_gate
-                skip = g is not None and not g.should_draft()
-                if batch and not req.batch_independent:
-                    p = self._draft(i, req, other_rows + later, other_committed + later, cap, skip=skip)
-                else:
-                    p = self._draft(i, req, skip=skip)
-                gates.append(g if p.proposed else None)
-                pending.append(p)
-                other_rows += 1 + p.tree.num_nodes
-                other_committed += 1.0 + p.predicted
-            if pending:
-                items = [
-                    VerifyItem(p.request.state, int(p.request.root), p.tree, p.request.want_hidden, p.lazy)  # type: ignore[arg-type]
-                    for p in pending
-                ]
-                t1 = time.perf_counter()
-                outs = self.target.verify(items)
-                results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
-                decode_s = time.perf_counter() - t_decode
-                if any(g is not None for g in gates):
-                    observe_gates(pending, results, gates, decode_s)
-        after = self.target.capability(Capability.STEP_COUNTS)
-        self.last_step = StepReport(
-            requests=len(requests) if plan is None else len(plan.indices),
-            verified=len(pending),
-            rows=sum(1 + p.tree.num_nodes for p in pending),
-            prefill_tokens=prefill_tokens,
-            prefill_chunks=chunks,
-            seconds=time.perf_counter() - t_step,
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            graph_steps=after.graph_steps - counts.graph_steps if after else 0,
-            eager_steps=after.eager_steps - counts.eager_steps if after else 0,
-        )
-        return [take_chunk(req) for req in requests]
+        batch = len(decoding) > 1 and self.policy.adaptive and self.policy.batch_aware
+        cap = per_request_drafts(self.policy, self.latency, len(decoding)) if batch else None
+        # a request drafts while its drafting pays for its own seconds (DraftTimeGate),
+        # alone and in a batched step; seeded sampled requests' drafts must not depend
+        # on timing: never gated
+        solo = len(decoding) == 1
+        gate = self.policy.draft_time_gate and self.policy.adaptive and (batch or solo)
+        gates: list[Optional[DraftTimeGate]] = []  # fed after the step (None: not gated)
+        t_decode = time.perf_counter()
+        other_rows, other_committed = 0, 0.0
+        for j, (i, req) in enumerate(decoding):
+            later = len(decoding) - 1 - j  # not drafted yet: one row, one token each
+            g = None
+            if gate and req.session is not None and not req.batch_independent:
+                g = req.solo_draft_gate if solo else req.draft_gate
+            skip = g is not None and not g.should_draft()
+            if batch and not req.batch_independent:
+                p = self._draft(i, req, other_rows + later, other_committed + later, cap, skip=skip)
+            else:
+                p = self._draft(i, req, skip=skip)
+            gates.append(g if p.proposed else None)
+            pending.append(p)
+            other_rows += 1 + p.tree.num_nodes
+            other_committed += 1.0 + p.predicted
+        if not pending:
+            return pending, 0.0
+        items = [
+            VerifyItem(p.request.state, int(p.request.root), p.tree, p.request.want_hidden, p.lazy)  # type: ignore[arg-type]
+            for p in pending
+        ]
+        t1 = time.perf_counter()
+        outs = self.target.verify(items)
+        results = [self._accept(p, out, t1, solo=len(pending) == 1) for p, out in zip(pending, outs)]
+        decode_s = time.perf_counter() - t_decode
+        if any(g is not None for g in gates):
+            observe_gates(pending, results, gates, decode_s)
+        return pending, decode_s
 
     # ------------------------------------------------------------------ thin loops
     def stream(
@@ -932,20 +900,6 @@ class Engine:
         req.root = committed[-1]
         record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
         return res
-
-
-def _check_plan(requests: Sequence[Request], plan: StepPlan) -> None:
-    """Raise ConfigError when ``plan`` names a request out of range, twice, or in the wrong
-    list (``prefill``: not prefilling; ``decode``: not prefilled yet); finished and
-    cancelled requests may be named (they end in the step)."""
-    named = plan.indices
-    if len(set(named)) != len(named) or any(not 0 <= i < len(requests) for i in named):
-        raise ConfigError(f"step plan names requests {list(named)}: each at most once, of {len(requests)} requests")
-    wrong = [i for i in plan.prefill if requests[i].root is not None]
-    wrong += [i for i in plan.decode if requests[i].root is None]
-    wrong = [i for i in wrong if not (requests[i].finish_reason or requests[i].cancel_requested)]
-    if wrong:
-        raise ConfigError(f"step plan names requests {sorted(wrong)} that are not prefilling or decoding as it says")
 
 
 def _is_messages(prompt: Any) -> bool:

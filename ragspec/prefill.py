@@ -22,7 +22,15 @@ from .prefix_cache import PrefixCache
 from .request import Request, commit_tokens
 from .types import DraftTree
 
-__all__ = ["prefill", "prefill_budget", "first_token", "fork_prefill", "load_cached_prefix", "store_chunk"]
+__all__ = [
+    "prefill",
+    "prefill_chunks",
+    "prefill_budget",
+    "first_token",
+    "fork_prefill",
+    "load_cached_prefix",
+    "store_chunk",
+]
 
 
 def prefill_budget(policy: PolicyConfig) -> Optional[int]:
@@ -31,6 +39,30 @@ def prefill_budget(policy: PolicyConfig) -> Optional[int]:
     if policy.prefill_step_tokens is not None:
         return int(policy.prefill_step_tokens)
     return int(policy.prefill_chunk_tokens) or None
+
+
+def prefill_chunks(
+    target: Target,
+    prefilling: Sequence[Request],
+    prefix_cache: Optional[PrefixCache],
+    *,
+    budget: Optional[int],
+    hidden_states: bool,
+    eos_token_ids: Sequence[int],
+) -> tuple[int, int, float]:
+    """A step's prefill: one chunk (:func:`prefill`) of each of ``prefilling``, in order,
+    while ``budget`` prompt tokens last (the first chunk always; None: every one). Returns
+    the tokens run, the chunks and their seconds."""
+    tokens = chunks = 0
+    seconds = 0.0
+    for req in prefilling:
+        if chunks and budget is not None and tokens + req.next_prefill_tokens() > budget:
+            break
+        t0 = time.perf_counter()
+        tokens += prefill(target, req, prefix_cache, hidden_states=hidden_states, eos_token_ids=eos_token_ids)
+        seconds += time.perf_counter() - t0
+        chunks += 1
+    return tokens, chunks, seconds
 
 
 def prefill(

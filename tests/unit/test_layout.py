@@ -152,7 +152,10 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("backend", ("models", "calibrate", "calibration_cache", "backend")),
     ("drafters", ("drafters", "drafting", "eagle", "datastore")),
-    ("loop", ("prompts", "request", "prefill", "draft_choice", "composition", "engine", "loading", "serving")),
+    (
+        "loop",
+        ("prompts", "request", "prefill", "draft_choice", "composition", "stepping", "engine", "loading", "serving"),
+    ),
     # the front ends: the command line, the integrations, EAGLE training, the measuring wing
     # (and the deprecated old paths of ragspec.cli.common and ragspec.cli.doctor)
     ("top", ("", "__main__", "cli", "integrations", "training", "bench", "cli_common", "doctor")),
