@@ -20,9 +20,11 @@ target forward for all requests of the step:
 :meth:`Engine.stream` and :meth:`Engine.generate` are thin loops over ``start``/``step``;
 servers call ``step`` once per round for the requests they hold.
 
-The step's parts live by role: the request's state and lifecycle (commit, chunk, stats) in
-:mod:`ragspec.request`, the prefill chunks in :mod:`ragspec.prefill`, the draft choice
-(stage 1) in :mod:`ragspec.draft_choice`, prompt encoding in :mod:`ragspec.prompts`.
+The step's parts live by role: which requests work (all, or a
+:class:`~ragspec.scheduling.StepComposer`'s plan) in :mod:`ragspec.stepping`, the request's
+state and lifecycle (commit, chunk, stats) in :mod:`ragspec.request`, the prefill chunks in
+:mod:`ragspec.prefill`, the draft choice (stage 1) in :mod:`ragspec.draft_choice`, prompt
+encoding in :mod:`ragspec.prompts`.
 """
 
 from __future__ import annotations
