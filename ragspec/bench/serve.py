@@ -14,7 +14,7 @@ Two comparisons, one run, the servers never up at the same time:
    - ``mixed``: the same N clients' long prompts, with short questions (qa prompts, at most
      :attr:`MixedLoad.max_tokens` tokens each) arriving among them at set times
      (:class:`~ragspec.bench.serve_client.MixedLoad`), each short question also sent alone
-     first: how long a short question waits behind long ones.
+     after the load: how long a short question waits behind long ones.
 
    The phases alternate between the servers: ragspec solo, llama-server solo, ragspec N
    clients, llama-server N clients, ragspec mixed, llama-server mixed. Requests are OpenAI ``/v1/chat/completions`` with the

@@ -252,12 +252,13 @@ def request_mixed(
     load: MixedLoad,
     timeout_s: float,
 ) -> tuple:
-    """The mixed load: each short text sent alone first (records of kind ``"alone"``);
-    then the long texts through ``clients`` clients in a closed loop (``"long"``, at most
-    ``max_tokens`` tokens) while the short texts are sent at ``load.send_times``
-    (``"short"``, at most ``load.max_tokens``), each on its own connection. Returns the
-    records (by kind, then text index) and the wall seconds of the load (from its start
-    to its last answer)."""
+    """The mixed load: the long texts through ``clients`` clients in a closed loop
+    (records of kind ``"long"``, at most ``max_tokens`` tokens) while the short texts are
+    sent at ``load.send_times`` (``"short"``, at most ``load.max_tokens``), each on its own
+    connection; then each short text alone (``"alone"``: after the load, so that under it
+    their prompts were new to the server's caches; alone they may be cached, a lower bound).
+    Returns the records (by kind, then text index) and the wall seconds of the load (from
+    its start to its last answer)."""
     httpx = httpx_module()
     limits = httpx.Limits(max_connections=clients + len(short_texts), max_keepalive_connections=0)
     timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s))
@@ -265,8 +266,6 @@ def request_mixed(
 
     async def drive() -> float:
         async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
-            for k, text in enumerate(short_texts):  # alone first: their time and answer without load
-                records.append(_record(k, 0.0, await _chat(client, url, text, load.max_tokens, timeout_s), "alone"))
             pending = list(range(len(long_texts)))
             t0 = time.perf_counter()
 
@@ -285,7 +284,10 @@ def request_mixed(
 
             shorts = [short_question(k, at) for k, at in enumerate(load.send_times(len(short_texts)))]
             await asyncio.gather(*(long_client() for _ in range(min(clients, len(long_texts)))), *shorts)
-            return time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            for k, text in enumerate(short_texts):  # alone after the load: under it their prompts were new
+                records.append(_record(k, 0.0, await _chat(client, url, text, load.max_tokens, timeout_s), "alone"))
+            return wall
 
     wall = asyncio.run(drive())
     return sorted(records, key=lambda r: (r.kind, r.prompt)), wall

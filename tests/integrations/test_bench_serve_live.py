@@ -75,7 +75,7 @@ def test_bench_serve_solo_two_clients_mixed_and_engine_against_ragspec_serve(
         assert phase["mean_tokens"] == 6 and phase["ready_s"] > 0
         assert "--no-response-cache" not in phase["command"]
     assert clients["identical"] == 2  # each concurrent answer equals its solo answer
-    # the mixed phase: the qa question (the only one) sent alone, then among the two long prompts
+    # the mixed phase: the qa question (the only one) among the two long prompts, then alone
     assert (mixed["phase"], mixed["requests"], mixed["short_requests"]) == ("mixed", 2, 1)
     assert report["settings"]["mixed"]["categories"] == ["qa"]
     assert mixed["identical"] == 2 and mixed["short_identical"] == 1
