@@ -219,8 +219,8 @@ def cmd_concurrent(args) -> int:
     speculative against plain; the drafter's time per step."""
     from ragspec import load_engine
     from ragspec.bench import runner as bench
-    from ragspec.specbench import load_prompts
     from ragspec.config import PolicyConfig
+    from ragspec.specbench import load_prompts
 
     if _cuda_backend() is None:
         return 1
@@ -309,8 +309,8 @@ def cmd_bench(args) -> int:
 
     from ragspec import load_engine
     from ragspec.bench import runner as bench
-    from ragspec.specbench import load_prompts
     from ragspec.config import PolicyConfig
+    from ragspec.specbench import load_prompts
 
     if args.dtype in ("fp32", "float32"):
         _no_tf32()
