@@ -54,7 +54,7 @@ from .drafters.forced import ForcedTokenSession
 from .errors import ConfigError, PromptTooLongError
 from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
-from .params import RequestParams, request_params
+from .params import RequestParams, params_from_old_start, request_params
 from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill_budget, prefill_chunks
 from .prefix_cache import PrefixCache
@@ -392,7 +392,7 @@ class Engine:
         """
         extra_ids: Sequence[Sequence[int]] = ()
         if sampling is not None or deprecated or isinstance(params, DecodeConfig):
-            params, extra_ids = _deprecated_start(params, sampling, deprecated)
+            params, extra_ids = params_from_old_start(params, sampling, deprecated)
         params = params if params is not None else RequestParams()
         if params.n != 1:
             raise ConfigError(f"n={params.n}: a request of several choices starts with Engine.start_choices")
@@ -907,32 +907,3 @@ class Engine:
 def _is_messages(prompt: Any) -> bool:
     """Whether ``prompt`` is a chat (a non-empty sequence of mappings), not text or token ids."""
     return not isinstance(prompt, str) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
-
-
-def _deprecated_start(
-    params: Union[RequestParams, DecodeConfig, None], sampling: Optional[SamplingParams], kwargs: dict[str, Any]
-) -> tuple[RequestParams, Sequence[Sequence[int]]]:
-    """The parameters of :meth:`Engine.start` 's old signature (``start(prompt, decode,
-    sampling, *, documents, document_ids, cache_salt)``) as a ``RequestParams`` (its
-    ``documents``, the drafter's alone there, as ``draft_documents``) and the drafter-only
-    token ids, with a DeprecationWarning.
-
-    Raises:
-        TypeError: an unknown keyword.
-    """
-    unknown = sorted(set(kwargs) - {"decode", "sampling", "documents", "document_ids", "cache_salt"})
-    if unknown:
-        raise TypeError(f"Engine.start() got unexpected keyword argument(s) {unknown}")
-    warn_deprecated(
-        "Engine.start(prompt, decode, sampling, documents=, document_ids=, cache_salt=)",
-        "Engine.start(prompt, RequestParams(...)) (ragspec.RequestParams: one value for the request)",
-        stacklevel=4,
-    )
-    if isinstance(params, RequestParams):
-        raise TypeError("Engine.start(): give a RequestParams alone, not with decode/sampling settings")
-    decode = kwargs.pop("decode", params)
-    sampling = kwargs.pop("sampling", sampling)
-    document_ids = kwargs.pop("document_ids", None) or ()
-    # the old signature's documents were the drafter's alone: they keep that meaning here
-    fields = {"draft_documents" if k == "documents" else k: v for k, v in kwargs.items() if v is not None}
-    return RequestParams.from_configs(decode, sampling, **fields), document_ids

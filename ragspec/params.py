@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .config import DecodeConfig, SamplingParams
+from .deprecation import warn_deprecated
 from .errors import ConfigError, InvalidParameterError, UnsupportedParameterError
 from .logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from .structured import ResponseFormat
 from .structured import response_format as _response_format
 
-__all__ = ["RequestParams", "request_params", "UNSUPPORTED_FIELDS"]
+__all__ = ["RequestParams", "request_params", "params_from_old_start", "UNSUPPORTED_FIELDS"]
 
 UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 """Fields of :class:`RequestParams` the engine does not implement yet: accepted only at
@@ -348,3 +349,32 @@ def request_params(params: Optional[RequestParams] = None, **fields: Any) -> Req
     if params is None:
         return RequestParams(**fields)
     return params.replace(**fields) if fields else params
+
+
+def params_from_old_start(
+    params: Union[RequestParams, DecodeConfig, None], sampling: Optional[SamplingParams], kwargs: dict[str, Any]
+) -> tuple[RequestParams, Sequence[Sequence[int]]]:
+    """The parameters of :meth:`Engine.start` 's old signature (``start(prompt, decode,
+    sampling, *, documents, document_ids, cache_salt)``) as a ``RequestParams`` (its
+    ``documents``, the drafter's alone there, as ``draft_documents``) and the drafter-only
+    token ids, with a DeprecationWarning.
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+    unknown = sorted(set(kwargs) - {"decode", "sampling", "documents", "document_ids", "cache_salt"})
+    if unknown:
+        raise TypeError(f"Engine.start() got unexpected keyword argument(s) {unknown}")
+    warn_deprecated(
+        "Engine.start(prompt, decode, sampling, documents=, document_ids=, cache_salt=)",
+        "Engine.start(prompt, RequestParams(...)) (ragspec.RequestParams: one value for the request)",
+        stacklevel=4,
+    )
+    if isinstance(params, RequestParams):
+        raise TypeError("Engine.start(): give a RequestParams alone, not with decode/sampling settings")
+    decode = kwargs.pop("decode", params)
+    sampling = kwargs.pop("sampling", sampling)
+    document_ids = kwargs.pop("document_ids", None) or ()
+    # the old signature's documents were the drafter's alone: they keep that meaning here
+    fields = {"draft_documents" if k == "documents" else k: v for k, v in kwargs.items() if v is not None}
+    return RequestParams.from_configs(decode, sampling, **fields), document_ids
