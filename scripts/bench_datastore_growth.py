@@ -1,4 +1,4 @@
-"""A datastore grown by many small additions against one built at once (issue 51).
+"""A datastore grown by many small additions against one built at once.
 
 Builds a datastore of the Spec-Bench dev data's rag passages and summarization articles
 (``--seed-docs`` of them, the model's tokenizer), then adds ``--additions`` small documents

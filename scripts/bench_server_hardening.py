@@ -1,4 +1,4 @@
-"""The server under hostile requests (issue 17), on the real default model over loopback.
+"""The server under hostile requests, on the real default model over loopback.
 
 Starts ``python -m ragspec serve`` on a free loopback port (``--pythonpath`` picks which
 checkout serves) and measures:

@@ -1,6 +1,5 @@
 """ragspec's fused C++ decoder step against ``torch.compile`` of transformers' forward over a
-static KV cache (issue 18 item 2: "the decoder step compiled or fused: measure both and
-keep the faster").
+static KV cache (the decoder step compiled or fused: measure both and keep the faster).
 
 What it measures, on CPU, float32, 2 torch threads, the default model
 (``smollm2-135m-instruct``), ms per one-token greedy decode step (prefill excluded) at the

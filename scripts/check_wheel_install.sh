@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The clean-install check of issue 40: what a new user gets from `pip install` of a wheel.
+# The clean-install check: what a new user gets from `pip install` of a wheel.
 #
 #   scripts/check_wheel_install.sh            (CI: .ci/run calls it right after `make test`)
 #

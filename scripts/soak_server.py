@@ -1,4 +1,4 @@
-"""A bounded soak of ``ragspec serve`` with slow-body sockets, then a warm restart (issue 42).
+"""A bounded soak of ``ragspec serve`` with slow-body sockets, then a warm restart.
 
 Starts ``python -m ragspec serve`` on a free loopback port (``--pythonpath`` picks which
 checkout serves; its log goes to ``--server-log``) and runs two phases of ``--minutes`` each:
@@ -20,7 +20,7 @@ every second from /proc: start, at the first minute (half the phase when shorter
 start again with the same cache folder (a warm calibration cache), and the seconds from the
 spawn to ``/health`` 200 and to ``/ready`` 200.
 
-With ``--keys N`` (issue 51) the server has N tenant API keys (client i sends key i mod N)
+With ``--keys N`` the server has N tenant API keys (client i sends key i mod N)
 and one ``--admin-key``, serves a datastore (``--datastore DIR``, else one built at start from
 ``--seed-docs`` summarization articles of the dev data, in a temporary folder) that requests
 draft from by default, and an adder thread, the admin tenant, adds 1-3 documents (chunks of
