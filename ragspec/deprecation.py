@@ -11,8 +11,9 @@ what replaces it (then it goes; CHANGELOG.md lists each under "Deprecated").
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["warn_deprecated", "moved_names", "moved_module"]
 
@@ -47,16 +48,25 @@ def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
     return __getattr__
 
 
-def moved_module(module: str, new: str) -> Callable[[str], Any]:
+def moved_module(module: str, new: str, *, main: Optional[str] = None) -> Callable[[str], Any]:
     """The ``__getattr__`` of ``module``, a module that moved whole to ``new`` and stays at
     its old path one release: every name of ``new`` is found there too, with a warning
     (:func:`warn_deprecated`) naming its new place. The new module is imported on the
     first look-up, not before (an old path on a lower floor of the house keeps no import
     of a higher one).
 
+    ``main``: the function of ``new`` that ``python -m OLD`` ran; the old path run as a
+    script (``module`` is ``"__main__"``) warns, runs it and exits with its status (without
+    it, the alias run as a script did nothing and exited 0).
+
     Raises (from the returned function):
         AttributeError: a name ``new`` does not have (as any missing attribute).
     """
+    if main is not None and module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        old = spec.name if spec is not None else "the old path"
+        warn_deprecated(f"python -m {old}", f"python -m {new}")
+        sys.exit(getattr(importlib.import_module(new), main)())
 
     def __getattr__(name: str) -> Any:
         if not (name.startswith("__") and name.endswith("__")):

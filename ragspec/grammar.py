@@ -301,6 +301,14 @@ class GrammarCompiler:
         bits[[t for t in special if 0 <= t < known]] = 0  # (llguidance offers <unk> where nothing fits)
         if not bits.any() and not probe.is_accepting():
             return f"the {fmt.kind.replace('_', ' ')} cannot be written with this model's tokens"
+        # the text it forces first, consumed once here: a structure that recurses without
+        # end (a required property of its own type, ``root ::= "a" root``) runs past the
+        # engine's limits there, and is refused rather than cut after its first token
+        for token in probe.compute_ff_tokens():
+            if probe.is_error() or not probe.consume_token(int(token)):
+                break
+        if probe.is_error():
+            return _refusal(fmt, probe.get_error())
         return grammar
 
 

@@ -141,10 +141,14 @@ def kernel_report(
         raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     drafting = drafting or os.environ.get("RAGSPEC_DRAFTING") or AUTO_DRAFTING
     status = kernels.kernel_status(build=build)
+    asked = _asked_device(device) if target is None else None
+    if asked is not None and model is not None:
+        # a model cannot be loaded onto a CUDA device that is not here: say why it is not
+        raise ConfigError(f"device {device!r} asked for but CUDA is not available: {_cuda_facts(None)['reason']}")
     if target is None and model is not None:
         target, _, spec = load_target(model, device, dtype, numerics=numerics)
         gguf = spec.gguf_file
-    run_device = target.device if target is not None else resolve_device(device)
+    run_device = target.device if target is not None else asked or resolve_device(device)
     resolved_drafting = resolve_drafting(drafting, run_device)
     hf_model = target.model if target is not None else None
 
@@ -186,6 +190,18 @@ def kernel_report(
             "kernel_dir": str(status.kernel_dir) if status.kernel_dir else None,
         },
     }
+
+
+def _asked_device(device: Optional[str]) -> Optional[torch.device]:
+    """The CUDA device ``device`` names on a machine where CUDA is not available (the report
+    is then about it, its ``cuda.reason`` saying why it is not there); None otherwise."""
+    if device is None or torch.cuda.is_available():
+        return None
+    try:
+        asked = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None  # unparsable: resolve_device says so
+    return asked if asked.type == "cuda" else None
 
 
 def _native_step_facts(target: Optional["Target"], run_device: torch.device, status: Any) -> dict[str, Any]:

@@ -70,7 +70,8 @@ def read_tools(tools: Optional[Sequence[Mapping[str, Any]]], param: str = "tools
     Raises:
         StructuredOutputError: more than :data:`MAX_TOOLS`, a tool that is not a function,
             a missing or malformed name, a name given twice, a tool without a parameters
-            schema (``param`` names the entry: ``tools[2].function.parameters``).
+            schema or with one whose ``type`` is not ``"object"`` (``param`` names the entry:
+            ``tools[2].function.parameters``).
     """
     if not tools:
         return ()
@@ -94,6 +95,14 @@ def read_tools(tools: Optional[Sequence[Mapping[str, Any]]], param: str = "tools
             raise StructuredOutputError(
                 f"{where}.function.parameters: the tool {name!r} has no parameters schema (a JSON schema object; "
                 '{"type": "object", "properties": {}} for no arguments)',
+                param=f"{where}.function.parameters",
+            )
+        if params.get("type", "object") != "object":
+            # a call's arguments are a JSON object (OpenAI's function.arguments); a string or
+            # array schema gave arguments no client can read as keyword arguments
+            raise StructuredOutputError(
+                f"{where}.function.parameters: the tool {name!r} takes a JSON object of arguments, and its "
+                f"schema's type is {params.get('type')!r} (wrap the value in an object's property)",
                 param=f"{where}.function.parameters",
             )
         desc = fn.get("description") or ""

@@ -303,6 +303,23 @@ def test_auto_reads_calls_back_from_the_hermes_tags():
     assert plan.tool_calls("no call here") == ("no call here", [])
 
 
+def test_tool_parameters_of_a_non_object_type_are_a_400_not_string_arguments(server):
+    """Regression: a tool whose ``parameters`` schema was ``{"type": "string"}`` was served,
+    and the call's ``arguments`` came back as a JSON string (``"\"][{\""``), which no client
+    reads as keyword arguments (LangChain put it in ``invalid_tool_calls``)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": MSGS, "max_tokens": 4, "tools": [WEATHER, tool], "tool_choice": "required"},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools[1].function.parameters" and "JSON object of arguments" in err["message"], err
+    # an object schema, with or without its type spelled out, is a tool as before
+    assert plan_tools([{"type": "function", "function": {"name": "g", "parameters": {"properties": {}}}}], "required")
+
+
 @pytest.mark.parametrize(
     "body, param, message",
     [

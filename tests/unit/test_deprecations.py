@@ -104,3 +104,22 @@ def test_the_console_script_and_python_m_run_the_moved_command_line(capsys):
     out = capsys.readouterr().out
     for command in ("model", "generate", "summarize", "bench", "doctor", "datastore", "serve", "eagle"):
         assert command in out
+
+
+def test_python_m_old_datastore_cli_path_runs_the_group_not_nothing(monkeypatch, capsys):
+    """Regression: ``python -m ragspec.datastore.cli datastore ...`` (the group's documented
+    way to run alone before it moved) did nothing and exited 0; it warns and runs the
+    group at its new place."""
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["ragspec.datastore.cli", "datastore", "--help"])
+    monkeypatch.delitem(sys.modules, "ragspec.datastore.cli", raising=False)
+    with pytest.warns(
+        DeprecationWarning, match=r"python -m ragspec\.datastore\.cli .*python -m ragspec\.cli\.datastore"
+    ):
+        with pytest.raises(SystemExit) as done:
+            runpy.run_module("ragspec.datastore.cli", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "build" in out and "info" in out

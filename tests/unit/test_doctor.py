@@ -240,3 +240,24 @@ def test_cuda_reason_names_the_missing_device_or_cpu_torch_first(monkeypatch, to
     facts = doctor._cuda_facts(None)
     assert facts["backend_available"] is False
     assert reason in facts["reason"], facts
+
+
+def test_doctor_device_cuda_without_cuda_reports_the_reason(monkeypatch, capsys):
+    """Regression: ``ragspec doctor --device cuda`` (docs/gpu.md's install check) on a
+    machine without CUDA stopped with "device 'cuda' asked for but CUDA is not available"
+    instead of reporting why the CUDA backend is not there (a CPU-only torch, no device)."""
+    import torch
+
+    monkeypatch.delenv("RAGSPEC_CUDA_BACKEND", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kernels, "_load_module_why", lambda cache_dir=None, build=True: (FakeLibrary, None, "active"))
+    rc, report = _doctor_json(capsys, "--device", "cuda")
+    assert rc == 0
+    assert report["cuda"]["backend_available"] is False
+    assert "CPU-only build" in report["cuda"]["reason"]
+    assert report["drafting"]["device"] == "cuda"
+    # with --model nothing can be loaded there: one error line that says why
+    assert cli.main(["doctor", "--device", "cuda", "--model", "any-model"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "CPU-only build" in err

@@ -211,6 +211,31 @@ def test_a_constraint_the_vocabulary_cannot_spell_is_refused(compiler):
         compiler.compile(ResponseFormat.regex("=+"))  # no token holds "="
 
 
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        ResponseFormat.grammar('root ::= "a" root'),
+        ResponseFormat.json_schema(
+            {
+                "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                "$ref": "#/$defs/n",
+            }
+        ),
+    ],
+    ids=["grammar", "json_schema"],
+)
+def test_endless_recursion_is_refused_not_cut_after_one_token_with_stop(tok, target, compiler, fmt):
+    """Regression: a structure that recurses without end (``root ::= "a" root``, a required
+    property of its own type) compiled, then its first token ran the grammar engine past
+    its limits: the output ended after that token with finish_reason "stop" and text that
+    does not match (``{"``). It is refused when compiled, as the limits promise."""
+    with pytest.raises(StructuredOutputError, match="too large or complex") as e:
+        compiler.compile(fmt)
+    assert e.value.param == "response_format"
+    with pytest.raises(StructuredOutputError):
+        _engine(target, tok).generate("x", max_new_tokens=8, response_format=fmt, chat=False)
+
+
 # ---------------------------------------------------------------------------- the processor
 def test_prune_drops_what_leaves_the_grammar_with_its_subtree(tok, compiler):
     ids = tok.convert_tokens_to_ids
