@@ -609,6 +609,22 @@ def hold_directory(path: str | os.PathLike) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def held_shard_tmp(directory: str | os.PathLike) -> Iterator[Path]:
+    """A new temporary shard directory ``DIR/.shard-tmp-*`` for work done outside
+    ``DIR/.lock`` (a merge), held (:func:`hold_directory`) from the moment it exists: it is
+    created and locked under ``DIR/.lock``, so an add cleaning up leftovers
+    (:func:`remove_leftovers`) never sees it unheld. Released and removed when the block
+    ends (whatever was renamed out of it stays)."""
+    d = Path(directory)
+    with contextlib.ExitStack() as stack:
+        with locked(d / ".lock"):
+            tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+            stack.enter_context(hold_directory(tmp))
+        yield tmp
+
+
 def _clean_siblings(dest: Path) -> None:
     """Remove what interrupted builds of ``dest`` left next to it (call with the parent
     directory locked). A temporary directory a live build holds (locked) stays. When an

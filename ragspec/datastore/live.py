@@ -51,7 +51,7 @@ from ragspec.errors import DatastoreBusyError, DatastoreError, IdempotencyKeyErr
 from .builder import check_texts, tokenize_texts
 from .format import (
     Manifest,
-    hold_directory,
+    held_shard_tmp,
     locked,
     read_manifest,
     remove_leftovers,
@@ -274,20 +274,16 @@ class DatastoreWriter:
         start, stop = plan
         replaces = snap.manifest.shards[start:stop]
         d = self.path
-        tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
-        try:
-            with hold_directory(tmp):
-                try:
-                    entry = merge_shards(snap, start, stop, tmp, should_stop=should_stop)
-                except (OSError, DatastoreError):
-                    if _listed(read_manifest(d), replaces):
-                        raise
-                    self._refresh()  # another process merged them first (and removed their files)
-                    return True
-                with self._lock:
-                    self._commit_merge(tmp, entry, replaces)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with held_shard_tmp(d) as tmp:  # never an add's leftover, not even before it is held
+            try:
+                entry = merge_shards(snap, start, stop, tmp, should_stop=should_stop)
+            except (OSError, DatastoreError):
+                if _listed(read_manifest(d), replaces):
+                    raise
+                self._refresh()  # another process merged them first (and removed their files)
+                return True
+            with self._lock:
+                self._commit_merge(tmp, entry, replaces)
         return True
 
     def _refresh(self) -> None:

@@ -14,7 +14,7 @@ merging: :class:`~ragspec.errors.DatastoreBusyError`).
 
 A merge (:func:`merge_shards`) concatenates the shards' token arrays (the documents keep
 their order and numbers), sorts the index anew and writes the merged shard into a
-temporary directory that it holds locked (:func:`~.format.hold_directory`; the cleanup of
+temporary directory made and locked under ``DIR/.lock`` (:func:`~.format.held_shard_tmp`; the cleanup of
 adds leaves it alone). It is committed (:func:`commit_merge`) under ``DIR/.lock``: renamed
 into place and listed in the manifest where the shards it replaces were, only if they
 are all still listed (another merge may have replaced them meanwhile: then it is
@@ -36,7 +36,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +54,7 @@ from .format import (
     Manifest,
     ShardEntry,
     fsync_dir,
-    hold_directory,
+    held_shard_tmp,
     locked,
     read_manifest,
     set_default_mode,
@@ -354,14 +353,10 @@ def compact_datastore(directory: str | os.PathLike, *, progress: bool = False) -
     with Datastore.open(d) as ds:
         n = ds.num_shards
         if n > 1:
-            tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
-            try:
-                with hold_directory(tmp):
-                    entry = merge_shards(ds, 0, n, tmp, progress=progress)
-                    done = commit_merge(d, tmp, entry, ds.manifest.shards[:n])
-                if done is None:
-                    logger.warning("%s changed while it was merged: left as it is", d)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            with held_shard_tmp(d) as tmp:
+                entry = merge_shards(ds, 0, n, tmp, progress=progress)
+                done = commit_merge(d, tmp, entry, ds.manifest.shards[:n])
+            if done is None:
+                logger.warning("%s changed while it was merged: left as it is", d)
     with Datastore.open(d) as ds:
         return ds.info()

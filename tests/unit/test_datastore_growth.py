@@ -379,3 +379,43 @@ def test_a_second_servers_add_right_after_a_merge_finds_nothing_to_call_interrup
     assert "shard-00001" in by_level["INFO"] and "a merge replaced" in by_level["INFO"]
     assert "shard-00099" in by_level["WARNING"] and "interrupted datastore add or merge" in by_level["WARNING"]
     assert not (d / "shard-00001").exists() and not (d / "shard-00099").exists()
+
+
+def test_growth_bench_crash_an_add_never_removes_the_folder_a_merge_just_made(tmp_path, char_tokenizer, monkeypatch):
+    """The growth benchmark's 1000 additions crashed: an add's cleanup ran between a merge's
+    ``mkdtemp`` and its lock on the folder, removed it as an interrupted add's, and the merge
+    failed (tokens.bin missing) while the shards piled up to DatastoreBusyError."""
+    import threading
+
+    from ragspec.datastore import format as format_mod
+
+    d = _store(tmp_path, char_tokenizer)
+    writer, served = _writer(d, char_tokenizer)
+    for i in range(3):
+        writer.add([_doc(i)])
+    real = tempfile.mkdtemp
+    main = threading.get_ident()
+    adds: list[BaseException | None] = []
+    racers: list[threading.Thread] = []
+
+    def add_elsewhere() -> None:
+        try:
+            add_texts_to_datastore(d, ["an addition from another process"], char_tokenizer)
+            adds.append(None)
+        except BaseException as e:  # pragma: no cover - reported below
+            adds.append(e)
+
+    def mkdtemp_then_an_add(*a, **kw):
+        path = real(*a, **kw)
+        if threading.get_ident() == main and not racers:  # the merge's folder, made: an add runs now
+            racers.append(threading.Thread(target=add_elsewhere))
+            racers[0].start()
+            racers[0].join(0.3)  # it waits for DIR/.lock if the merge holds it
+        return path
+
+    monkeypatch.setattr(format_mod.tempfile, "mkdtemp", mkdtemp_then_an_add)
+    assert writer.merge_once() and writer.merges == 1
+    racers[0].join(30)
+    assert adds == [None]
+    assert Datastore.open(d).num_documents == 5
+    assert find_leftovers(d) == []
