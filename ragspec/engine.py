@@ -51,7 +51,7 @@ from .drafters.base import (
     session_capabilities,
 )
 from .drafters.forced import ForcedTokenSession
-from .errors import ConfigError, PromptTooLongError
+from .errors import ConfigError, NoTokenLeftError, PromptTooLongError
 from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, params_from_old_start, request_params
@@ -60,11 +60,11 @@ from .prefill import prefill_budget, prefill_chunks
 from .prefix_cache import PrefixCache
 from .processing import ProcessorContext, build_processors
 from .prompts import Messages, PreparedPrompt, Prompt, encode_documents, encode_messages, encode_prompt
-from .request import Request, StepReport, commit_tokens, record_step, take_chunk
+from .request import Request, StepReport, commit_tokens, end_in_error, record_step, take_chunk
 from .scheduling import StepPlan, Work
 from .stepping import select_work
 from .types import DraftTree, GenerationOutput, GenerationStats, StreamChunk, TokenLogprob, VerifyResult
-from .verify import GreedyVerifier, Verifier, verify_greedy
+from .verify import GreedyVerifier, Verifier, ended_before, verify_greedy
 
 if TYPE_CHECKING:
     from .datastore import Datastore
@@ -685,7 +685,7 @@ class Engine:
         """Like :meth:`generate`, but yields :class:`StreamChunk` s as tokens are committed.
 
         No chunk ever carries text that a later stop string removes. The last chunk has
-        ``finish_reason`` ("stop", "length" or "cancelled") and ``stats``. Closing the
+        ``finish_reason`` ("stop", "length", "cancelled" or "error") and ``stats``. Closing the
         iterator, or ``should_cancel()`` returning True, ends the generation within one step.
 
         Raises (at the call, before any forward):
@@ -869,12 +869,15 @@ class Engine:
         row_fn = chain.rows(tree) if chain else None
         lp = step_logprob_rows(req.params, row_fn)  # None unless the request returns logprobs
         fn = lp if lp is not None else row_fn
-        if req.verifier.greedy:
-            logits = out.row_logits if out.row_logits is not None else out.logits
-            res = verify_greedy(tree, logits, fn)
-        else:
-            logits = out.logits if out.logits is not None else out.row_logits.full()
-            res = req.verifier(tree, logits, req.generator, fn)
+        try:
+            if req.verifier.greedy:
+                logits = out.row_logits if out.row_logits is not None else out.logits
+                res = verify_greedy(tree, logits, fn)
+            else:
+                logits = out.logits if out.logits is not None else out.row_logits.full()
+                res = req.verifier(tree, logits, req.generator, fn)
+        except NoTokenLeftError as e:  # the path up to that row is committed, nothing from it
+            res = ended_before(tree, e.row)
         if req.want_hidden:
             # features of the positions now kept in the cache: root + accepted path
             rows = [0] + [1 + i for i in res.accepted_nodes]
@@ -884,12 +887,14 @@ class Engine:
         t2 = time.perf_counter()
         committed = res.tokens
         kept = commit_tokens(req, committed, self.eos_token_ids)
+        if res.ended:
+            end_in_error(req)
         if chain:
             chain.commit(committed)
         if lp is not None:
             req.logprobs.extend(lp.entries(step_rows(logits), res)[:kept])
         # 4. feedback
-        if tree.num_nodes:
+        if tree.num_nodes and not res.ended:
             req.acceptance.observe(tree, res)
             if req.session is not None:
                 req.session.observe(tree, res)
@@ -899,7 +904,7 @@ class Engine:
             req.latency.observe(1 + tree.num_nodes, t2 - t1, early=early)
         if req.session is not None and not req.finish_reason:
             req.session.extend(committed)
-        req.root = committed[-1]
+        req.root = committed[-1] if committed else req.root
         record_step(req.stats, tree, res, kept, p.draft_s, t2 - t1, p.predicted, req.decode.return_steps)
         return res
 

@@ -31,6 +31,8 @@ __all__ = [
     "ResponseLogHeldError",
     "BenchServerError",
     "UnsupportedError",
+    "NoTokenLeftError",
+    "GenerationError",
 ]
 
 
@@ -169,3 +171,26 @@ class UnsupportedError(RagspecError, NotImplementedError):
     """A call ragspec does not support (yet), e.g. LangChain's ``bind_tools``: the message
     names what is unsupported and where to look. A ``NotImplementedError`` too, as
     LangChain's own unsupported calls raise."""
+
+
+class NoTokenLeftError(RagspecError):
+    """A request's logit processing left a verification row with no token to choose (every
+    logit ``-inf``: the grammar engine failed, or the request's processors together forbid
+    every token). Raised by the row function of a request's processors
+    (:meth:`ragspec.processors.ProcessorChain.rows`); the engine catches it, commits the
+    tokens accepted before that row and nothing from it, and ends the request with
+    ``finish_reason`` "error".
+
+    Attributes:
+        row: the verification row (0: after the root; ``i + 1``: after draft node i).
+    """
+
+    def __init__(self, row: int) -> None:
+        super().__init__(f"the request's logit processing left no token to choose at verification row {row}")
+        self.row = int(row)
+
+
+class GenerationError(RagspecError):
+    """A generation ended in error (``finish_reason`` "error": its logit processing left no
+    token to choose, see :class:`NoTokenLeftError`); raised by the LangChain classes,
+    answered 500 by the server (as vLLM answers a request its engine failed)."""

@@ -26,7 +26,10 @@ output may not validate); and it has what speculation needs: ``validate_tokens``
 ``rollback``, ``deep_copy`` and forced tokens.
 
 EOS: the grammar lets the request's end-of-sequence tokens through only where the output
-is complete (its matcher accepting), and only them once nothing can follow.
+is complete (its matcher accepting), and only them once nothing can follow. Where the
+grammar engine fails (an error at a mask, a committed token it refuses), the row allows no
+token at all: the engine ends the request with ``finish_reason`` "error" rather than
+choosing a token the grammar never allowed or passing an incomplete output off as complete.
 """
 
 from __future__ import annotations
@@ -377,8 +380,8 @@ class _Cursor:
         self.known = grammar.known_tokens
         self.path: list[int] = []
         self.broken = False
-        """The committed output left the grammar (never, unless another processor chose a
-        forbidden token): from then on only EOS is allowed."""
+        """The grammar engine failed (at a mask, or refusing a committed token): from then
+        on no token is allowed (the engine ends the request in error)."""
 
     def allows(self, token: int) -> bool:
         """Whether ``token`` may follow the matcher's state (EOS: where the output is complete)."""
@@ -411,7 +414,10 @@ class _Cursor:
             if self.broken or self.m.is_stopped():
                 return
             if not self.allows(int(t)) or not self.m.consume_token(int(t)):
-                logger.warning("a committed token left the grammar (%s): only EOS is allowed from here", t)
+                # every committed token was chosen among those the grammar allowed: this is
+                # the grammar engine contradicting itself
+                error = _first_line(self.m.get_error()) if self.m.is_error() else "it allowed the token before"
+                logger.warning("the grammar engine refused committed token %s (%s): the output ends here", t, error)
                 self.broken = True
                 return
 
@@ -434,7 +440,8 @@ class GrammarProcessor:
 
     @property
     def finished(self) -> bool:
-        """The committed output is complete and nothing can follow it (only EOS is allowed)."""
+        """Nothing can follow the committed output: it is complete (only EOS is allowed), or
+        the grammar engine failed (no token is)."""
         return bool(self._c.m.is_stopped()) or self._c.broken
 
     def prune(self, tree: DraftTree) -> list[bool]:
@@ -475,31 +482,38 @@ class GrammarProcessor:
         self.seconds["commit"] += time.perf_counter() - t0
 
     def _mask(self, logits: torch.Tensor, eos_only: bool) -> None:
-        """``logits`` (float32 [V]) at ``-inf`` where the state forbids (EOS only past the
-        end, on a path that left the grammar, or after an engine error). On the CPU in
-        numpy: one pass over V values on this thread (a torch op on a row this size waits
-        for its thread pool, slower than the mask itself on a busy machine)."""
+        """``logits`` (float32 [V]) at ``-inf`` where the state forbids: EOS alone once the
+        output is complete; every token on a path that left the grammar (``eos_only``: never
+        verified, its node pruned) or after an engine failure (the engine then ends the
+        request in error, committing nothing from the row). On the CPU in numpy: one pass
+        over V values on this thread (a torch op on a row this size waits for its thread
+        pool, slower than the mask itself on a busy machine)."""
         m = self._c.m
-        if not (eos_only or self._c.broken or m.is_stopped()):
-            import llguidance.numpy
+        if eos_only or self._c.broken:
+            logits.fill_(float("-inf"))
+            return
+        if m.is_stopped():
+            keep = logits[self._eos].clone()
+            logits.fill_(float("-inf"))
+            logits[self._eos] = keep
+            return
+        import llguidance.numpy
 
-            llguidance.numpy.fill_next_token_bitmask(m, self._words)
-            if not m.is_error():
-                v = logits.shape[-1]
-                # V bits (rows past the grammar engine's vocabulary: zero bits, forbidden)
-                bits = np.unpackbits(self._words.view(np.uint8), bitorder="little", count=v)
-                if bits.any():
-                    forbidden = bits == 0
-                    if logits.device.type == "cpu":
-                        np.putmask(logits.numpy(), forbidden, -np.inf)
-                    else:
-                        logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
-                    return
-            logger.warning("the grammar engine failed at a mask (%s): ending the output", _first_line(m.get_error()))
+        llguidance.numpy.fill_next_token_bitmask(m, self._words)
+        v = logits.shape[-1]
+        # V bits (rows past the grammar engine's vocabulary: zero bits, forbidden)
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little", count=v)
+        if m.is_error() or not bits.any():
+            error = _first_line(m.get_error()) if m.is_error() else "it allows no token here"
+            logger.warning("the grammar engine failed at a mask (%s): the output ends here", error)
             self._c.broken = True
-        keep = logits[self._eos].clone()
-        logits.fill_(float("-inf"))
-        logits[self._eos] = keep
+            logits.fill_(float("-inf"))
+            return
+        forbidden = bits == 0
+        if logits.device.type == "cpu":
+            np.putmask(logits.numpy(), forbidden, -np.inf)
+        else:
+            logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
 
 class GrammarFollower:

@@ -76,6 +76,14 @@ class MinTokens:
     pruned (vLLM's ``MinTokensLogitsProcessor``; stop strings are ignored that long too,
     :func:`ragspec.request.commit_tokens`).
 
+    It never leaves a row without a token: where the stop tokens are the only tokens the
+    processors before it leave (a structure that is complete, whose grammar allows nothing
+    but EOS), the row is left as it is and the output ends there, shorter than
+    ``min_tokens``. The rule reads only the row itself (the processed logits of its own
+    path), so greedy output with drafts still equals plain processed decoding. A stop-token
+    draft node there is still pruned; the stop token then comes as the step's bonus token
+    (same output, one row fewer).
+
     Args:
         min_tokens: tokens generated before a stop token may be.
         stop_token_ids: the ids masked (the engine's EOS ids).
@@ -106,7 +114,11 @@ class MinTokens:
             if before[row] < left:
                 if self._stop_ids.device != logits.device:  # once: the target's device
                     self._stop_ids = self._stop_ids.to(logits.device)
+                stop = logits[self._stop_ids]  # a copy
                 logits[self._stop_ids] = float("-inf")
+                if float(logits.max()) == float("-inf"):
+                    # nothing but a stop token was left (a complete structure): it stays
+                    logits[self._stop_ids] = stop
             return logits
 
         return fn

@@ -143,7 +143,9 @@ class RequestParams:
     ``logit_bias``; -100 bans the token in practice, and it is never drafted)."""
     min_tokens: int = 0
     """Tokens generated before an EOS token or a stop string may end the request (EOS
-    tokens are masked until then); at most ``max_new_tokens``."""
+    tokens are masked until then); at most ``max_new_tokens``. It never leaves a step
+    without a token: where EOS is the only token the rest of the request allows (a
+    ``response_format`` structure that is complete), the output ends there, shorter."""
     min_p: float = 0.0
     """Sampling keeps only tokens of probability at least ``min_p`` times the likeliest
     one's, in [0, 1] (after temperature, top-k and top-p, as transformers applies it;

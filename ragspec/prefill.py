@@ -17,9 +17,10 @@ import torch
 
 from .backend.base import Target
 from .config import PolicyConfig
+from .errors import NoTokenLeftError
 from .logprobs import step_logprob_rows, step_rows
 from .prefix_cache import PrefixCache
-from .request import Request, commit_tokens
+from .request import Request, commit_tokens, end_in_error
 from .types import DraftTree
 
 __all__ = [
@@ -121,7 +122,8 @@ def prefill(
 def first_token(req: Request, logits: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
     """The request's first token, chosen from its prompt's last logits float32 [1, V]
     through its processors (row 0 of an empty draft), committed (stop conditions,
-    processors, log-probabilities, draft session): it becomes the request's root."""
+    processors, log-probabilities, draft session): it becomes the request's root. Where
+    the processing leaves no token, the request ends with "error" and no token."""
     if req.shares_prefill:
         req.fork_logits = logits
     chain = req.processors
@@ -129,7 +131,11 @@ def first_token(req: Request, logits: torch.Tensor, eos_token_ids: Sequence[int]
     row_fn = chain.rows(empty) if chain else None
     lp = step_logprob_rows(req.params, row_fn)
     fn = lp if lp is not None else row_fn
-    res = req.verifier(empty, logits, req.generator, fn)
+    try:
+        res = req.verifier(empty, logits, req.generator, fn)
+    except NoTokenLeftError:  # no first token: the request ends, nothing committed
+        end_in_error(req)
+        return
     req.root = res.bonus_token
     commit_tokens(req, [req.root], eos_token_ids)
     if chain:

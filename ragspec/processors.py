@@ -28,6 +28,11 @@ The contract, per request (one processor object per request, made at
    token), in order, so the processor's own state (token counts, a grammar matcher)
    follows the request's output.
 
+A row no token survives (every logit ``-inf``) is never chosen from: the chain's row
+function raises :class:`~ragspec.errors.NoTokenLeftError` and the engine ends the request
+(``finish_reason`` "error"), committing the tokens accepted before that row and nothing
+from it.
+
 Invariants (the tests check them): ``rows`` of row ``i + 1`` depends only on the committed
 output and the tokens on the path root -> node i; ``prune`` keeps every node whose token
 the processed row of its parent gives a finite logit (a greedy-accepted or sampleable
@@ -40,6 +45,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .errors import NoTokenLeftError
 from .tree import select_nodes
 from .types import DraftTree
 
@@ -99,15 +105,22 @@ class ProcessorChain:
         return keep
 
     def rows(self, tree: DraftTree) -> RowFn:
+        """Each row through every processor in turn.
+
+        Raises (from the row function):
+            NoTokenLeftError: the processed row has no finite logit (no token to choose:
+                the grammar engine failed, or the processors together forbid every
+                token); the engine then ends the request, committing nothing from it.
+        """
         fns = [proc.rows(tree) for proc in self.processors]
         if not fns:
             return identity_rows
-        if len(fns) == 1:
-            return fns[0]
 
         def fn(row: int, logits: torch.Tensor) -> torch.Tensor:
             for f in fns:
                 logits = f(row, logits)
+            if float(logits.max()) == float("-inf"):
+                raise NoTokenLeftError(row)
             return logits
 
         return fn

@@ -7,6 +7,7 @@ chunk a step returns (:func:`take_chunk`), the stats of a decode step (:func:`re
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -23,7 +24,9 @@ from .scheduling import Work
 from .types import DraftTree, GenerationStats, StepStats, StreamChunk, TokenLogprob, VerifyResult
 from .verify import Verifier
 
-__all__ = ["Request", "StepReport", "commit_tokens", "take_chunk", "record_step"]
+__all__ = ["Request", "StepReport", "commit_tokens", "end_in_error", "take_chunk", "record_step"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -43,7 +46,9 @@ class Request:
         root: the last committed token, whose KV entry is not in the cache yet (None
             before the prefill).
         stats: counters and timings so far.
-        finish_reason: "stop", "length" or "cancelled" once finished, else "".
+        finish_reason: "stop", "length", "cancelled" or "error" (its processing left no
+            token to choose: :class:`~ragspec.errors.NoTokenLeftError`) once finished,
+            else "".
     """
 
     prompt_ids: list[int]
@@ -225,6 +230,21 @@ def commit_tokens(req: Request, tokens: Sequence[int], eos_token_ids: Sequence[i
             req.finish_reason = "length"
             break
     return kept
+
+
+def end_in_error(req: Request) -> None:
+    """End ``req`` with ``finish_reason`` "error" once its processing left a row with no
+    token to choose (:class:`~ragspec.errors.NoTokenLeftError`), after the tokens
+    accepted before that row were committed (unless they ended it themselves); logged."""
+    if req.finish_reason:
+        return
+    req.finish_reason = "error"
+    logger.warning(
+        "a request ended in error after %d generated tokens: its logit processing left no token to choose "
+        "(every logit -inf: the grammar engine failed, or its constraints together forbid every token); "
+        "nothing was committed at that position",
+        len(req.assembler.token_ids),
+    )
 
 
 def take_chunk(req: Request) -> StreamChunk:

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from .errors import StructuredOutputError
 
-__all__ = ["ResponseFormat", "response_format", "KINDS", "MAX_FORMAT_CHARS", "MAX_CHOICES"]
+__all__ = ["ResponseFormat", "response_format", "closed_schema", "KINDS", "MAX_FORMAT_CHARS", "MAX_CHOICES"]
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 """The constraint kinds."""
@@ -47,7 +47,10 @@ class ResponseFormat:
             JSON list, or the grammar's text.
         name: the schema's name (``json_schema``; reported back, not used to constrain).
         strict: OpenAI's ``strict`` as given (None: not given). The constraint is
-            enforced either way.
+            enforced either way; with ``strict`` true an object schema that lists
+            ``properties`` and says nothing of ``additionalProperties`` allows no other
+            key (OpenAI's strict mode; the schema is :func:`closed_schema`'s and ``text``
+            holds it).
         param: the request field it came from, named by errors (``"response_format"``,
             ``"structured_outputs"``, ``"tools"`` ...); not part of its identity.
     """
@@ -65,6 +68,12 @@ class ResponseFormat:
             )
         if not isinstance(self.text, str) or not self.text:
             raise StructuredOutputError(f"{self.param}: the {self.kind} constraint is empty", param=self.param)
+        if self.kind == "json_schema" and self.strict and len(self.text) <= MAX_FORMAT_CHARS:
+            try:
+                closed = closed_schema(json.loads(self.text))
+            except (ValueError, RecursionError):
+                raise StructuredOutputError(f"{self.param}: the JSON schema is not JSON", param=self.param) from None
+            object.__setattr__(self, "text", json.dumps(closed, separators=(",", ":"), ensure_ascii=False))
         if len(self.text) > MAX_FORMAT_CHARS:
             raise StructuredOutputError(
                 f"{self.param}: the {self.kind} constraint has {len(self.text):,} characters, over the limit of "
@@ -165,6 +174,56 @@ class ResponseFormat:
         if self.kind == "choice":
             return {"type": "choice", "choice": self.choices}
         return {"type": self.kind, self.kind: self.text}
+
+
+_SCHEMA_VALUED = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def closed_schema(schema: Any, *, _member: bool = False) -> Any:
+    """``schema`` (a JSON Schema) with ``"additionalProperties": false`` added to every
+    object schema that lists ``properties`` (or ``patternProperties``) and says nothing of
+    ``additionalProperties``: the keys it names are the only ones allowed (OpenAI's strict
+    mode, xgrammar's ``strict_mode``, vLLM's ``disable_additional_properties``). JSON
+    Schema's default is the opposite (any other key allowed), which lets a model invent
+    keys. An object combined with ``allOf`` (or a member of one) is left open: its keys
+    may come from the other members. A new object; ``schema`` is not changed.
+
+    Example: ``{"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}``
+    -> both objects get ``"additionalProperties": false``.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(v) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: closed_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_schema(sub, _member=key == "allOf") for sub in value]
+        elif key in _SCHEMA_VALUED:
+            out[key] = closed_schema(value)
+        else:
+            out[key] = value  # a keyword's value (enum, const, required, default ...): kept as it is
+    names_keys = "properties" in schema or "patternProperties" in schema
+    open_ = any(k in schema for k in ("additionalProperties", "unevaluatedProperties", "allOf"))
+    if names_keys and not open_ and not _member:
+        out["additionalProperties"] = False
+    return out
 
 
 def response_format(

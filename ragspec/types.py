@@ -159,14 +159,18 @@ class VerifyResult:
         accepted_nodes: indices of the accepted draft nodes, root to leaf (length A).
         accepted_tokens: their token ids (length A).
         bonus_token: the token the target produces after the last accepted node (the
-            "bonus" on full acceptance, the correction on a rejection).
+            "bonus" on full acceptance, the correction on a rejection); -1 when ``ended``.
         num_drafted: nodes in the verified tree (N).
+        ended: no token could follow the accepted path (its row's processing left none:
+            :class:`~ragspec.errors.NoTokenLeftError`); there is no bonus token and the
+            request ends.
     """
 
     accepted_nodes: tuple[int, ...]
     accepted_tokens: tuple[int, ...]
     bonus_token: int
     num_drafted: int
+    ended: bool = False
 
     @property
     def num_accepted(self) -> int:
@@ -174,8 +178,9 @@ class VerifyResult:
 
     @property
     def tokens(self) -> tuple[int, ...]:
-        """Committed tokens of this step: accepted draft tokens then the bonus token."""
-        return self.accepted_tokens + (self.bonus_token,)
+        """Committed tokens of this step: accepted draft tokens then the bonus token (the
+        accepted ones alone when ``ended``)."""
+        return self.accepted_tokens if self.ended else self.accepted_tokens + (self.bonus_token,)
 
 
 @dataclass
@@ -374,8 +379,8 @@ class GenerationOutput:
 class StreamChunk:
     """One piece of a streamed generation: new text and the token ids it came from.
 
-    ``finish_reason`` is set on the last chunk only ("stop", "length" or "eos"... see
-    :class:`GenerationStats`); ``stats`` too. ``logprobs``: one entry per token of
+    ``finish_reason`` is set on the last chunk only ("stop", "length", "cancelled", or
+    "error": the request's processing left no token to choose); ``stats`` too. ``logprobs``: one entry per token of
     ``token_ids`` when the request asked for them, else empty. ``token_texts``: the text
     each token of ``token_ids`` brings (their concatenation is ``text``; empty when the
     chunk has no token), for streaming one token per event.

@@ -17,7 +17,7 @@ import torch
 from .processors import RowFn, identity_rows
 from .types import DraftTree, LazyLogits, VerifyResult
 
-__all__ = ["Verifier", "verify_greedy", "GreedyVerifier"]
+__all__ = ["Verifier", "verify_greedy", "GreedyVerifier", "ended_before"]
 
 
 class Verifier(Protocol):
@@ -115,6 +115,26 @@ def verify_greedy(
         acc_nodes.append(nxt)
         acc_tokens.append(want)
         node, row = nxt, nxt + 1
+
+
+def ended_before(tree: DraftTree, row: int) -> VerifyResult:
+    """The result of a verification that reached ``row`` and found no token there (its
+    processing left none: :class:`~ragspec.errors.NoTokenLeftError`): the nodes on the path
+    root -> node ``row - 1`` accepted (a verifier reaches a row only once its node was
+    accepted), no bonus token, ``ended``.
+
+    Example: tokens [5, 6, 7], parents [-1, 0, -1], row 2 (after node 1) -> accepted nodes
+    (0, 1), tokens (5, 6), ended.
+    """
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    path: list[int] = []
+    node = row - 1
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    return VerifyResult(tuple(path), tuple(tokens[i] for i in path), -1, tree.num_nodes, ended=True)
 
 
 def _descendants(parents: list[int], node: int) -> list[int]:

@@ -203,7 +203,11 @@ def run_llama_server(
     command = llama_server_command(binary, gguf, port=port, threads=threads, slots=1)
     fmt = {"type": "json_schema", "json_schema": {"name": "extraction", "schema": EXTRACTION_SCHEMA}}
     with ServerProcess("llama-server", command, port, "/health", log, timeout_s) as srv:
-        with httpx.Client(trust_env=False, timeout=timeout_s) as client:
+        # a fresh connection per request (as bench --serve's client): llama-server closes a
+        # streamed response's connection, and a request sent on it fails with "Server
+        # disconnected without sending a response"
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(trust_env=False, timeout=timeout_s, limits=limits) as client:
             for row in rows:
                 chat = extraction_chat(row)
                 body = {

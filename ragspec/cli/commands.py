@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from .. import __version__
 from ..errors import ConfigError, RagspecError
 from ..params import RequestParams
 from ..prompts import grounded_text
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="-v, -q and --threads may also follow the command (ragspec generate --threads 2 ...).",
     )
     add_global_args(parser)
+    parser.add_argument("--version", action="version", version=f"ragspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("model", help="fetch or describe a model")

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -140,8 +141,10 @@ def _load_engine(model: Optional[str]) -> tuple[Any, str]:
 @_guard
 def cmd_build(args: argparse.Namespace) -> int:
     from ..datastore.builder import build_datastore
+    from ..datastore.format import check_output
 
     t0 = time.perf_counter()
+    check_output(Path(args.output), args.overwrite, option="--overwrite")  # before loading the model
     if args.responses:
         from ..datastore.responses import build_response_datastore, read_prompts
 

@@ -553,12 +553,18 @@ def remove_leftovers(directory: str | os.PathLike, manifest: "Manifest") -> list
     files under that lock, so whatever is there then is from a process that died.
 
     Returns:
-        The paths removed (each logged as a warning).
+        The paths removed (each logged: a warning, or a note for a shard a merge replaced).
     """
     d = Path(directory)
     gone = [p for p in find_leftovers(d, manifest) if p.parent == d]
+    listed = [int(s.name[6:]) for s in manifest.shards if _SHARD_NAME.match(s.name)]
     for p in gone:
-        logger.warning("removing %s, left by an interrupted datastore add", p)
+        if _SHARD_NAME.match(p.name) and listed and int(p.name[6:]) < max(listed):
+            # older than a listed shard: one a merge replaced (its process stopped before
+            # removing it), not an add's; nothing was lost
+            logger.info("removing %s, a shard a merge replaced (the manifest no longer lists it)", p)
+        else:
+            logger.warning("removing %s, left by an interrupted datastore add or merge", p)
         _remove(p)
     return gone
 
@@ -629,32 +635,35 @@ def _clean_siblings(dest: Path) -> None:
         _remove(p)
 
 
-def check_output(dest: Path, overwrite: bool) -> None:
+def check_output(dest: Path, overwrite: bool, option: str = "overwrite=True") -> None:
     """Refuse to build into ``dest`` where something is in the way, saying what it is: a
-    datastore (``ragspec datastore add`` extends it, ``--overwrite`` replaces it), a folder
-    of other files (``--overwrite`` replaces the folder) or a file (never replaced: a file
-    is not a datastore's output). An empty folder or no ``dest`` at all is free.
+    datastore (``ragspec datastore add`` extends it, ``option`` replaces it), a folder of
+    other files (``option`` replaces the folder) or a file (never replaced: a file is not a
+    datastore's output). An empty folder or no ``dest`` at all is free.
+
+    Args:
+        option: how the caller's user asks for the replacement, named by the errors (the
+            Python argument ``overwrite=True``; the CLI's ``--overwrite``).
 
     Raises:
-        DatastoreError: as above, naming ``--overwrite`` (``overwrite=True``).
+        DatastoreError: as above, naming ``option``.
     """
     if not dest.exists() and not dest.is_symlink():
         return
     where = repr(str(dest))
     if not dest.is_dir():
         raise DatastoreError(
-            f"{where} is a file, not a folder: choose another output folder (--overwrite replaces folders only)"
+            f"{where} is a file, not a folder: choose another output folder ({option} replaces folders only)"
         )
     if overwrite or not any(dest.iterdir()):
         return
     if (dest / MANIFEST_NAME).is_file():
         raise DatastoreError(
-            f"{where} is already a datastore: 'ragspec datastore add {dest} INPUT...' extends it, "
-            "--overwrite (overwrite=True) replaces it"
+            f"{where} is already a datastore: 'ragspec datastore add {dest} INPUT...' extends it, {option} replaces it"
         )
     raise DatastoreError(
         f"{where} is a folder of other files, not a datastore: choose another output folder, or "
-        "--overwrite (overwrite=True) to replace the folder and everything in it"
+        f"{option} to replace the folder and everything in it"
     )
 
 

@@ -313,7 +313,6 @@ class DatastoreWriter:
                 self._publish(new)
                 self._current = new
             return
-        remove_shards(d, [s.name for s in replaces])
         self.merges += 1
         logger.info("datastore %s: %d shards merged into one", d, len(replaces))
 

@@ -18,9 +18,10 @@ temporary directory that it holds locked (:func:`~.format.hold_directory`; the c
 adds leaves it alone). It is committed (:func:`commit_merge`) under ``DIR/.lock``: renamed
 into place and listed in the manifest where the shards it replaces were, only if they
 are all still listed (another merge may have replaced them meanwhile: then it is
-dropped), the manifest replaced atomically; the replaced shards' directories are removed
-after. A crash leaves the old manifest (the merged directory a leftover the next add
-removes) or the new one (the replaced directories leftovers). Processes that have the
+dropped), the manifest replaced atomically, and the replaced shards' directories removed,
+still under the lock. A crash leaves the old manifest (the merged directory a leftover the
+next add removes) or the new one (the replaced directories leftovers, removed by the next
+add as shards a merge replaced). Processes that have the
 replaced shards open keep reading them (an unlinked file stays readable while mapped);
 one opening the datastore meanwhile reads the manifest again
 (:meth:`~ragspec.datastore.Datastore.open`).
@@ -295,13 +296,15 @@ def commit_merge(
     """List the merged shard written in ``tmp`` where the shards ``replaces`` are listed,
     under ``DIR/.lock`` (call it while holding the writer's own lock too, if any), then
     call ``then(manifest before, manifest now)`` still under it; if that raises, the
-    manifest before is put back and the merged shard removed.
+    manifest before is put back and the merged shard removed. Then, still under the lock,
+    the replaced shards' directories are removed (processes reading them keep their open
+    files): another process's add, which cleans up under that lock, never finds them
+    unlisted and mistakes them for an interrupted add's.
 
     Returns:
         The manifest now, or None when ``replaces`` is no longer listed as one run of
         shards (another merge came first): nothing was changed then, ``then`` was not
-        called, and ``tmp`` is the caller's to remove. The replaced shards' directories
-        are still there (:func:`remove_shards` once nothing should open them).
+        called, and ``tmp`` is the caller's to remove.
     """
     with locked(d / ".lock"):
         manifest = read_manifest(d)
@@ -331,6 +334,7 @@ def commit_merge(
                 else:
                     remove_shards(d, [name])
                 raise
+        remove_shards(d, [s.name for s in replaces])
         return new
 
 
@@ -357,8 +361,6 @@ def compact_datastore(directory: str | os.PathLike, *, progress: bool = False) -
                     done = commit_merge(d, tmp, entry, ds.manifest.shards[:n])
                 if done is None:
                     logger.warning("%s changed while it was merged: left as it is", d)
-                else:
-                    remove_shards(d, [s.name for s in ds.manifest.shards])
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     with Datastore.open(d) as ds:

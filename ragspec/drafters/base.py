@@ -46,7 +46,7 @@ class SessionCapability:
       last of them. Lookup drafters have it; the merged drafter
       (:mod:`ragspec.drafters.merged`) hangs their copies under the head's tokens with it.
     * ``FINISH``: ``finish(token_ids, reason, text="")`` is told once, when the request
-      ends, every token it generated, the finish reason ("stop", "length", "cancelled")
+      ends, every token it generated, the finish reason ("stop", "length", "cancelled", "error")
       and the text (a response cache learns from it).
     * ``HIDDEN_STATES``: ``extend_hidden(hidden)`` receives the target's last hidden
       states (float [R, H], after the final norm) of every position that enters the KV

@@ -34,6 +34,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -126,6 +127,27 @@ def _describe_holder(raw: bytes) -> str:
     return text + (f" ({command})" if isinstance(command, str) and command else "")
 
 
+_COMMAND_CHARS = 1000
+"""Most characters of the command a lock file names (the file is read back whole)."""
+_SECRET_FLAGS = ("key", "token", "secret", "password")
+
+
+def _command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """This process's command as a shell would read it (``argv``: ``sys.argv``), the values
+    of options naming a key, token, secret or password replaced by ``***``, at most
+    :data:`_COMMAND_CHARS` characters (cut with "...")."""
+    args = list(sys.argv if argv is None else argv)
+    words = [shlex.quote(os.path.basename(args[0] or "python")) if args else "python"]
+    hide = False
+    for arg in args[1:]:
+        flag, eq, _ = arg.partition("=")
+        secret = arg.startswith("-") and any(w in flag.lower() for w in _SECRET_FLAGS)
+        words.append("***" if hide else f"{shlex.quote(flag)}=***" if secret and eq else shlex.quote(arg))
+        hide = secret and not eq
+    text = " ".join(words)
+    return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 3] + "..."
+
+
 class LogLock:
     """The exclusive lock of one response log: ``flock`` on ``<log>.lock`` (mode 0600),
     held from :meth:`acquire` to :meth:`release`, the holder's process id, host, start time
@@ -168,15 +190,14 @@ class LogLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _describe_holder(os.pread(fd, 4096, 0))
+            holder = _describe_holder(os.pread(fd, 16384, 0))
             os.close(fd)
             raise ResponseLogHeldError(
                 f"response log {str(self.log)!r} is in use by {holder}: one server per log "
                 "(stop that one, or give this one another --response-log)"
             ) from None
         since = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-        command = " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:3]])[:200]
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "command": command}
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "command": _command_line()}
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)

@@ -58,6 +58,7 @@ async consumer, ends its generation at the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragspec.backend.threads import release_openmp_pool
 from ragspec.engine import Engine
-from ragspec.errors import ConfigError, UnsupportedError
+from ragspec.errors import ConfigError, GenerationError, UnsupportedError
 from ragspec.params import RequestParams
 from ragspec.prompts import Messages, PreparedPrompt, Prompt
 from ragspec.types import GenerationStats, StreamChunk, TokenLogprob
@@ -393,7 +394,7 @@ class _RagspecBase(BaseModel):
         (job,), _ = self._submit([value], stop, kwargs, ThreadOutbox, stream=True)
         try:
             while (chunk := job.next_chunk()) is not None:
-                yield chunk
+                yield from _pieces(chunk)
         finally:
             job.cancel()  # no-op once finished; else it ends at the next step
 
@@ -418,7 +419,8 @@ class _RagspecBase(BaseModel):
         (job,), _ = await asyncio.to_thread(self._submit, [value], stop, kwargs, lambda: AsyncOutbox(loop), True)
         try:
             while (chunk := await job.anext_chunk()) is not None:
-                yield chunk
+                for piece in _pieces(chunk):
+                    yield piece
         finally:
             job.cancel()
 
@@ -494,9 +496,30 @@ class _Output:
     chunks: list[StreamChunk] = field(default_factory=list)
 
     def add(self, chunk: StreamChunk) -> None:
+        if chunk.finish_reason == "error":
+            raise _failed()
         self.text += chunk.text
         self.stats = chunk.stats or self.stats
         self.chunks.append(chunk)
+
+
+def _pieces(chunk: StreamChunk) -> Iterator[StreamChunk]:
+    """``chunk`` as it is; for one the engine ended in error (``finish_reason`` "error"),
+    its text as a last piece, then :class:`~ragspec.errors.GenerationError` (as
+    ``ChatOpenAI`` raises for a server's 500)."""
+    if chunk.finish_reason != "error":
+        yield chunk
+        return
+    if chunk.text or chunk.token_ids:
+        yield dataclasses.replace(chunk, finish_reason=None, stats=None)
+    raise _failed()
+
+
+def _failed() -> GenerationError:
+    return GenerationError(
+        "the generation failed: its processing left no token to choose (the grammar engine failed, or the "
+        "request's constraints together forbid every token); the output is incomplete, see the log"
+    )
 
 
 def _collect(chunks) -> _Output:
@@ -698,7 +721,10 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         or OpenAI's definitions) on every call. ``tool_choice``: ``"auto"`` (the default:
         the model decides, where its chat template declares tool use), ``"none"``,
         ``"any"``/``"required"``/``True`` (a call is generated, under its function's
-        schema), or a tool's name. Replies carry the calls in ``tool_calls``."""
+        schema), or a tool's name. Replies carry the calls in ``tool_calls``. Arguments
+        are generated strictly: an object without ``additionalProperties`` takes only the
+        keys it names; the definitions are marked ``"strict": true`` (``strict=True``
+        converts them as ``ChatOpenAI`` does, every property required)."""
         defs = openai_tools(tools, strict)
         extra: dict[str, Any] = {"tools": defs, **kwargs}
         if tool_choice is not None:
@@ -721,6 +747,8 @@ class ChatRagspec(_RagspecBase, BaseChatModel):
         ``"json_schema"`` (the default: the schema as the response format),
         ``"function_calling"`` (the schema as the one tool, called) or ``"json_mode"``
         (any JSON object). ``include_raw``: ``{"raw", "parsed", "parsing_error"}``.
+        ``strict`` (None: true for ``json_schema``): an object without
+        ``additionalProperties`` takes only the keys it names.
 
         Raises:
             ConfigError: an unknown method or keyword.

@@ -88,8 +88,17 @@ def tool_choice_of(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> Unio
 
 def openai_tools(tools: Sequence[Any], strict: Optional[bool] = None) -> list[dict[str, Any]]:
     """Tools (functions, Pydantic models, TypedDicts, ``BaseTool`` s, OpenAI dicts) as
-    OpenAI's definitions."""
-    return [convert_to_openai_tool(t, strict=strict) for t in tools]
+    OpenAI's definitions, marked ``"strict": true`` unless ``strict`` is False (ragspec
+    generates a call's arguments strictly whatever the mark: an object without
+    ``additionalProperties`` takes only the keys it names). ``strict=True`` converts them
+    as ``ChatOpenAI`` does for OpenAI's strict mode (every property required too)."""
+    defs = [convert_to_openai_tool(t, strict=strict) for t in tools]
+    if strict is None:
+        for d in defs:
+            fn = d.get("function")
+            if isinstance(fn, dict) and "strict" not in fn:
+                fn["strict"] = True
+    return defs
 
 
 def call_constraint(kwargs: Mapping[str, Any], tokenizer: Any) -> tuple[Optional[ResponseFormat], Optional[ToolPlan]]:
@@ -176,9 +185,12 @@ def structured_output(
     llm: Any, schema: Any, *, method: str = "json_schema", include_raw: bool = False, strict: Optional[bool] = None
 ) -> Runnable:
     """``llm.with_structured_output(schema, ...)`` for a model that takes ``response_format``
-    and ``bind_tools``: ``method="json_schema"`` binds the schema as the response format,
-    ``"function_calling"`` binds it as the one tool and calls it, ``"json_mode"`` asks for
-    any JSON object; the reply is parsed (a Pydantic model's instance, else a dict).
+    and ``bind_tools``: ``method="json_schema"`` binds the schema as the response format
+    (strict unless ``strict=False`` or an OpenAI mapping's ``"strict": false``: an object
+    without ``additionalProperties`` takes only the keys it names, as ``ChatOpenAI``'s
+    strict schema of a Pydantic model), ``"function_calling"`` binds it as the one tool
+    (always strict) and calls it, ``"json_mode"`` asks for any JSON object; the reply is
+    parsed (a Pydantic model's instance, else a dict).
 
     Raises:
         ConfigError: an unknown method, or ``json_schema`` / ``function_calling`` without
@@ -205,6 +217,8 @@ def structured_output(
             fmt = ResponseFormat.json_object()
         else:
             given = as_response_format(schema)
+            if strict is None and given is not None:  # strict unless the schema says otherwise
+                strict = given.strict if given.strict is not None else True
             fmt = (
                 given if given is None or strict is None else ResponseFormat(given.kind, given.text, given.name, strict)
             )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
 __all__ = [
     "StreamOptions",
@@ -86,7 +86,17 @@ def _at_most(max_length: int) -> Any:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # no NaN or Infinity (Python's json reads them; JSON has no such numbers)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _check_documents(v: Optional[list[str]]) -> Optional[list[str]]:
+    """Every document non-empty (not only whitespace), as ``/v1/summarize`` and the
+    datastore additions require."""
+    for i, d in enumerate(v or ()):
+        if not d.strip():
+            raise ValueError(f"documents[{i}] is empty")
+    return v
 
 
 class StreamOptions(_Body):
@@ -146,6 +156,11 @@ class _Sampling(_Body):
     def _valid_stop(cls, v):
         return _check_stop(v)
 
+    @field_validator("documents")
+    @classmethod
+    def _documents_not_empty(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        return _check_documents(v)
+
 
 class _OpenAIExtras(_Body):
     """OpenAI's sampling parameters and vLLM's extensions of them (the engine's
@@ -202,12 +217,23 @@ class CompletionRequest(_Sampling, _OpenAIExtras, _Structured):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, Annotated[list[dict[str, Any]], _at_most(MAX_CONTENT_PARTS)]]] = None
-    """Text, or a list of ``{"type": "text", "text": ...}`` parts."""
+    content: Optional[Union[StrictStr, Annotated[list[dict[str, Any]], _at_most(MAX_CONTENT_PARTS)]]] = Field(
+        default=None, validate_default=True
+    )
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts; null or absent only in
+    an assistant's message (one that calls tools), as OpenAI's API."""
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     tool_calls: Optional[Annotated[list[dict[str, Any]], _at_most(MAX_TOOLS)]] = None
     refusal: Optional[str] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts), got null")
+        return v
 
     def text(self) -> str:
         """The content as one string (text parts joined).
@@ -281,10 +307,7 @@ class SummarizeRequest(_Body):
     @field_validator("documents")
     @classmethod
     def _documents_not_empty(cls, v: list[str]) -> list[str]:
-        for i, d in enumerate(v):
-            if not d.strip():
-                raise ValueError(f"documents[{i}] is empty")
-        return v
+        return _check_documents(v)  # type: ignore[return-value]
 
     @field_validator("stop")
     @classmethod

@@ -14,6 +14,11 @@ into OpenAI's ``tool_calls`` (:meth:`ToolPlan.tool_calls`), whole or streamed
   Hermes format of Qwen, SmolLM3 and others) are read back. With a template that does not
   declare tool use, ``"auto"`` is refused: the model was never shown how to call a tool.
 * ``"none"``: free text; the tools are not shown.
+
+Arguments are generated strictly, as OpenAI's strict function calling: an object of a
+tool's schema that names its ``properties`` and says nothing of ``additionalProperties``
+takes no other key (:func:`~ragspec.structured.closed_schema`), so the model cannot invent
+arguments (JSON Schema's default would let it).
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class Tool:
         return f"tools[{self.index}].function.parameters"
 
     def constraint(self) -> ResponseFormat:
-        """Its arguments as a constraint (errors naming :attr:`param`)."""
-        return ResponseFormat.json_schema(self.parameters, name=self.name, param=self.param)
+        """Its arguments as a constraint (errors naming :attr:`param`), strict: an object
+        without ``additionalProperties`` takes only the keys it names
+        (:func:`~ragspec.structured.closed_schema`)."""
+        return ResponseFormat.json_schema(self.parameters, name=self.name, strict=True, param=self.param)
 
 
 def read_tools(tools: Optional[Sequence[Mapping[str, Any]]], param: str = "tools") -> tuple[Tool, ...]:
@@ -287,9 +294,8 @@ def plan_tools(
         plan = ToolPlan("named", (picked[0],), picked[0].constraint(), template_takes_tools)
     elif choice == "required":
         schema = _calls_schema(read, parallel_tool_calls is not False)
-        plan = ToolPlan(
-            "required", read, ResponseFormat.json_schema(schema, name="tool_calls", param="tools"), template_takes_tools
-        )
+        calls = ResponseFormat.json_schema(schema, name="tool_calls", strict=True, param="tools")
+        plan = ToolPlan("required", read, calls, template_takes_tools)
     elif choice == "auto":
         if not template_takes_tools:
             raise StructuredOutputError(

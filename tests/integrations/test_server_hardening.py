@@ -491,3 +491,51 @@ def test_typed_errors_while_a_request_is_prepared_count_as_400_not_500_regressio
     assert _requests_total(m1, "/v1/chat/completions", "500") == _requests_total(m0, "/v1/chat/completions", "500")
     ok = post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
     assert ok.status_code == 200, ok.text
+
+
+# ---------------------------------------------------------------------- a new user's pass
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "x"}]
+NEW_USER_BAD = [
+    # (body as sent, param, code, words of the message)
+    ('{"prompt": "a", "temperature": NaN}', "temperature", "finite_number", "not finite"),
+    ('{"prompt": "a", "temperature": Infinity}', "temperature", "finite_number", "not finite"),
+    ('{"prompt": "a", "top_p": -Infinity}', "top_p", "finite_number", "not finite"),
+    ('{"prompt": "a", "logit_bias": {"5": NaN}}', "logit_bias.5", "finite_number", "not finite"),
+    ({"messages": USER, "documents": [""]}, "documents", None, "documents[0] is empty"),
+    ({"messages": USER, "documents": ["a", "  \n"]}, "documents", None, "documents[1] is empty"),
+    ({"prompt": "a", "logit_bias": {" 5": 1}}, "logit_bias", "invalid_logit_bias", "token ids"),
+    ({"prompt": "a", "logit_bias": {"+5": 1}}, "logit_bias", "invalid_logit_bias", "token ids"),
+    ({"prompt": "a", "logit_bias": {"05": 1, "5": 2}}, "logit_bias", "invalid_logit_bias", "'05'"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "invalid_logit_bias", "token ids"),
+    ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias", "invalid_logit_bias", "token ids"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", None, "user message needs content"),
+    ({"messages": [{"role": "system"}, *USER]}, "messages.0.content", None, "system message needs content"),
+]
+
+
+@pytest.mark.parametrize("body,param,code,words", NEW_USER_BAD, ids=[f"{i}" for i in range(len(NEW_USER_BAD))])
+def test_what_a_new_user_sent_is_refused_naming_the_field(live_server, body, param, code, words):
+    """Regressions: ``NaN`` / ``Infinity`` (which Python's json reads) as a temperature
+    answered "less than or equal to 100"; chat ``documents: [""]`` was accepted where
+    ``/v1/summarize`` refuses empty documents; ``logit_bias`` took " 5" and "+5", let "05"
+    and "5" collapse into one token, and a key that is no number had no error code; a
+    user message with ``content: null`` was accepted."""
+    is_chat = isinstance(body, dict) and "messages" in body
+    path = CHAT if is_chat else "/v1/completions"
+    err = assert_openai_error(post(live_server, path, body), 400, code=code, param=param)
+    assert words in err["message"], err
+
+
+def test_an_assistant_message_that_calls_tools_may_have_null_content_and_canonical_bias_keys_pass(live_server):
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    r = post(live_server, CHAT, {"messages": history, "max_tokens": 2, "logit_bias": {"0": 1, "5": -1, "17": 0.5}})
+    assert r.status_code == 200, r.text

@@ -424,3 +424,108 @@ def test_ragspec_llm_takes_a_response_format_per_call(engine):
     assert out in ("red", "green")
     out = llm.invoke("Answer: ", response_format=Answer)
     Answer.model_validate_json(out)
+
+
+# ---------------------------------------------------------------------- a new user's pass
+def test_a_generation_the_engine_ends_in_error_is_a_500_and_a_streamed_error_event(server, engine, monkeypatch):
+    """Regression: a row with no token left (a grammar-engine failure mid-output) committed
+    a garbage token. The engine ends the request in error; the server answers as vLLM does
+    for a failed request: a 500 (not retried by OpenAI's clients), or, streamed, the text so
+    far then an error event before ``[DONE]``; OpenAI's client parses both."""
+    import ragspec.engine as engine_mod
+    from ragspec.errors import GenerationError
+    from ragspec.processors import ProcessorChain
+
+    class EmptyAt:
+        def __init__(self) -> None:
+            self.generated = 0
+
+        def prune(self, tree):
+            return [True] * tree.num_nodes
+
+        def rows(self, tree):
+            before = [0] + [d + 1 for d in tree.depth.tolist()]
+
+            def fn(row, logits):
+                return logits.fill_(float("-inf")) if self.generated + before[row] == 4 else logits
+
+            return fn
+
+        def commit(self, tokens):
+            self.generated += len(tokens)
+
+    want = engine.generate(MSGS, max_new_tokens=4).text  # what comes before the empty row
+    monkeypatch.setattr(engine_mod, "build_processors", lambda params, ctx: ProcessorChain([EmptyAt()]))
+    body = {"messages": MSGS, "max_tokens": 20}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 500 and r.headers["x-should-retry"] == "false"
+    assert r.json()["error"]["code"] == "generation_failed" and r.json()["error"]["type"] == "server_error"
+    with pytest.raises(openai.InternalServerError, match="no token to choose"):
+        client(server).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={"model": MODEL, **body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "generation_failed"
+    pieces = [json.loads(e)["choices"][0] for e in events[:-2]]
+    assert all(p["finish_reason"] is None for p in pieces)
+    assert "".join(p["delta"].get("content") or "" for p in pieces) == want
+    stream = client(server).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, stream=True)
+    with pytest.raises(openai.APIError, match="no token to choose"):
+        for _ in stream:
+            pass
+    with pytest.raises(GenerationError, match="no token to choose"):  # in process, as ChatOpenAI raises
+        ChatRagspec(engine=engine, max_new_tokens=20).invoke("x")
+
+
+def test_required_tool_calls_stream_no_empty_deltas(server):
+    """Regression: with ``tool_choice: "required"`` and ``stream``, every step before the
+    call sent an empty ``delta: {}`` chunk. None is sent until there is content; the
+    log-probabilities of those steps come with the next event."""
+    body = {
+        "messages": MSGS,
+        "max_tokens": 150,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "logprobs": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert not [c for c in choices[1:] if c["delta"] == {} and c["finish_reason"] is None]
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    whole = post(server, "/v1/chat/completions", {**body, "stream": False}).json()
+    streamed = [e for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert streamed == whole["choices"][0]["logprobs"]["content"]
+
+
+class Add(BaseModel):
+    """Add two integers."""
+
+    a: int
+    b: int
+
+
+def get_weather(city: str) -> str:
+    """The weather of a city."""
+    return "cold"
+
+
+def test_bind_tools_any_generates_only_the_declared_arguments(engine):
+    """Regression: ``ChatRagspec.bind_tools([get_weather, Add], tool_choice="any")`` gave
+    ``{"name": "Add", "arguments": {"a": 1, "b": 1, "c": 1, ...`` cut by the length: a
+    schema without ``additionalProperties`` allowed invented keys. Tool arguments are
+    strict; the definitions say so."""
+    from ragspec.integrations.langchain_structured import openai_tools
+
+    defs = openai_tools([get_weather, Add])
+    assert all(d["function"]["strict"] is True for d in defs)
+    chat = ChatRagspec(engine=engine, max_new_tokens=150).bind_tools([get_weather, Add], tool_choice="any")
+    for question in ("Weather in Paris?", "Add 2 and 3.", MSGS[0]["content"]):
+        msg = chat.invoke(question)
+        for call in msg.tool_calls:
+            allowed = {"get_weather": {"city"}, "Add": {"a", "b"}}[call["name"]]
+            assert set(call["args"]) <= allowed, call
+    # with_structured_output(method="json_schema") is strict by default, as ChatOpenAI's of a model
+    fmt = ChatRagspec(engine=engine).with_structured_output(Add).first.kwargs["response_format"]  # type: ignore[attr-defined]
+    assert fmt.strict is True and fmt.schema["additionalProperties"] is False

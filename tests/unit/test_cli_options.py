@@ -109,3 +109,26 @@ def test_sampling_penalties_reach_the_request():
         p = request_params_from_args(args)
         assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.3, 1.2)
         assert (p.min_p, p.min_tokens, p.sampling.min_p) == (0.1, 3, 0.1)
+
+
+def test_ragspec_version_prints_the_version(capsys):
+    """Regression: there was no ``ragspec --version``."""
+    from ragspec import __version__
+    from ragspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"ragspec {__version__}\n"
+
+
+def test_a_cli_error_names_the_flag_not_the_python_argument(tmp_path, capsys):
+    """Regression: ``ragspec datastore build`` into a folder in the way said "--overwrite
+    (overwrite=True)"; the CLI names the flag only (and says so before loading a model)."""
+    from ragspec.cli import main
+
+    (tmp_path / "in.txt").write_text("a document")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("someone's file")
+    code = main(["datastore", "build", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out"), "--model", "nowhere"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--overwrite to replace the folder" in err and "overwrite=True" not in err

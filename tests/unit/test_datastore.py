@@ -194,7 +194,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 def test_existing_destination_refused(tmp_path):
     # building over an existing datastore needs overwrite=True
     path, tok = _build(tmp_path, [[1, 2, 3]])
-    with pytest.raises(DatastoreError, match="is already a datastore.*--overwrite"):
+    with pytest.raises(DatastoreError, match="is already a datastore.*overwrite=True replaces it"):
         build_datastore([tmp_path / "ds_in"], path, tok, progress=False)
     build_datastore([tmp_path / "ds_in"], path, tok, progress=False, overwrite=True)
     assert Datastore.open(path).num_documents == 1

@@ -331,3 +331,51 @@ def test_quiet_silences_every_progress_bar_of_a_build(tmp_path, char_tokenizer, 
     assert main(["-q", "datastore", "add", str(out), str(src)]) == 0
     assert main(["-q", "datastore", "compact", str(out)]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_second_servers_add_right_after_a_merge_finds_nothing_to_call_interrupted(
+    tmp_path, char_tokenizer, monkeypatch, caplog
+):
+    """Regression: two servers adding to one datastore; server 2 logged "removing
+    ds1/shard-00006, left by an interrupted datastore add" for the shards server 1's merge
+    had just replaced (it removed them after letting ``DIR/.lock`` go). A merge removes the
+    shards it replaced before it lets the lock go; a shard a committed manifest no longer
+    lists (its merge's process killed before removing it) is removed without a warning."""
+    import contextlib
+    import logging
+
+    from ragspec.datastore import shards as shards_mod
+
+    d = _store(tmp_path, char_tokenizer)
+    one, served_one = _writer(d, char_tokenizer)
+    two, served_two = _writer(d, char_tokenizer)
+    for i in range(3):
+        one.add([_doc(i)])
+    real = shards_mod.locked
+    added = []
+
+    @contextlib.contextmanager
+    def then_server_two_adds(path):
+        with real(path):
+            yield
+        if not added:  # the moment server 1's merge lets the lock go
+            added.append(two.add(["server two's note"]))
+
+    monkeypatch.setattr(shards_mod, "locked", then_server_two_adds)
+    with caplog.at_level(logging.INFO, logger="ragspec.datastore"):
+        assert one.merge_once()
+    assert added and served_two.ds.num_documents == 5
+    assert not [r for r in caplog.records if "removing" in r.getMessage()], caplog.text
+    monkeypatch.undo()
+    # a shard a merge replaced, left by a merge killed before removing it: no warning
+    listed = [s.name for s in Datastore.open(d).manifest.shards]
+    (d / "shard-00001").mkdir()
+    assert "shard-00001" not in listed and any(int(n[6:]) > 1 for n in listed)
+    (d / "shard-00099").mkdir()  # an add killed before listing its shard: a warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ragspec.datastore"):
+        two.add(["another note"])
+    by_level = {r.levelname: r.getMessage() for r in caplog.records if "removing" in r.getMessage()}
+    assert "shard-00001" in by_level["INFO"] and "a merge replaced" in by_level["INFO"]
+    assert "shard-00099" in by_level["WARNING"] and "interrupted datastore add or merge" in by_level["WARNING"]
+    assert not (d / "shard-00001").exists() and not (d / "shard-00099").exists()

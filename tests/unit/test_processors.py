@@ -224,3 +224,62 @@ def test_a_pruned_sampled_draft_is_verified_as_a_deterministic_one(setup):
     engine.step([unpruned])
     kept = draft_for_step(engine.target, engine.policy, 0, unpruned, lazy_rows=False, on_invalid=None)
     assert kept.tree.draft_probs is not None  # nothing pruned: drawn as the drafter drew it
+
+
+class _EmptyAt:
+    """A processor that leaves no token in the row of output position ``at`` (every logit
+    -inf): what a failing grammar engine does."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.generated = at, 0
+
+    def prune(self, tree):
+        return [True] * tree.num_nodes
+
+    def rows(self, tree):
+        before = [0] + [d + 1 for d in tree.depth.tolist()]
+
+        def fn(row, logits):
+            if self.generated + before[row] == self.at:
+                logits.fill_(float("-inf"))
+            return logits
+
+        return fn
+
+    def commit(self, tokens):
+        self.generated += len(tokens)
+
+
+@pytest.mark.parametrize("at", [0, 1, 7])
+def test_a_row_with_no_token_left_ends_the_request_in_error_and_commits_nothing_from_it(setup, monkeypatch, caplog, at):
+    """Regression: a processed row with no finite logit had its argmax (token 0) committed.
+    The engine ends the request instead (finish_reason "error"), committing the tokens
+    accepted before that row and nothing from it, drafts on or off, greedy or sampled, and
+    logs what happened."""
+    import ragspec.engine as engine_mod
+    from ragspec.processors import ProcessorChain
+
+    model, tok = setup
+    prompt = tok(PROMPTS[0])["input_ids"]
+    ref = reference(model, prompt, 20, RequestParams(max_new_tokens=20), eos=EOS)
+    assert len(ref) > at + 2
+    monkeypatch.setattr(engine_mod, "build_processors", lambda params, ctx: ProcessorChain([_EmptyAt(at)]))
+    for drafter in (None, ScriptedDrafter(oracle_plan(ref)), PromptLookupDrafter()):
+        for params in (
+            RequestParams(max_new_tokens=20),
+            RequestParams(max_new_tokens=20, logprobs=True, top_logprobs=2, logprobs_mode="processed_logprobs"),
+            RequestParams(max_new_tokens=20, temperature=0.9, seed=3),
+        ):
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                out = _engine(model, tok, drafter).generate(prompt, params, chat=False)
+            assert out.stats.finish_reason == "error" and out.stats.num_generated_tokens == at
+            assert len(out.token_ids) == at
+            if params.greedy:
+                assert out.token_ids == ref[:at], type(drafter).__name__
+            if params.logprobs:
+                assert len(out.logprobs) == at
+            assert any(f"ended in error after {at} generated tokens" in r.getMessage() for r in caplog.records)
+    # streamed: the tokens before come, the last chunk says "error"
+    chunks = list(_engine(model, tok).stream(prompt, RequestParams(max_new_tokens=20), chat=False))
+    assert chunks[-1].finish_reason == "error" and [t for c in chunks for t in c.token_ids] == ref[:at]

@@ -350,3 +350,38 @@ def test_a_response_cut_to_max_response_tokens_keeps_no_text(tmp_path):
     cache.add([], [1, 2, 3, 4, 5, 6], "one two three four five six")
     cache.add([], [7, 8, 9], "seven eight nine")
     assert [(r["output"], r["text"]) for r in cache.records()] == [([1, 2, 3, 4], ""), ([7, 8, 9], "seven eight nine")]
+
+
+def test_the_refusal_names_the_holders_whole_command_with_its_secrets_hidden(tmp_path, monkeypatch):
+    """Regression: the second server's refusal showed the holder's command cut after two
+    words ("(ragspec serve --port)"). It shows the whole command (bounded), the values of
+    options naming a key, token, secret or password hidden."""
+    from ragspec.drafters.response_journal import LogLock, _command_line
+    from ragspec.errors import ResponseLogHeldError
+
+    argv = [
+        "/venv/bin/ragspec",
+        "serve",
+        "--port",
+        "8001",
+        "--response-log",
+        str(tmp_path / "r.jsonl"),
+        "--api-key",
+        "sk-secret",
+        "--hf-token=hf_secret",
+        "--datastore",
+        "kb=/data/my kb",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    first = LogLock(tmp_path / "r.jsonl")
+    first.acquire()
+    try:
+        with pytest.raises(ResponseLogHeldError) as info:
+            LogLock(tmp_path / "r.jsonl").acquire()
+    finally:
+        first.release()
+    message = str(info.value)
+    assert f"(ragspec serve --port 8001 --response-log {tmp_path / 'r.jsonl'} --api-key *** --hf-token=*** " in message
+    assert "--datastore 'kb=/data/my kb')" in message and "secret" not in message
+    long = _command_line(["ragspec", "serve", *(["--datastore", "x" * 100] * 50)])
+    assert len(long) == 1000 and long.endswith("...")

@@ -452,3 +452,134 @@ def test_constraints_with_a_datastore_a_response_cache_and_a_feature_drafter(tok
     ref = _engine(hf, tok).generate(prompt, max_new_tokens=12, response_format=fmt, speculative=False).token_ids
     feature = _engine(hf, tok, FixedDrafter(DraftTree.chain(ref[3:6], source="eagle")))
     assert feature.generate(prompt, max_new_tokens=12, response_format=fmt).token_ids == ref
+
+
+# ---------------------------------------------------------------------------- min_tokens, failures, strict
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 3}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_min_tokens_never_pads_a_complete_structure_with_hidden_tokens(tok, target, caplog):
+    """Regression: with ``min_tokens`` above the length of a complete JSON object, the
+    grammar allowed only EOS and ``min_tokens`` masked it, so every logit was -inf and
+    argmax committed token 0 until ``min_tokens`` (31 tokens ending [..., 0, 0, 2]). The
+    structure ends where it is complete, drafts on or off, token for token."""
+    fmt = ResponseFormat.json_schema(PERSON, name="person")
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    reference = constrained_reference(target, _engine(target, tok).grammars.compile(fmt), prompt, 40)
+    assert reference[-1] == EOS and len(reference) < 30  # complete well before min_tokens
+    for drafter in (None, PromptLookupDrafter(), ScriptedDrafter(lambda step, gen: reference[len(gen) : len(gen) + 6])):
+        for speculative in (False, True):
+            with caplog.at_level("WARNING"):
+                out = _engine(target, tok, drafter).generate(
+                    prompt, max_new_tokens=40, min_tokens=30, response_format=fmt, speculative=speculative
+                )
+            assert out.token_ids == reference, (drafter, speculative)
+            assert out.stats.finish_reason == "stop" and 0 not in out.token_ids
+            jsonschema.validate(json.loads(out.text), PERSON)
+    assert not [r for r in caplog.records if "grammar" in r.getMessage()]
+
+
+def test_a_grammar_engine_failure_mid_output_ends_the_request_in_error(tok, target, monkeypatch, caplog):
+    """A grammar engine that fails mid-output (here: its mask comes back empty from the
+    fifth on) commits no token it never allowed: the tokens before stay, the request ends
+    with finish_reason "error", and the log says the grammar engine failed."""
+    import llguidance.numpy
+
+    fmt = ResponseFormat.json_schema(PERSON, name="person")
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    reference = constrained_reference(target, _engine(target, tok).grammars.compile(fmt), prompt, 40)
+    real = llguidance.numpy.fill_next_token_bitmask
+    calls = []
+
+    def failing(matcher, words, *args):
+        real(matcher, words, *args)
+        calls.append(1)
+        if len(calls) > 5:
+            words[:] = 0  # the engine allows nothing: its failure
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", failing)
+    for drafter in (None, ScriptedDrafter(lambda step, gen: reference[len(gen) : len(gen) + 6])):
+        calls.clear()
+        with caplog.at_level("WARNING"):
+            out = _engine(target, tok, drafter).generate(prompt, max_new_tokens=40, response_format=fmt)
+        assert out.stats.finish_reason == "error"
+        assert 0 < len(out.token_ids) < len(reference) and out.token_ids == reference[: len(out.token_ids)]
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("grammar engine failed at a mask" in m for m in messages)
+        assert any("ended in error after" in m for m in messages)
+        assert not any("left the grammar" in m for m in messages)
+        caplog.clear()
+
+
+def test_strict_schemas_allow_no_invented_keys(tok, compiler):
+    """Regression: a tool's arguments schema without ``additionalProperties`` let the model
+    invent keys (``{"a": 1, "b": 1, "c": 1, ...`` for ``Add(a, b)``): JSON Schema allows
+    any other key by default. Tool arguments are always strict, a ``json_schema`` with
+    ``strict: true`` too: an object naming its properties takes no other key."""
+    from ragspec.integrations.tools import plan_tools
+    from ragspec.structured import closed_schema
+
+    add = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}
+    invented = tok.encode('{"a": 1, "b": 2, "c"', add_special_tokens=False)
+    declared = tok.encode('{"a": 1, "b": 2}', add_special_tokens=False)
+
+    def takes(fmt, tokens) -> bool:
+        return compiler.compile(fmt).matcher().validate_tokens(tokens) == len(tokens)
+
+    loose = ResponseFormat.json_schema(add)
+    assert takes(loose, invented)  # JSON Schema's default: any other key
+    for strict in (
+        ResponseFormat.json_schema(add, strict=True),
+        response_format({"type": "json_schema", "json_schema": {"name": "add", "schema": add, "strict": True}}),
+        plan_tools(
+            [{"type": "function", "function": {"name": "Add", "parameters": add}}],
+            {"type": "function", "function": {"name": "Add"}},
+        ).constraint,
+    ):
+        assert strict is not None and strict.schema["additionalProperties"] is False
+        assert not takes(strict, invented) and takes(strict, declared)
+    # "required": each call's arguments, embedded in the calls' schema, are closed too
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    plan = plan_tools(
+        [
+            {"type": "function", "function": {"name": n, "parameters": p}}
+            for n, p in (("get_weather", weather), ("Add", add))
+        ],
+        "required",
+    )
+    calls = tok.encode('[{"name": "Add", "arguments": {"a": 1, "b": 1, "c"', add_special_tokens=False)
+    upto = tok.encode('[{"name": "Add", "arguments": {"a": 1, "b": 1', add_special_tokens=False)
+    assert plan is not None and plan.constraint is not None
+    assert not takes(plan.constraint, calls) and takes(plan.constraint, upto)
+    # what is closed: objects that name properties and say nothing of additionalProperties,
+    # at any depth ($defs, items, anyOf); an explicit value, an allOf and a free-form object stay
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "free": {"type": "object"},
+            "either": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "object", "properties": {}}]},
+            "both": {"allOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "integer"}}}]},
+            "properties": {"type": "object", "properties": {"additionalProperties": {"type": "string"}}},
+        },
+        "$defs": {"P": {"type": "object", "properties": {"p": {"type": "integer"}}}},
+    }
+    closed = closed_schema(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and closed["$defs"]["P"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] == {"type": "integer"} and "additionalProperties" not in props["free"]
+    assert props["either"]["anyOf"][1]["additionalProperties"] is False
+    assert (
+        all("additionalProperties" not in m for m in props["both"]["allOf"])
+        and "additionalProperties" not in props["both"]
+    )
+    assert set(props["properties"]["properties"]) == {"additionalProperties"}  # a property named so is a name
+    assert props["properties"]["additionalProperties"] is False
+    assert schema["$defs"]["P"] == {"type": "object", "properties": {"p": {"type": "integer"}}}  # not changed

@@ -27,7 +27,7 @@ from ragspec.errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["APIError", "ClientGone", "api_error", "install_error_handlers"]
+__all__ = ["APIError", "ClientGone", "api_error", "generation_failed", "install_error_handlers"]
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "constrained-str"})
 """pydantic's union-member tags, dropped from an error's ``param``."""
@@ -95,6 +95,21 @@ def api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
+def generation_failed() -> APIError:
+    """The 500 of a generation the engine ended in error (``finish_reason`` "error": its
+    processing left no token to choose, e.g. the grammar engine failed mid-output), as
+    vLLM answers a request its engine failed: an error body, or a streamed error event
+    after the text already sent. The server's log says what happened."""
+    return APIError(
+        500,
+        "the generation failed: its processing left no token to choose (the grammar engine failed, or the "
+        "request's constraints together forbid every token); the output is incomplete, see the server log",
+        type="server_error",
+        code="generation_failed",
+        headers={"x-should-retry": "false"},  # OpenAI's clients retry a 500 unless told not to
+    )
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The 400 of a body pydantic refused: its first error, named by its field path."""
     errors = exc.errors()
@@ -108,6 +123,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         param = None
     elif kind == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
+    elif kind == "finite_number":  # NaN, Infinity: Python's json reads them, JSON has no such numbers
+        message = f"{param}: the JSON number is not finite (NaN and Infinity are not JSON numbers)"
     elif kind == "missing":
         # an empty body reaches here as the whole body missing (no field name)
         message = f"missing required field: {param}" if param else "request body is missing (a JSON object is required)"

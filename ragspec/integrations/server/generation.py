@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -45,7 +46,7 @@ from ragspec.types import StreamChunk
 
 from ..stepper import CHUNK, ERROR, GONE, READY, Job, Ticket, choice_makers
 from .admission import cache_salt, client_id
-from .errors import ClientGone, api_error
+from .errors import ClientGone, api_error, generation_failed
 from .middleware import read_body, watch_disconnect
 from .state import ServerState
 from .validation import validate_body
@@ -173,7 +174,8 @@ class Generation:
         final one.
 
         Raises:
-            APIError: a choice failed.
+            APIError: a choice failed; a 500 (``generation_failed``) for one the engine
+                ended in error (``finish_reason`` "error"), after its last piece.
             ClientGone: the client left.
         """
         while len(self._finished) < len(self.jobs):
@@ -187,6 +189,13 @@ class Generation:
             if self.first_token_s is None and (chunk.text or chunk.token_ids):
                 self.first_token_s = time.perf_counter() - self.t0
                 self.metrics.ttft.labels(endpoint=self.endpoint).observe(self.first_token_s)
+            if chunk.finish_reason == "error":
+                # the engine ended the choice in error (no token left to choose): its last
+                # tokens go out as a piece, then the request fails as vLLM fails one
+                self._done = len(self.jobs) == 1
+                if chunk.text or chunk.token_ids:
+                    yield index, dataclasses.replace(chunk, finish_reason=None, stats=None)
+                raise generation_failed()
             if chunk.finish_reason is not None:
                 self._finished.add(index)
                 self._done = len(self._finished) == len(self.jobs)

@@ -251,14 +251,19 @@ async def chat_completions(request: Request, state: State) -> Union[dict, Stream
         envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         for i in range(params.n)
     ]
+    held: list[list[StreamChunk]] = [[] for _ in range(params.n)]  # pieces sent no event yet (tools)
 
     def events(index: int, chunk: StreamChunk) -> list[dict]:
         out = []
         for part in answer.parts(chunk):
             if tools is not None:
+                held[index].append(part)
 
-                def emit(delta: dict, reason: Optional[str], first: bool, part: StreamChunk = part) -> dict:
-                    logprobs = answer.chat_logprobs([part]) if first else None
+                def emit(delta: dict, reason: Optional[str], first: bool, waiting: list = held[index]) -> dict:
+                    # the first event after pieces that sent none carries their log-probabilities
+                    logprobs = answer.chat_logprobs(waiting) if first else None
+                    if first:
+                        waiting.clear()
                     return envelope([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
 
                 out += tools.events(index, part.text, part.finish_reason, emit)

@@ -12,6 +12,7 @@ client leaves) and stops before tokenizing once it is set.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 SUMMARY_INSTRUCTION = "Summarize the documents above in a few sentences."
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
 AnyBody = Union[CompletionRequest, ChatCompletionRequest, SummarizeRequest]
 
@@ -58,17 +60,24 @@ def build_summary_prompt(documents: Sequence[str], instruction: Optional[str] = 
 
 
 def _logit_bias(value: Optional[Mapping[str, float]]) -> Optional[dict[int, float]]:
-    """OpenAI's ``logit_bias`` (token id as a string -> bias) with integer ids.
+    """OpenAI's ``logit_bias`` (token id as a string -> bias) with integer ids. A key is a
+    token id written as JSON writes an integer (``"5"``; not ``" 5"``, ``"+5"`` or ``"05"``),
+    so two keys never name one token.
 
     Raises:
-        APIError: 400 for a key that is not a token id.
+        APIError: 400 (``invalid_logit_bias``) for a key that is not a token id so written.
     """
     if not value:
         return None
-    try:
-        return {int(k): float(v) for k, v in value.items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    for k in value:
+        if not _TOKEN_ID.fullmatch(k):
+            raise APIError(
+                400,
+                f'logit_bias keys must be token ids written as integers ("5", not " 5", "+5" or "05"), got {k[:40]!r}',
+                param="logit_bias",
+                code="invalid_logit_bias",
+            )
+    return {int(k): float(v) for k, v in value.items()}
 
 
 def _logprobs(body: AnyBody) -> tuple[bool, int]:

@@ -176,7 +176,8 @@ class ChatTools:
     ) -> list[dict]:
         """The events of a streamed choice's next piece (``text``; ``reason`` on its last):
         ``emit(delta, finish_reason, first)`` makes one (``first``: the piece's first, which
-        carries its log-probabilities)."""
+        carries its log-probabilities). No event while the piece adds nothing to send (a call
+        of ``"required"`` is sent whole once complete): no empty deltas."""
         stream = self._streams[index]
         deltas = stream.feed(text)
         had = False
@@ -186,8 +187,6 @@ class ChatTools:
         out = [emit(d, None, i == 0) for i, d in enumerate(deltas)]
         if reason is not None:
             out.append(emit({}, _finish(reason, had), not out))
-        elif not out:
-            out.append(emit({}, None, True))
         return out
 
 
