@@ -123,18 +123,27 @@ class Schedule:
 
     Attributes:
         groups: queue indices per group, in order; ``groups[0]`` joins the decoding tasks
-            now (empty: the queue waits for them); each later group starts when the one
-            before has completed.
+            after ``hold_steps`` (empty: the queue waits for them); each later group starts
+            when the one before has completed.
         completion_s: seconds from now to each task's completion: the decoding tasks', then
             the queue's, in the order given to :func:`simulate`.
         makespan_s: seconds from now until the last completion.
         flow_s: each task's flow time (``waited_s + completion_s``), same order.
+        hold_steps: decoding steps the decoding tasks run alone before ``groups[0]``
+            starts (0: it starts now), so that one about to finish is not delayed by
+            prefills.
     """
 
     groups: tuple[tuple[int, ...], ...]
     completion_s: tuple[float, ...]
     makespan_s: float
     flow_s: tuple[float, ...]
+    hold_steps: float = 0.0
+
+    @property
+    def starts_now(self) -> tuple[int, ...]:
+        """The queue positions that start in the next step (``groups[0]`` unless held)."""
+        return () if self.hold_steps > 0 or not self.groups else self.groups[0]
 
     @property
     def squared_flow(self) -> float:
@@ -157,13 +166,20 @@ def all_at_once(n: int) -> tuple[tuple[int, ...], ...]:
     return (tuple(range(n)),)
 
 
-def _run(costs: StepCosts, decoding: Sequence[Task], joiners: Sequence[Task]) -> tuple[list[float], float]:
-    """One group from now: ``decoding`` decode while ``joiners`` prefill one after another,
-    then all decode together until done. Returns each one's completion (decoding first)
-    and the seconds until the last."""
+def _run(
+    costs: StepCosts, decoding: Sequence[Task], joiners: Sequence[Task], hold: float = 0.0
+) -> tuple[list[float], float]:
+    """One group from now: ``decoding`` decode (alone for ``hold`` steps) while ``joiners``
+    prefill one after another, then all decode together until done. Returns each one's
+    completion (decoding first) and the seconds until the last."""
     done = [0.0] * (len(decoding) + len(joiners))
     active: list[list] = [[t.steps, max(1, t.rows), i] for i, t in enumerate(decoding) if t.steps > _EPS]
     now = 0.0
+    while hold > _EPS and active:
+        burst = min(hold, min(a[0] for a in active))
+        now += burst * costs.step_s(len(active), sum(a[1] for a in active))
+        hold -= burst
+        active = _advance(active, burst, now, done)
     for j, task in enumerate(joiners):
         left = 0 if task.forked else max(0, task.prompt_left)
         size = max(1, task.chunk)
@@ -205,10 +221,12 @@ def simulate(
     decoding: Sequence[Task],
     queue: Sequence[Task],
     groups: Sequence[Sequence[int]],
+    hold: float = 0.0,
 ) -> Schedule:
     """Replay a schedule on the cost model: ``decoding`` (decoding now) with ``groups[0]``
-    of ``queue`` joining them, each later group starting when the one before has
-    completed. ``groups`` must cover ``queue`` in order (the first may be empty).
+    of ``queue`` joining them after ``hold`` decoding steps, each later group starting
+    when the one before has completed. ``groups`` must cover ``queue`` in order (the first
+    may be empty).
 
     Raises:
         ConfigError: the groups do not cut the queue into consecutive parts in order.
@@ -218,7 +236,7 @@ def simulate(
         raise ConfigError(f"groups {list(map(list, groups))} do not cut a queue of {len(queue)} in order")
     completion = [0.0] * (len(decoding) + len(queue))
     first = list(groups[0]) if groups else []
-    done, now = _run(costs, decoding, [queue[i] for i in first])
+    done, now = _run(costs, decoding, [queue[i] for i in first], hold)
     completion[: len(decoding)] = done[: len(decoding)]
     for i, c in zip(first, done[len(decoding) :]):
         completion[len(decoding) + i] = c
@@ -229,7 +247,7 @@ def simulate(
         now += span
     waited = [t.waited_s for t in decoding] + [t.waited_s for t in queue]
     flow = tuple(w + c for w, c in zip(waited, completion))
-    return Schedule(tuple(tuple(g) for g in groups) or ((),), tuple(completion), now, flow)
+    return Schedule(tuple(tuple(g) for g in groups) or ((),), tuple(completion), now, flow, hold if first else 0.0)
 
 
 @dataclass(frozen=True)
@@ -314,25 +332,28 @@ def plan_groups(
     cap = n if max_group is None else max_group
     fronts = _fronts(costs, planned, max(1, cap))
     joinable = n if max_group is None else max(0, min(n, max_group - len(decoding)))
-    options = []  # (squared flow, makespan, -k, ends)
-    for k in range(0, joinable + 1):
-        if k == 0 and not decoding and n:
-            continue  # an idle machine: someone starts
-        done, span = _run(costs, decoding, planned[:k])
-        head = sum((t.waited_s + c) ** 2 for t, c in zip([*decoding, *planned[:k]], done))
-        rest = sum((t.waited_s + span) ** 2 for t in planned[k:])
-        for e in fronts[k]:
-            end = span + e.makespan
-            late = sum((t.waited_s + end) ** 2 for t in tail)
-            options.append((head + rest + e.value + 2 * span * e.total + late, end, -k, (k, *e.ends)))
+    # the first group may also wait until a decoding task finishes (not the last: that is k 0)
+    ends = sorted({math.ceil(t.steps - _EPS) for t in decoding if t.steps > _EPS})
+    options = []  # (squared flow, makespan, hold, -k, ends)
+    for hold in [0, *ends[:-1]]:
+        for k in range(1 if hold else 0, joinable + 1):
+            if k == 0 and not decoding and n:
+                continue  # an idle machine: someone starts
+            done, span = _run(costs, decoding, planned[:k], hold)
+            head = sum((t.waited_s + c) ** 2 for t, c in zip([*decoding, *planned[:k]], done))
+            rest = sum((t.waited_s + span) ** 2 for t in planned[k:])
+            for e in fronts[k]:
+                end = span + e.makespan
+                late = sum((t.waited_s + end) ** 2 for t in tail)
+                options.append((head + rest + e.value + 2 * span * e.total + late, end, hold, -k, (k, *e.ends)))
     least = min(o[1] for o in options)
     bound = math.inf if slack is None else least + slack * (elapsed_s + least) + _EPS
-    best = min((o for o in options if o[1] <= bound), key=lambda o: (o[0], o[2]))
+    best = min((o for o in options if o[1] <= bound), key=lambda o: (o[0], o[2], o[3]))
     groups: list[tuple[int, ...]] = []
     start = 0
-    for end in best[3]:  # the first group's end (0: empty), then each later group's
+    for end in best[4]:  # the first group's end (0: empty), then each later group's
         groups.append(tuple(range(start, end)))
         start = end
     if tail:
         groups.append(tuple(range(n, n + len(tail))))
-    return simulate(costs, decoding, list(planned) + tail, groups)
+    return simulate(costs, decoding, list(planned) + tail, groups, float(best[2]))

@@ -389,9 +389,11 @@ class StepComposer:
         def grouped(w: Work) -> bool:  # planned once per step, when first asked
             nonlocal joining
             if joining is None:
-                first = self.group_plan(work, candidates, now).groups[0]
+                first = self.group_plan(work, candidates, now).starts_now
                 joining = {candidates[i].index for i in first}
-            return w.index in joining
+            # fairness: one tenant's group does not delay another tenant's shorter request
+            prefill_s = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
+            return w.index in joining and not any(d.tenant != w.tenant and left[d.index] < prefill_s for d in decoders)
 
         prefill: list[int] = []
         why: list[str] = []
