@@ -139,9 +139,9 @@ class Request:
     def work(self, index: int, tenant: str = "") -> Work:
         """This request as a :class:`~ragspec.scheduling.StepComposer` sees it before a
         step (``index``: its position in the step's list; ``tenant``: whose it is): prompt
-        left, next chunk, rows per decode step (root + the draft nodes it verified per step
-        so far), tokens left, whether it started or ends without a forward; a choice that
-        shares another's prefill (:attr:`fork_of`) waits for it (``blocked``), then copies
+        left, next chunk, rows and tokens per decode step (root + the draft nodes it verified
+        per step so far; tokens committed per step), tokens left, whether it started or ends
+        without a forward; a choice that shares another's prefill (:attr:`fork_of`) waits for it (``blocked``), then copies
         it (``forked``: no prefill forward of its own)."""
         stats = self.stats
         drafted = stats.num_drafted_tokens / stats.num_steps if stats.num_steps else 0.0
@@ -165,6 +165,7 @@ class Request:
             tenant=tenant,
             blocked=waits,
             forked=source is not None and not waits,
+            tokens_per_step=stats.mean_accepted_tokens,
         )
 
     def draft_budget(self, engine_budget: int) -> int:

@@ -55,11 +55,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import ConfigError
+from .grouping import Schedule, StepCosts, Task, plan_groups
 from .policy import LatencyModel, ema_update
 
 __all__ = ["Work", "StepPlan", "ComposerConfig", "StepComposer", "fair_turns", "REASONS"]
 
-REASONS = ("idle", "shorter", "batched", "tenant", "waited")
+REASONS = ("idle", "shorter", "batched", "grouped", "tenant", "waited")
 """Why a candidate's chunk joins a step (:attr:`StepPlan.why`), in the order they are tried."""
 
 
@@ -81,6 +82,8 @@ class Work:
         blocked: it cannot work in this step (a choice waiting for the prefill it shares
             with another choice of its request): no candidate.
         forked: its prefill is a copy of another request's (no forward of its own).
+        tokens_per_step: tokens its decode steps committed on average (0.0 before it
+            decoded).
     """
 
     index: int
@@ -94,6 +97,7 @@ class Work:
     tenant: str = ""
     blocked: bool = False
     forked: bool = False
+    tokens_per_step: float = 0.0
 
     @property
     def prefilling(self) -> bool:
@@ -133,6 +137,13 @@ class ComposerConfig:
             waits while this many are, unless its tenant has none in flight (None: no bound).
         max_wait_s: seconds after which a waiting request runs its chunk whatever the
             others (> 0).
+        throughput_slack: how much later than the soonest-ending schedule the decode
+            groups may end, as a share of the busy period (``grouped``;
+            :func:`~ragspec.grouping.plan_groups`'s ``slack``): 0.05 keeps at least ~95% of
+            the throughput of starting everyone at once; None: no bound (the least squared
+            flow times whatever the throughput).
+        group_horizon: waiting requests the decode groups are planned for exactly (>= 1);
+            later ones wait for them.
 
     Raises:
         ConfigError: a bound out of range.
@@ -142,6 +153,8 @@ class ComposerConfig:
     max_step_tokens: Optional[int] = None
     max_active: Optional[int] = None
     max_wait_s: float = 30.0
+    throughput_slack: Optional[float] = 0.05
+    group_horizon: int = 8
 
     def __post_init__(self) -> None:
         if type(self.max_prefills) is not int or self.max_prefills < 1:
@@ -152,6 +165,11 @@ class ComposerConfig:
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if not isinstance(self.max_wait_s, (int, float)) or not self.max_wait_s > 0 or math.isinf(self.max_wait_s):
             raise ConfigError(f"max_wait_s must be a finite number of seconds > 0, got {self.max_wait_s!r}")
+        slack = self.throughput_slack
+        if slack is not None and (not isinstance(slack, (int, float)) or not 0 <= slack < math.inf):
+            raise ConfigError(f"throughput_slack must be a finite number >= 0 or None, got {slack!r}")
+        if type(self.group_horizon) is not int or self.group_horizon < 1:
+            raise ConfigError(f"group_horizon must be an integer >= 1, got {self.group_horizon!r}")
 
 
 def fair_turns(work: Sequence[Work], rank: Callable[[Work], tuple]) -> dict[int, int]:
@@ -208,6 +226,8 @@ class StepComposer:
         self._scale = 0.0  # observed / modelled seconds of one request's decoding step (0: none yet)
         self._per_request = 0.0  # model seconds a request adds beyond its rows
         self._batched = False  # a step of several requests was observed
+        self._tokens_per_step = 0.0  # decoding requests' tokens per step (0: none seen yet)
+        self._rows = 0.0  # decoding requests' rows per step (0: none seen yet)
 
     # ------------------------------------------------------------------ costs
     def observe(
@@ -287,6 +307,58 @@ class StepComposer:
         spread = decoding * prefill_s / steps_left if steps_left > 0 else math.inf
         return added <= (self.latency(rows) - spread) / (decoding + 1)
 
+    # ------------------------------------------------------------------ decode groups
+    def step_costs(self) -> StepCosts:
+        """The cost model as :mod:`ragspec.grouping` prices steps: seconds per prompt token
+        (observed, else the latency model's 256-row forward per row) and a decoding step's
+        seconds, ``scale * (latency(rows) + (requests - 1) * per_request_s)`` (``scale``:
+        this machine's observed over the model's seconds of a one-request step, 1 before
+        one was seen)."""
+        per_token = self._prefill_rate or self.prefill_seconds(256) / 256
+        return StepCosts.linear(self.latency, per_token, self._per_request, self._scale or 1.0)
+
+    def learn_decoding(self, work: Sequence[Work]) -> None:
+        """Learn the decoding requests' mean tokens and rows per step (what a waiting
+        request is expected to decode at); nothing with ``prefill_ema`` 0."""
+        seen = [w for w in work if w.decoding and w.tokens_per_step > 0]
+        if seen and self.prefill_ema > 0:
+            tokens = sum(w.tokens_per_step for w in seen) / len(seen)
+            rows = sum(max(1, w.rows) for w in seen) / len(seen)
+            self._tokens_per_step = ema_update(self._tokens_per_step, tokens, self.prefill_ema)
+            self._rows = ema_update(self._rows, rows, self.prefill_ema)
+
+    def task(self, w: Work, now: float) -> Task:
+        """``w`` as :mod:`ragspec.grouping` sees it at ``now``: decode steps left (tokens
+        left over its tokens per step, else the learned mean, else 1; a prefilling
+        request's first token comes with its prefill) and rows (a prefilling request's:
+        the learned mean)."""
+        per_step = w.tokens_per_step or self._tokens_per_step or 1.0
+        waited = max(0.0, now - w.arrival_s)
+        if w.decoding:
+            return Task(steps=max(0, w.tokens_left) / per_step, rows=max(1, w.rows), waited_s=waited)
+        rows = max(1, w.rows, round(self._rows))
+        steps = max(0, w.tokens_left - 1) / per_step
+        return Task(w.prompt_left, max(1, w.chunk), steps, rows, waited, w.forked)
+
+    def group_plan(self, work: Sequence[Work], queue: Sequence[Work], now: Optional[float] = None) -> Schedule:
+        """The decode groups of the waiting requests ``queue`` (in the order they may
+        start) beside ``work``'s decoding ones (:func:`~ragspec.grouping.plan_groups` with
+        this composer's costs and bounds; the busy period: since the oldest request of
+        ``work`` arrived). ``groups[0]`` holds the positions in ``queue`` that start now."""
+        now = self.clock() if now is None else now
+        live = [w for w in work if not w.done]
+        elapsed = max(0.0, now - min((w.arrival_s for w in live), default=now))
+        cfg = self.config
+        return plan_groups(
+            self.step_costs(),
+            [self.task(w, now) for w in live if w.decoding],
+            [self.task(w, now) for w in queue],
+            slack=cfg.throughput_slack,
+            max_group=cfg.max_active,
+            horizon=cfg.group_horizon,
+            elapsed_s=elapsed,
+        )
+
     # ------------------------------------------------------------------ the plan
     def plan(self, work: Sequence[Work]) -> StepPlan:
         """The next step's plan over ``work`` (each with its ``index`` in the list the plan
@@ -311,6 +383,18 @@ class StepComposer:
         group = len(decoders)  # who will decode together: the decoding and the chosen requests
         used = sum(max(1, w.rows) for w in decoders)
         now, row_s = self.clock(), self.row_s()
+        self.learn_decoding(decoders)
+        joining: Optional[set[int]] = None
+
+        def grouped(w: Work) -> bool:  # planned once per step, when first asked
+            nonlocal joining
+            if joining is None:
+                first = self.group_plan(work, candidates, now).starts_now
+                joining = {candidates[i].index for i in first}
+            # fairness: one tenant's group does not delay another tenant's shorter request
+            prefill_s = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
+            return w.index in joining and not any(d.tenant != w.tenant and left[d.index] < prefill_s for d in decoders)
+
         prefill: list[int] = []
         why: list[str] = []
         for w in candidates:
@@ -321,7 +405,7 @@ class StepComposer:
             new_tenant = w.tenant not in busy_tenants
             if not w.started and cfg.max_active is not None and in_flight >= cfg.max_active and not new_tenant:
                 continue
-            reason = self._reason(w, left[w.index], group, steps_left, shortest, new_tenant, now, row_s)
+            reason = self._reason(w, left[w.index], group, steps_left, shortest, new_tenant, now, row_s, grouped)
             if reason is None:
                 continue
             prefill.append(w.index)
@@ -344,12 +428,13 @@ class StepComposer:
         new_tenant: bool,
         now: float,
         row_s: float,
+        grouped: Callable[[Work], bool],
     ) -> Optional[str]:
         """Why candidate ``w`` (``left`` seconds of work left) runs a chunk in this step
         (None: it waits). ``group``: the requests decoding or chosen to prefill so far;
         ``steps_left``: the fewest tokens a decoding one has left (inf: none decodes);
         ``shortest``: the least work left of one of them (inf: none); ``row_s``: a row's
-        seconds (:meth:`row_s`)."""
+        seconds (:meth:`row_s`); ``grouped(w)``: the decode groups start ``w`` now."""
         if group == 0:
             return "idle"
         if left < shortest:
@@ -357,6 +442,8 @@ class StepComposer:
         prefill_s = 0.0 if w.forked else self.prefill_seconds(w.prompt_left, w.chunk or 256)
         if self._joins(w.rows, group, prefill_s, steps_left, row_s):
             return "batched"
+        if grouped(w):
+            return "grouped"
         if new_tenant:
             return "tenant"
         if now - w.arrival_s >= self.config.max_wait_s:

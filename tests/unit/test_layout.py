@@ -147,6 +147,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "specbench",
             "structured",
             "grammar",
+            "grouping",
             "scheduling",
         ),
     ),
