@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ragspec.errors import DatastoreBusyError, DatastoreError, IdempotencyKeyError, TokenizerMismatchError
 
-from .builder import check_texts, tokenize_texts
+from .builder import check_texts, tokenize_texts, write_tokenized_shard
 from .format import (
     Manifest,
     ShardEntry,
@@ -75,7 +75,6 @@ from .shards import (
     MERGE_FACTOR,
     MergeStopped,
     commit_merge,
-    flatten,
     install_shard,
     merge_shards,
     next_shard_name,
@@ -84,7 +83,6 @@ from .shards import (
     plan_merge,
     read_additions,
     remove_shards,
-    write_shard,
 )
 from .store import Datastore, DatastoreInfo
 
@@ -246,18 +244,7 @@ class DatastoreWriter:
                 n, t = len(read.docs), sum(len(doc) for doc in read.docs)
                 records.append({"key": key, "request": request, "num_documents": n, "num_tokens": t, "at": now()})
             try:
-                flat, offsets = flatten(read.docs)
-                entry = write_shard(
-                    tmp,
-                    name,
-                    flat,
-                    offsets,
-                    read.sources,
-                    min_id=read.min_id,
-                    max_id=read.max_id,
-                    t0=t0,
-                    additions=records,
-                )
+                entry = write_tokenized_shard(tmp, name, read, t0, additions=records)
                 install_shard(d, tmp, name)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

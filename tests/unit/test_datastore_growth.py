@@ -177,7 +177,7 @@ def test_an_add_failed_at_any_step_leaves_nothing_on_disk_and_nothing_served(
         raise emfile
 
     if step == "disk write":
-        monkeypatch.setattr(live_mod, "write_shard", fail)
+        monkeypatch.setattr(live_mod, "write_tokenized_shard", fail)
     elif step == "manifest":
         monkeypatch.setattr(live_mod, "write_manifest", fail)
     elif step == "open":
