@@ -4,7 +4,8 @@ Builds a datastore of the Spec-Bench dev data's rag passages and summarization a
 (``--seed-docs`` of them, the model's tokenizer), then adds ``--additions`` small documents
 (chunks of the other texts, ``--docs-per-add`` each) through the writer a server uses
 (:class:`ragspec.datastore.live.DatastoreWriter`, its background merging on), timing every
-addition. Then, once the merging is done: a datastore built at once from the same documents,
+addition. Then, once the merging is done (the cascade's, then the merge a writer makes
+when additions pause): a datastore built at once from the same documents,
 and the lookup latency of both (``ragspec datastore bench``'s measure: 2000 contexts from
 random positions of the corpus, warmed) and the files an open copy holds with every shard
 mapped. Prints one table; ``--json`` writes the numbers.
@@ -90,7 +91,10 @@ def main(argv=None) -> int:
                 costs.append(time.perf_counter() - t0)  # the wait counts: it is what the client sees
         finally:
             writer.close()
-        while writer.merge_once():  # what the background thread had left
+        shards_after_adds = served["ds"].num_shards
+        # what the background thread had left, then what it does once additions pause
+        # (the trailing shards merged: idle_merge_s after the last addition)
+        while writer.merge_once(idle=True):
             pass
         grown = served["ds"]
         (w / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in seed + added))
@@ -105,6 +109,7 @@ def main(argv=None) -> int:
             "additions": args.additions,
             "documents": grown.num_documents,
             "tokens": grown.num_tokens,
+            "shards_after_adds": shards_after_adds,
             "grown_shards": grown.num_shards,
             "merges": writer.merges,
             "busy_retries": busy,
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
         }
     print(
         f"{res['additions']} additions -> {res['documents']:,} documents, {res['tokens']:,} tokens in "
-        f"{res['grown_shards']} shards ({res['merges']} merges, {busy} busy retries); same documents as the fresh build: "
+        f"{res['grown_shards']} shards once idle ({shards_after_adds} right after the last addition; {res['merges']} merges, {busy} busy retries); same documents as the fresh build: "
         f"{res['same_documents']}"
     )
     print(

@@ -632,8 +632,17 @@ def _binary_stdin(stdin: Optional[TextIO]) -> BinaryIO:
     return _Encoded()  # type: ignore[return-value]
 
 
-def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: bool) -> ShardEntry:
-    """Write tokens.bin, sa.bin, docs.bin and sources.json of one shard into ``sdir``."""
+def write_tokenized_shard(
+    sdir: Path,
+    name: str,
+    read: _Tokenized,
+    t0: float,
+    progress: bool = False,
+    additions: Sequence[dict[str, Any]] = (),
+) -> ShardEntry:
+    """Write tokens.bin, sa.bin, docs.bin, sources.json (and additions.json, with
+    ``additions``: see :func:`~.shards.write_shard`) of one shard of the documents ``read``
+    (:func:`tokenize_texts`; its list of documents is emptied) into ``sdir``."""
     flat, offsets = flatten(read.docs)  # frees the pieces before sorting
     return write_shard(
         sdir,
@@ -647,6 +656,7 @@ def _write_shard(sdir: Path, name: str, read: _Tokenized, t0: float, progress: b
         skipped_lines=read.skipped_lines,
         t0=t0,
         progress=progress,
+        additions=additions,
     )
 
 
@@ -700,7 +710,7 @@ def build_datastore(
     with atomic_directory(dest, overwrite=overwrite) as tmp:
         name = "shard-00000"
         (tmp / name).mkdir()
-        shard = _write_shard(tmp / name, name, read, t0, progress)
+        shard = write_tokenized_shard(tmp / name, name, read, t0, progress)
         now = _now()
         write_manifest(tmp, Manifest(tokenizer=identity, shards=(shard,), created=now, updated=now))
     logger.info("datastore %s: %d documents, %d tokens", dest, shard.num_documents, shard.num_tokens)
@@ -830,7 +840,7 @@ def _append_shard(d: Path, read: _Tokenized, t0: float, progress: bool) -> None:
         name = next_shard_name(d, manifest)
         tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
         try:
-            shard = _write_shard(tmp, name, read, t0, progress)
+            shard = write_tokenized_shard(tmp, name, read, t0, progress)
             install_shard(d, tmp, name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,8 @@ Layout of a datastore directory (format version 1)::
         docs.bin             int64 little-endian [D + 1]: start offset of each document in
                              tokens.bin, then the total length
         sources.json         one entry per input file: path, sha256, bytes, documents
+        additions.json       (optional) the idempotency records of the additions the shard
+                             holds: digests of each key and its documents, what it added
       shard-00001/ ...       one more shard per ``add``
 
 Token ids are never 16-bit: vocabularies above 65,535 exist. Document offsets and the
@@ -99,6 +101,7 @@ TOKENS_FILE = "tokens.bin"
 SA_FILE = "sa.bin"
 DOCS_FILE = "docs.bin"
 SOURCES_FILE = "sources.json"
+ADDITIONS_FILE = "additions.json"
 _HASH_BLOCK = 1 << 24
 
 

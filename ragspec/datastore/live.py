@@ -5,14 +5,15 @@ shards merged in the background.
 ``POST /v1/datastores/{name}/documents``) and the copy of it that process serves. An
 addition (:meth:`DatastoreWriter.add`) runs under the writer's lock and ``DIR/.lock``:
 
-1. its idempotency key, if any, is looked up in the manifest: a key already used with the
-   same documents answers what that addition answered and changes nothing (a retry after a
-   timeout, an error, a restart); used with other documents, the addition is refused
-   (:class:`~ragspec.errors.IdempotencyKeyError`);
-2. its shard is written into a temporary directory and renamed into place (not listed);
+1. its idempotency key, if any, is looked up in the listed shards' records: a key already
+   used with the same documents answers what that addition answered and changes nothing (a
+   retry after a timeout, an error, a restart); used with other documents, the addition is
+   refused (:class:`~ragspec.errors.IdempotencyKeyError`);
+2. its shard (with its key's record) is written into a temporary directory and renamed
+   into place (not listed);
 3. the next copy of the datastore is opened (:meth:`~ragspec.datastore.Datastore.reopen`:
    only the new shard is opened, every other one is shared with the copy served now);
-4. the manifest is replaced (the commit), listing the shard and the key;
+4. the manifest is replaced (the commit), listing the shard (and so the key);
 5. the next copy is published (``publish(datastore)``: served from then on).
 
 A failure at 2 to 4 removes the shard; at 5 the manifest is put back first. Either way the
@@ -23,15 +24,23 @@ additions (:class:`~ragspec.errors.DatastoreBusyError`) until the merging catche
 Merging (:mod:`.shards`): after each addition a background thread merges the last shards
 as :func:`~.shards.plan_merge` says, commits the merged shard (only if the shards it
 replaces are still listed) and publishes the copy that reads it, under the same lock as the
-additions. An addition's cost thus stays that of writing and opening its own shard,
-however many came before; the shards stay few, so lookups stay as fast as in a datastore
-built at once and an open datastore holds at most ``2 * MAX_SHARDS`` files. The copy
+additions (only the commit: the merge's sorting and writing run outside it). When no
+addition came for ``idle_merge_s`` seconds, the thread also merges the trailing shards
+(:func:`~.shards.plan_idle_merge`: all of them in a datastore of up to
+:data:`~.shards.IDLE_MERGE_TOKENS` tokens), so lookups search one index, as in a datastore
+built at once; an addition arriving meanwhile abandons that merge (tried again at the next
+pause) and never waits for it. An addition's cost thus stays that of writing and opening
+its own shard, however many came before; the shards stay few, and an open datastore holds
+at most ``2 * MAX_SHARDS`` files. The copy
 served before a publish is not closed by the writer: requests that started with it finish
 with it, and the files only it held are closed once the last of them lets it go.
 
-Idempotency keys are kept as digests (sha256) in the manifest (``extra["idempotency"]``:
-the key's, the documents' and what the addition added), the last
-:data:`IDEMPOTENCY_KEYS` of them.
+Idempotency keys are kept as digests (sha256: the key's, the documents' and what the
+addition added) in the ``additions.json`` of the shard holding the addition's documents,
+carried into merged shards (the latest :data:`IDEMPOTENCY_KEYS` of the shards merged), so
+a key is known exactly while its documents are listed, and the manifest an addition reads
+and rewrites does not grow with the keys. The writer keeps the records of the shards it
+has read in memory (a shard's files never change).
 """
 
 from __future__ import annotations
@@ -48,9 +57,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from ragspec.errors import DatastoreBusyError, DatastoreError, IdempotencyKeyError, TokenizerMismatchError
 
-from .builder import check_texts, tokenize_texts
+from .builder import check_texts, tokenize_texts, write_tokenized_shard
 from .format import (
     Manifest,
+    ShardEntry,
     held_shard_tmp,
     locked,
     read_manifest,
@@ -59,28 +69,30 @@ from .format import (
     write_manifest,
 )
 from .shards import (
+    IDEMPOTENCY_KEYS,
+    IDLE_MERGE_TOKENS,
     MAX_SHARDS,
     MERGE_FACTOR,
     MergeStopped,
     commit_merge,
-    flatten,
     install_shard,
     merge_shards,
     next_shard_name,
     now,
+    plan_idle_merge,
     plan_merge,
+    read_additions,
     remove_shards,
-    write_shard,
 )
 from .store import Datastore, DatastoreInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DatastoreWriter", "Addition", "IDEMPOTENCY_KEYS"]
+__all__ = ["DatastoreWriter", "Addition", "IDEMPOTENCY_KEYS", "IDLE_MERGE_S"]
 
-IDEMPOTENCY_KEYS = 1024
-"""Idempotency keys a datastore remembers (the latest additions'): a retry with an older
-key adds its documents again."""
+IDLE_MERGE_S = 2.0
+"""Seconds without an addition after which a writer merges the trailing shards (see the
+module docstring)."""
 _RETRY_MERGE_S = 10.0  # a failed merge is tried again after this long
 
 
@@ -118,6 +130,9 @@ class DatastoreWriter:
             callers that merge themselves with :meth:`merge_once`).
         merge_factor: see :func:`~.shards.plan_merge`.
         max_shards: an addition finding this many shards is refused until merges catch up.
+        idle_merge_s: seconds without an addition after which the background thread merges
+            the trailing shards (None: never; with ``merge``).
+        idle_merge_tokens: most tokens that merge rewrites (:func:`~.shards.plan_idle_merge`).
 
     Constructing it does no I/O and starts no thread (the first addition does).
     """
@@ -131,6 +146,8 @@ class DatastoreWriter:
         merge: bool = True,
         merge_factor: int = MERGE_FACTOR,
         max_shards: int = MAX_SHARDS,
+        idle_merge_s: Optional[float] = IDLE_MERGE_S,
+        idle_merge_tokens: int = IDLE_MERGE_TOKENS,
     ) -> None:
         self.path = datastore.path
         self._current = datastore
@@ -139,6 +156,11 @@ class DatastoreWriter:
         self._merge = merge
         self.merge_factor = merge_factor
         self.max_shards = max_shards
+        self.idle_merge_s = idle_merge_s
+        self.idle_merge_tokens = idle_merge_tokens
+        self._keys: dict[str, tuple[ShardEntry, dict[str, dict]]] = {}  # shard name -> its records by key
+        self._adds = 0  # additions begun (an idle merge stops when it changes)
+        self._last_add = 0.0  # time.monotonic() when the last addition began or ended
         self._fingerprint: Optional[str] = None
         self._lock = threading.Lock()  # additions, merge commits and publishing, one at a time
         self._cond = threading.Condition()
@@ -177,6 +199,9 @@ class DatastoreWriter:
         request = _digest(source, *texts)
         key = _digest("idempotency", idempotency_key) if idempotency_key is not None else None
         t0 = time.perf_counter()
+        with self._cond:
+            self._adds += 1
+            self._last_add = time.monotonic()
         if self._fingerprint is None:
             self._fingerprint = tokenizer_identity(self._tokenizer).fingerprint
         read = tokenize_texts(texts, self._tokenizer, source)
@@ -187,6 +212,9 @@ class DatastoreWriter:
             raise DatastoreError(
                 f"cannot add documents to {str(self.path)!r} ({e.strerror or e}); nothing was added"
             ) from e
+        finally:
+            with self._cond:
+                self._last_add = time.monotonic()
         if not result.replayed:
             self._want_merge()
         return result
@@ -197,7 +225,7 @@ class DatastoreWriter:
             manifest = read_manifest(d)
             if manifest.tokenizer.fingerprint != self._fingerprint:
                 raise TokenizerMismatchError(f"datastore {str(d)!r} has another tokenizer than this server's model")
-            seen = _find_key(manifest, key)
+            seen = self._find_key(manifest, key)
             if seen is not None:
                 if seen.get("request") != request:
                     raise IdempotencyKeyError("this idempotency key was used by an addition of other documents")
@@ -211,22 +239,18 @@ class DatastoreWriter:
             remove_leftovers(d, manifest)
             name = next_shard_name(d, manifest)
             tmp = Path(tempfile.mkdtemp(prefix=".shard-tmp-", dir=d))
+            records: list[dict[str, Any]] = []  # the key's record, written into the shard
+            if key is not None:
+                n, t = len(read.docs), sum(len(doc) for doc in read.docs)
+                records.append({"key": key, "request": request, "num_documents": n, "num_tokens": t, "at": now()})
             try:
-                flat, offsets = flatten(read.docs)
-                entry = write_shard(
-                    tmp, name, flat, offsets, read.sources, min_id=read.min_id, max_id=read.max_id, t0=t0
-                )
+                entry = write_tokenized_shard(tmp, name, read, t0, additions=records)
                 install_shard(d, tmp, name)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            extra = dict(manifest.extra)
-            if key is not None:
-                record = {"key": key, "request": request, "num_documents": entry.num_documents}
-                record.update(num_tokens=entry.num_tokens, at=now())
-                kept = [r for r in manifest.extra.get("idempotency", []) if isinstance(r, dict)]
-                extra["idempotency"] = (kept + [record])[-IDEMPOTENCY_KEYS:]
-            after = replace(manifest, shards=manifest.shards + (entry,), updated=now(), extra=extra)
+            self._keys[name] = (entry, {str(r["key"]): r for r in records})
+            after = replace(manifest, shards=manifest.shards + (entry,), updated=now())
             try:
                 new = self._current.reopen(after)
                 write_manifest(d, after)  # the commit
@@ -251,9 +275,31 @@ class DatastoreWriter:
             raise
         self._current = new
 
+    def _find_key(self, manifest: Manifest, key: Optional[str]) -> Optional[dict]:
+        """The idempotency record of ``key`` among the shards ``manifest`` lists, the newest
+        first (None: no key, or not there). Reads the records of shards not seen before
+        (another process's, a merge's) once; forgets those of shards no longer listed."""
+        listed = {s.name for s in manifest.shards}
+        for name in [n for n in self._keys if n not in listed]:
+            del self._keys[name]
+        if key is None:
+            return None
+        for entry in reversed(manifest.shards):
+            held = self._keys.get(entry.name)
+            if held is None or held[0] != entry:
+                held = (entry, {str(r.get("key")): r for r in read_additions(self.path, entry)})
+                self._keys[entry.name] = held
+            if key in held[1]:
+                return held[1][key]
+        return None
+
     # ------------------------------------------------------------------ merging
-    def merge_once(self) -> bool:
+    def merge_once(self, *, idle: bool = False) -> bool:
         """Run the next planned merge now, in this thread (the background thread calls it).
+
+        Args:
+            idle: when the cascade plans nothing, merge the trailing shards as when
+                additions pause (:func:`~.shards.plan_idle_merge`).
 
         Returns:
             True when a merge was committed, or found obsolete (the copy served was
@@ -263,12 +309,15 @@ class DatastoreWriter:
             DatastoreError, OSError: the merge could not be written or opened (nothing was
                 listed, or the listing was undone).
         """
-        return self._merge_once(lambda: False)
+        return self._merge_once(lambda: False, idle=idle)
 
-    def _merge_once(self, should_stop: Callable[[], bool]) -> bool:
+    def _merge_once(self, should_stop: Callable[[], bool], *, idle: bool = False) -> bool:
         """:meth:`merge_once`; ``should_stop()`` True abandons it (:class:`MergeStopped`)."""
         snap = self._current
-        plan = plan_merge([s.length for s in snap.manifest.shards], self.merge_factor)
+        lengths = [s.length for s in snap.manifest.shards]
+        plan = plan_merge(lengths, self.merge_factor)
+        if plan is None and idle:
+            plan = plan_idle_merge(lengths, self.idle_merge_tokens)
         if plan is None:
             return False
         start, stop = plan
@@ -335,8 +384,12 @@ class DatastoreWriter:
             try:
                 while not self._closed and self._merge_once(lambda: self._closed):
                     pass
+                self._merge_when_idle()
             except MergeStopped:
-                return
+                if self._closed:
+                    return
+                with self._cond:
+                    self._wanted = True  # an addition came: merge again at the next pause
             except Exception as e:  # logged; the next addition (or the retry) tries again
                 self.merge_failures += 1
                 logger.error(
@@ -345,6 +398,26 @@ class DatastoreWriter:
                 with self._cond:
                     self._cond.wait_for(lambda: self._closed, timeout=_RETRY_MERGE_S)
                     self._wanted = True
+
+    def _merge_when_idle(self) -> None:
+        """Once no addition came for ``idle_merge_s`` seconds, merge the trailing shards
+        (:func:`~.shards.plan_idle_merge`) until none are planned; return early when an
+        addition is wanted or the writer closes. An addition beginning meanwhile abandons
+        the merge running (:class:`MergeStopped`)."""
+        if self.idle_merge_s is None:
+            return
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed or self._wanted:
+                        return
+                    left = self._last_add + self.idle_merge_s - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                adds = self._adds
+            if not self._merge_once(lambda: self._closed or self._adds != adds, idle=True):
+                return
 
     def close(self, timeout: Optional[float] = 30.0) -> None:
         """Stop the merging (a merge running is abandoned at its next stage: nothing of it
@@ -356,16 +429,6 @@ class DatastoreWriter:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
-
-
-def _find_key(manifest: Manifest, key: Optional[str]) -> Optional[dict]:
-    """The idempotency record of ``key`` in ``manifest`` (None: no key, or not there)."""
-    if key is None:
-        return None
-    for record in reversed(manifest.extra.get("idempotency", [])):
-        if isinstance(record, dict) and record.get("key") == key:
-            return record
-    return None
 
 
 def _listed(manifest: Manifest, shards: Sequence[Any]) -> bool:

@@ -9,7 +9,9 @@ holds no more than :data:`MERGE_FACTOR` times their tokens together (:func:`plan
 At rest every shard then holds more than ``MERGE_FACTOR`` times the tokens of the next
 one, so a datastore of ``N`` tokens has at most ``log_4(N) + 1`` shards (16 at 2^31 tokens)
 and each token is merged O(log N) times over the datastore's life, whatever the number of
-additions. :data:`MAX_SHARDS` caps the shards an addition may find (more wait for the
+additions. When additions pause, a writer also merges the trailing shards up to
+:data:`IDLE_MERGE_TOKENS` into one (:func:`plan_idle_merge`): a datastore of up to that
+size then searches one index, as one built at once. :data:`MAX_SHARDS` caps the shards an addition may find (more wait for the
 merging: :class:`~ragspec.errors.DatastoreBusyError`).
 
 A merge (:func:`merge_shards`) concatenates the shards' token arrays (the documents keep
@@ -26,12 +28,18 @@ replaced shards open keep reading them (an unlinked file stays readable while ma
 one opening the datastore meanwhile reads the manifest again
 (:meth:`~ragspec.datastore.Datastore.open`).
 
+An addition made with an idempotency key writes its record (digests only) into its own
+shard's ``additions.json``, which a merge carries into the merged shard (the latest
+:data:`IDEMPOTENCY_KEYS` of the shards it merges): the record is listed exactly when the
+documents are, and the manifest does not grow with the number of additions.
+
 ``ragspec datastore compact DIR`` merges every shard into one (:func:`compact_datastore`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import os
 import shutil
@@ -44,6 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .format import (
+    ADDITIONS_FILE,
     DOCS_DTYPE,
     DOCS_FILE,
     SA_FILE,
@@ -70,6 +79,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MERGE_FACTOR",
     "MAX_SHARDS",
+    "IDLE_MERGE_TOKENS",
+    "IDEMPOTENCY_KEYS",
+    "read_additions",
+    "plan_idle_merge",
     "flatten",
     "write_shard",
     "next_shard_name",
@@ -89,6 +102,12 @@ MAX_SHARDS = 32
 """Most shards an addition may find in a datastore: one more waits for the merging
 (:class:`~ragspec.errors.DatastoreBusyError`). With two files per mapped shard, an open
 datastore holds at most 64 files (shards under ``MAP_FROM_BYTES`` hold none)."""
+IDLE_MERGE_TOKENS = 1 << 24
+"""Most tokens the merge made when additions pause rewrites (:func:`plan_idle_merge`; 16M
+tokens, seconds of sorting): a datastore of up to this many tokens ends in one shard."""
+IDEMPOTENCY_KEYS = 1024
+"""Idempotency records a merge keeps of the shards it merges (the latest additions'): a
+retry with an older key adds its documents again."""
 
 
 class MergeStopped(Exception):
@@ -129,9 +148,11 @@ def write_shard(
     t0: float,
     progress: bool = False,
     should_stop: Callable[[], bool] = lambda: False,
+    additions: Sequence[dict[str, Any]] = (),
 ) -> ShardEntry:
-    """Sort the index of ``flat`` and write tokens.bin, sa.bin, docs.bin and sources.json
-    of one shard into ``sdir`` (each fsynced).
+    """Sort the index of ``flat`` and write tokens.bin, sa.bin, docs.bin, sources.json
+    and, when ``additions`` holds records, additions.json of one shard into ``sdir`` (each
+    fsynced).
 
     Args:
         flat: int32 [T + D]: the documents, each followed by the separator -1.
@@ -141,6 +162,8 @@ def write_shard(
         t0: ``time.perf_counter()`` when the work on this shard began (for ``build_s``).
         progress: a tqdm bar on stderr.
         should_stop: asked between the stages; True raises :class:`MergeStopped`.
+        additions: the idempotency records of the additions the shard holds (see
+            :mod:`ragspec.datastore.live`).
 
     Returns:
         The shard's manifest entry.
@@ -166,6 +189,8 @@ def write_shard(
             DOCS_FILE: write_array(sdir / DOCS_FILE, offsets.astype(DOCS_DTYPE)),
             SOURCES_FILE: write_json_file(sdir / SOURCES_FILE, sources),
         }
+        if additions:
+            files[ADDITIONS_FILE] = write_json_file(sdir / ADDITIONS_FILE, list(additions))
         fsync_dir(sdir)
         if bar is not None:
             bar.update(1)
@@ -213,6 +238,20 @@ def remove_shards(d: Path, names: Sequence[str]) -> None:
         shutil.rmtree(d / name, ignore_errors=True)
 
 
+def read_additions(d: Path, entry: ShardEntry) -> list[dict[str, Any]]:
+    """The idempotency records of the shard ``entry`` of the datastore ``d`` (oldest first;
+    [] when it has none, or its file cannot be read: logged, its keys are then forgotten)."""
+    if ADDITIONS_FILE not in entry.files:
+        return []
+    path = d / entry.name / ADDITIONS_FILE
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        logger.warning("%s: cannot read the idempotency records (%s); their keys are forgotten", path, e)
+        return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
 def plan_merge(lengths: Sequence[int], factor: int = MERGE_FACTOR) -> Optional[tuple[int, int]]:
     """The shards to merge next, as the range ``[start, stop)`` of the shard list (``stop``
     is its end), or None: the last shards, for as long as the shard before them holds at
@@ -226,6 +265,22 @@ def plan_merge(lengths: Sequence[int], factor: int = MERGE_FACTOR) -> Optional[t
         return None
     total = lengths[i]
     while i > 0 and lengths[i - 1] <= factor * total:
+        i -= 1
+        total += lengths[i]
+    return (i, len(lengths)) if len(lengths) - i >= 2 else None
+
+
+def plan_idle_merge(lengths: Sequence[int], max_tokens: int = IDLE_MERGE_TOKENS) -> Optional[tuple[int, int]]:
+    """The shards to merge while additions pause, as ``[start, stop)`` (``stop`` is the
+    list's end), or None: the longest run of last shards holding at most ``max_tokens``
+    entries together, when it has two shards or more. A datastore of up to ``max_tokens``
+    then ends in one shard; a bigger one keeps the shards before the run (which the cascade
+    of :func:`plan_merge` keeps few).
+
+    Example: lengths [1000, 20, 5, 2], max_tokens 100 -> (1, 4); 2000 -> (0, 4).
+    """
+    i, total = len(lengths), 0
+    while i > 0 and total + lengths[i - 1] <= max_tokens:
         i -= 1
         total += lengths[i]
     return (i, len(lengths)) if len(lengths) - i >= 2 else None
@@ -260,6 +315,7 @@ def merge_shards(
         base += int(docs[-1])
     offsets = np.concatenate(parts + [np.array([base], dtype=np.int64)])  # [D + 1]
     sources = [record for i in range(start, stop) for record in ds.sources(i)]
+    additions = [r for e in entries for r in read_additions(ds.path, e)][-IDEMPOTENCY_KEYS:]
     if all(e.min_id is not None and e.max_id is not None for e in entries):
         lo = min(int(e.min_id) for e in entries)  # type: ignore[arg-type]
         hi = max(int(e.max_id) for e in entries)  # type: ignore[arg-type]
@@ -281,6 +337,7 @@ def merge_shards(
         t0=t0,
         progress=progress,
         should_stop=should_stop,
+        additions=additions,
     )
     return replace(entry, build_s=round(entry.build_s + sum(e.build_s for e in entries), 3))
 

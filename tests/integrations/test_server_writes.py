@@ -89,7 +89,7 @@ def test_an_add_answered_an_error_is_neither_on_disk_nor_served_and_its_retry_ad
                 def emfile(*a, **kw):
                     raise OSError(errno.EMFILE, "Too many open files")
 
-                m.setattr(live_mod, "write_shard", emfile)
+                m.setattr(live_mod, "write_tokenized_shard", emfile)
             else:
 
                 def no_swap(engine, name, ds):

@@ -25,7 +25,7 @@ from ragspec.datastore import live as live_mod
 from ragspec.datastore import store as store_mod
 from ragspec.datastore.format import MANIFEST_NAME, find_leftovers, hold_directory
 from ragspec.datastore.live import DatastoreWriter
-from ragspec.datastore.shards import MAX_SHARDS, MERGE_FACTOR, compact_datastore, plan_merge
+from ragspec.datastore.shards import MAX_SHARDS, MERGE_FACTOR, compact_datastore, plan_idle_merge, plan_merge
 from ragspec.errors import DatastoreBusyError, DatastoreError, IdempotencyKeyError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ def test_an_add_failed_at_any_step_leaves_nothing_on_disk_and_nothing_served(
         raise emfile
 
     if step == "disk write":
-        monkeypatch.setattr(live_mod, "write_shard", fail)
+        monkeypatch.setattr(live_mod, "write_tokenized_shard", fail)
     elif step == "manifest":
         monkeypatch.setattr(live_mod, "write_manifest", fail)
     elif step == "open":
@@ -419,3 +419,117 @@ def test_growth_bench_crash_an_add_never_removes_the_folder_a_merge_just_made(tm
     assert adds == [None]
     assert Datastore.open(d).num_documents == 5
     assert find_leftovers(d) == []
+
+
+def _until(condition, timeout: float = 60.0) -> bool:
+    """Wait (bounded) for a background thread's work: whether ``condition()`` became True."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_plan_idle_merge_takes_the_trailing_shards_up_to_its_tokens():
+    assert plan_idle_merge([1000, 20, 5, 2], 100) == (1, 4)
+    assert plan_idle_merge([1000, 20, 5, 2], 2000) == (0, 4)
+    assert plan_idle_merge([1000, 200, 5], 100) is None  # one shard fits: nothing to merge
+    assert plan_idle_merge([7], 100) is None
+
+
+def test_when_additions_pause_the_shards_become_one_that_answers_as_one_built_at_once(tmp_path, char_tokenizer):
+    """Lookups of a grown datastore searched every shard the cascade leaves (four after
+    1,000 additions: p99 1.84x a fresh build's); once additions pause the background thread
+    merges them into one."""
+    d = _store(tmp_path, char_tokenizer)
+    served = Served(Datastore.open(d, tokenizer=char_tokenizer))
+    writer = DatastoreWriter(served.ds, char_tokenizer, served, merge_factor=0, idle_merge_s=0.05)
+    texts = [_doc(i) for i in range(12)]
+    try:
+        for text in texts:  # merge_factor 0: the cascade merges nothing, only the pause does
+            writer.add([text], idempotency_key=text)
+        assert _until(lambda: served.ds.num_shards == 1), served.ds
+    finally:
+        writer.close()
+    assert served.ds is writer.datastore and writer.merges >= 1
+    assert _shard_dirs(d) == [served.ds.manifest.shards[0].name] and find_leftovers(d) == []
+    (tmp_path / "all").mkdir()
+    (tmp_path / "all" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in [SEED] + texts))
+    fresh = Datastore.open(build_datastore([tmp_path / "all"], tmp_path / "fresh", char_tokenizer, progress=False).path)
+    assert Datastore.open(d).num_documents == fresh.num_documents == 13
+    for ctx in ("note 1", "pump 3 w", "the ", "checked.", "sun rose", "zzz"):
+        ids = _ids(char_tokenizer, ctx)
+        assert served.ds.continuations(ids, max_len=6) == fresh.continuations(ids, max_len=6), ctx
+    assert writer.add([texts[3]], idempotency_key=texts[3]).replayed  # the keys came through the merge
+
+
+def test_an_addition_during_the_idle_merge_succeeds_at_once_and_loses_nothing(tmp_path, char_tokenizer, monkeypatch):
+    import threading
+
+    from ragspec.datastore import shards as shards_mod
+
+    d = _store(tmp_path, char_tokenizer)
+    served = Served(Datastore.open(d, tokenizer=char_tokenizer))
+    writer = DatastoreWriter(served.ds, char_tokenizer, served, merge_factor=0, idle_merge_s=0.05)
+    sorting, release = threading.Event(), threading.Event()
+    real = shards_mod.reverse_prefix_order
+
+    def held_in_the_merge(tokens):
+        if threading.current_thread().name == "ragspec-datastore-merge" and not release.is_set():
+            sorting.set()  # the idle merge is sorting, outside every lock: hold it there
+            release.wait(60)
+        return real(tokens)
+
+    monkeypatch.setattr(shards_mod, "reverse_prefix_order", held_in_the_merge)
+    try:
+        for i in range(3):
+            writer.add([_doc(i)])
+        assert sorting.wait(60)  # the pause began the idle merge
+        done: list[object] = []
+        late = threading.Thread(target=lambda: done.append(writer.add([_doc(3)], idempotency_key="late")))
+        late.start()
+        late.join(60)  # never waits for the merge held in its sort
+        assert done and not late.is_alive() and served.ds.num_documents == 5
+        release.set()  # the merge goes on, sees the addition and is abandoned; the next pause merges all
+        assert _until(lambda: served.ds.num_shards == 1)
+    finally:
+        release.set()
+        writer.close()
+    assert served.ds.num_documents == 5 and Datastore.open(d).num_documents == 5
+    assert [list(served.ds.document(1 + i)) for i in range(4)] == [_ids(char_tokenizer, _doc(i)) for i in range(4)]
+    assert find_leftovers(d, served.ds.manifest) == [] and writer.merge_failures == 0
+    assert writer.add([_doc(3)], idempotency_key="late").replayed
+
+
+def test_growth_add_cost_keyed_additions_no_longer_grow_the_manifest(tmp_path, char_tokenizer, monkeypatch):
+    """Regression: every addition with an idempotency key appended its record to the
+    manifest, which each addition (and each merge) reads, parses, rewrites and fsyncs: after
+    1,000 keyed additions it was ~250 KB and an addition cost twice what it did at the start.
+    The records live in the shards (carried by merges); the manifest stays as small."""
+    from ragspec.datastore import shards as shards_mod
+
+    d = _store(tmp_path, char_tokenizer)
+    writer, served = _writer(d, char_tokenizer)
+    sizes = []
+    for i in range(60):
+        writer.add([_doc(i)], idempotency_key=f"key-{i}")
+        while writer.merge_once(idle=True):
+            pass
+        sizes.append(len((d / MANIFEST_NAME).read_bytes()))
+    assert served.ds.num_shards == 1 and max(sizes) - min(sizes) < 64  # only the times' digits vary
+    assert "idempotency" not in json.loads((d / MANIFEST_NAME).read_text())["extra"]
+    writer2, _ = _writer(d, char_tokenizer)  # a restarted server: the keys read from the shard
+    assert all(writer2.add([_doc(i)], idempotency_key=f"key-{i}").replayed for i in (0, 30, 59))
+    with pytest.raises(IdempotencyKeyError):
+        writer2.add(["other documents"], idempotency_key="key-7")
+    # a merge keeps the latest IDEMPOTENCY_KEYS records of the shards it merges
+    monkeypatch.setattr(shards_mod, "IDEMPOTENCY_KEYS", 2)
+    writer.add(["one more"], idempotency_key="key-60")
+    assert writer.merge_once(idle=True)
+    assert writer.add(["one more"], idempotency_key="key-60").replayed
+    assert writer.add([_doc(59)], idempotency_key="key-59").replayed
+    assert not writer.add([_doc(58)], idempotency_key="key-58").replayed  # forgotten: added again
+    assert Datastore.open(d).num_documents == 63
