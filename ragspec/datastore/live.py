@@ -291,6 +291,9 @@ class DatastoreWriter:
                 self._keys[entry.name] = held
             if key in held[1]:
                 return held[1][key]
+        for record in manifest.extra.get("idempotency", ()):  # kept in the manifest by the previous version
+            if isinstance(record, dict) and record.get("key") == key:
+                return record
         return None
 
     # ------------------------------------------------------------------ merging

@@ -533,3 +533,25 @@ def test_growth_add_cost_keyed_additions_no_longer_grow_the_manifest(tmp_path, c
     assert writer.add([_doc(59)], idempotency_key="key-59").replayed
     assert not writer.add([_doc(58)], idempotency_key="key-58").replayed  # forgotten: added again
     assert Datastore.open(d).num_documents == 63
+
+
+def test_keys_the_previous_version_kept_in_the_manifest_still_replay(tmp_path, char_tokenizer):
+    """A datastore written by the version that kept idempotency records in the manifest
+    (``extra["idempotency"]``): a retry with one of those keys still changes nothing."""
+    from dataclasses import replace
+
+    from ragspec.datastore.format import read_manifest, write_manifest
+
+    d = _store(tmp_path, char_tokenizer)
+    writer, served = _writer(d, char_tokenizer)
+    writer.add([_doc(1)])
+    request = live_mod._digest("api", _doc(1))
+    record = {"key": live_mod._digest("idempotency", "old-key"), "request": request, "num_documents": 1}
+    record.update(num_tokens=len(_doc(1)), at="2026-12-05T00:00:00Z")
+    m = read_manifest(d)
+    write_manifest(d, replace(m, extra={**m.extra, "idempotency": [record]}))
+    before = Datastore.open(d).num_documents
+    again = DatastoreWriter(Datastore.open(d), char_tokenizer, lambda ds: None).add([_doc(1)], idempotency_key="old-key")
+    assert again.replayed and Datastore.open(d).num_documents == before
+    with pytest.raises(IdempotencyKeyError):
+        DatastoreWriter(Datastore.open(d), char_tokenizer, lambda ds: None).add([_doc(2)], idempotency_key="old-key")
