@@ -551,7 +551,9 @@ def test_keys_the_previous_version_kept_in_the_manifest_still_replay(tmp_path, c
     m = read_manifest(d)
     write_manifest(d, replace(m, extra={**m.extra, "idempotency": [record]}))
     before = Datastore.open(d).num_documents
-    again = DatastoreWriter(Datastore.open(d), char_tokenizer, lambda ds: None).add([_doc(1)], idempotency_key="old-key")
+    again = DatastoreWriter(Datastore.open(d), char_tokenizer, lambda ds: None).add(
+        [_doc(1)], idempotency_key="old-key"
+    )
     assert again.replayed and Datastore.open(d).num_documents == before
     with pytest.raises(IdempotencyKeyError):
         DatastoreWriter(Datastore.open(d), char_tokenizer, lambda ds: None).add([_doc(2)], idempotency_key="old-key")
