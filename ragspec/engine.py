@@ -889,8 +889,8 @@ class Engine:
         kept = commit_tokens(req, committed, self.eos_token_ids)
         if res.ended:
             end_in_error(req)
-        if chain:
-            chain.commit(committed)
+        if chain:  # what the output kept: a step may verify past an EOS or a stop string
+            chain.commit(committed[:kept])
         if lp is not None:
             req.logprobs.extend(lp.entries(step_rows(logits), res)[:kept])
         # 4. feedback

@@ -383,8 +383,16 @@ class _Cursor:
         """The grammar engine failed (at a mask, or refusing a committed token): from then
         on no token is allowed (the engine ends the request in error)."""
 
+    @property
+    def ended(self) -> bool:
+        """The path ends with an EOS (nothing may follow it)."""
+        return bool(self.path) and self.path[-1] in self.eos
+
     def allows(self, token: int) -> bool:
-        """Whether ``token`` may follow the matcher's state (EOS: where the output is complete)."""
+        """Whether ``token`` may follow the matcher's state (EOS: where the output is complete;
+        nothing after an EOS on the path)."""
+        if self.ended:
+            return False
         if token in self.eos:
             return bool(self.m.is_accepting())
         if not 0 <= token < self.known:
@@ -399,12 +407,17 @@ class _Cursor:
         while k < n and self.path[k] == path[k]:
             k += 1
         if len(self.path) > k:
-            self.m.rollback(len(self.path) - k)
+            # an EOS on a draft path is never consumed (llguidance's rollback over the stop
+            # it causes does not restore the state before it): only the others roll back
+            undo = sum(1 for t in self.path[k:] if t not in self.eos)
+            if undo:
+                self.m.rollback(undo)
             del self.path[k:]
         for t in path[k:]:
-            if not self.allows(int(t)) or not self.m.consume_token(int(t)):
+            t = int(t)
+            if not self.allows(t) or (t not in self.eos and not self.m.consume_token(t)):
                 return False
-            self.path.append(int(t))
+            self.path.append(t)
         return True
 
     def advance(self, tokens: Sequence[int]) -> None:
@@ -492,7 +505,7 @@ class GrammarProcessor:
         if eos_only or self._c.broken:
             logits.fill_(float("-inf"))
             return
-        if m.is_stopped():
+        if m.is_stopped() or self._c.ended:  # complete, or a row after a drafted EOS
             keep = logits[self._eos].clone()
             logits.fill_(float("-inf"))
             logits[self._eos] = keep

@@ -583,3 +583,51 @@ def test_strict_schemas_allow_no_invented_keys(tok, compiler):
     assert set(props["properties"]["properties"]) == {"additionalProperties"}  # a property named so is a name
     assert props["properties"]["additionalProperties"] is False
     assert schema["$defs"]["P"] == {"type": "object", "properties": {"p": {"type": "integer"}}}  # not changed
+
+
+def test_grammar_warning_past_eos_tokens_drafted_after_the_end_never_reach_the_grammar(tok, target, caplog):
+    """A new user's server logged "the grammar engine refused committed token 2 ...: the output
+    ends here" on about half of its repeated structured requests: the response cache drafted
+    a whole earlier answer, EOS included, so a step accepted the EOS and went on (more draft
+    tokens, the bonus token); the engine kept the output up to the EOS but advanced the
+    grammar with every token the step verified."""
+    import logging
+
+    from ragspec.drafters import CompositeDrafter
+    from ragspec.drafters.response_cache import ResponseCache, ResponseCacheDrafter
+
+    fmt = FORMATS["schema"]
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    plain = _engine(target, tok).generate(prompt, max_new_tokens=120, response_format=fmt, speculative=False)
+    assert plain.stats.finish_reason == "stop"
+    cached = _engine(
+        target, tok, CompositeDrafter([PromptLookupDrafter(), ResponseCacheDrafter(ResponseCache(10_000))])
+    )
+    cached.generate(prompt, max_new_tokens=120, response_format=fmt)
+    with caplog.at_level(logging.WARNING, logger="ragspec.grammar"):
+        again = cached.generate(prompt, max_new_tokens=120, response_format=fmt)
+    assert again.token_ids == plain.token_ids and again.stats.finish_reason == "stop"
+    assert "refused committed token" not in caplog.text
+
+
+def test_grammar_warning_past_eos_a_draft_path_through_eos_leaves_the_state_as_before(tok, target, compiler, caplog):
+    """The same report's cause: once the output is complete and nothing may follow (the
+    matcher stopped), a drafted EOS consumed into the matcher is no token to llguidance, so
+    rolling it back removed the output's last real token; the committed EOS then looked
+    forbidden. Every row of a tree through an EOS, in any order, and the commit see the state
+    the committed output gives."""
+    import logging
+
+    proc = compiler.compile(FORMATS["choice"]).processor()
+    proc.commit(tok.encode("not sure", add_special_tokens=False))
+    assert proc.finished  # complete, nothing may follow
+    e = tok.convert_tokens_to_ids("e")
+    tree = make_tree([EOS, e], [-1, 0])
+    assert proc.prune(tree) == [True, False]
+    fn = proc.rows(tree)
+    for row in (1, 0, 1, 0):  # the root, the row after the drafted EOS
+        allowed = torch.nonzero(fn(row, torch.zeros(target.vocab_size)) > float("-inf")).flatten().tolist()
+        assert allowed == [EOS], (row, allowed)
+    with caplog.at_level(logging.WARNING, logger="ragspec.grammar"):
+        proc.commit([EOS])
+    assert proc.finished and "refused" not in caplog.text
