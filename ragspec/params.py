@@ -248,7 +248,8 @@ class RequestParams:
         most = self.max_new_tokens if isinstance(self.max_new_tokens, int) else self.min_tokens
         if self.min_tokens < 0 or self.min_tokens > most:
             raise InvalidParameterError(
-                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}] (max_tokens in the OpenAI "
+                f"API), got {self.min_tokens}",
                 param="min_tokens",
             )
         if self.logit_bias is None:
