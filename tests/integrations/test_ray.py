@@ -615,6 +615,12 @@ def _cut_by_the_kill(stream_results: list[dict], plain_results: list, victim: st
     for r in plain_results:
         if r.status_code == 200:
             assert r.json()["choices"][0]["text"] == full
+        elif r.status_code == 408:
+            # routed to the victim as it died, then re-routed by Ray Serve's router to another
+            # replica without its body (already sent): that replica's read deadline answers
+            # a clear, retryable 408 (seen once, under heavy load; docs/ray.md says so)
+            assert r.json()["error"]["code"] == "request_timeout", r.text
+            cut += 1
         else:
             assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.text)
             assert r.json()["error"]["code"] == "replica_unavailable"
