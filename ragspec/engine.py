@@ -55,7 +55,7 @@ from .errors import ConfigError, NoTokenLeftError, PromptTooLongError
 from .grammar import Grammar, GrammarCompiler
 from .logprobs import step_logprob_rows, step_rows
 from .params import RequestParams, params_from_old_start, request_params
-from .policy import AcceptanceModel, DraftTimeGate, LatencyModel
+from .policy import DEFAULT_LATENCY, AcceptanceModel, DraftTimeGate, LatencyModel
 from .prefill import prefill_budget, prefill_chunks
 from .prefix_cache import PrefixCache
 from .processing import ProcessorContext, build_processors
@@ -73,21 +73,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Request", "RequestParams", "PreparedPrompt", "DrafterParts", "StepReport"]
-
-# Default latency table (seconds per forward of q new tokens) measured on the reference
-# 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md). Used
-# only until the engine measures its own (ragspec.loading does).
-_DEFAULT_LATENCY = {
-    1: 0.0419,
-    2: 0.0677,
-    3: 0.0827,
-    4: 0.0631,
-    6: 0.0638,
-    8: 0.0643,
-    12: 0.0712,
-    16: 0.0796,
-    32: 0.1065,
-}
 
 
 class Engine:
@@ -141,7 +126,7 @@ class Engine:
         self.tokenizer = tokenizer
         self._sources = DraftSources(drafter, parts, datastores)
         self.policy = policy
-        self.latency = latency if latency is not None else LatencyModel(dict(_DEFAULT_LATENCY))
+        self.latency = latency if latency is not None else LatencyModel(dict(DEFAULT_LATENCY))
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self.model_name = model_name
         self._hidden_states = bool(target.capability(Capability.HIDDEN_STATES))
@@ -442,7 +427,7 @@ class Engine:
             # request uses the fixed reference table instead, so its drafts (and thus its
             # samples) depend neither on timing noise, other requests, nor on the latency
             # measured at this process's start: same seed, same output, in any process
-            latency=LatencyModel(dict(_DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
+            latency=LatencyModel(dict(DEFAULT_LATENCY), ema=0.0) if seeded else self.latency.fork(),
             assembler=TextAssembler(self.tokenizer, params.stop, prompt_ids[-4:]),
             want_hidden=(
                 session is not None

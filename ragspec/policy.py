@@ -30,6 +30,7 @@ from .errors import ConfigError
 from .types import DraftTree, VerifyResult
 
 __all__ = [
+    "DEFAULT_LATENCY",
     "LatencyModel",
     "LatencyTable",
     "AcceptanceModel",
@@ -49,6 +50,22 @@ __all__ = [
 # layer (on the 2-core CPU, 49152 x 576: 8.5 ms for 1 row, then 13 ms for 8) instead of
 # one (13.4 ms for 9 rows), a rejected one saves 5 ms; break-even near 0.4.
 LAZY_LOGITS_MAX_P = 0.5
+
+
+# Default latency table (seconds per forward of q new tokens) measured on the reference
+# 2-core CPU with the default model at ~700 tokens of context (shared/BASELINE.md): an
+# engine's until it measures its own (ragspec.loading does).
+DEFAULT_LATENCY = {
+    1: 0.0419,
+    2: 0.0677,
+    3: 0.0827,
+    4: 0.0631,
+    6: 0.0638,
+    8: 0.0643,
+    12: 0.0712,
+    16: 0.0796,
+    32: 0.1065,
+}
 
 
 class LatencyModel:
