@@ -70,9 +70,10 @@ class TextAssembler:
             old_len = len(self.text)
             self.text += delta
             if self._stop and stop:
-                start = max(0, old_len - self._max_stop + 1)
+                # a match must end in the new text (vLLM's rule): a stop string that
+                # completed while stop strings were not looked for (min_tokens) is not one
                 hit = min(
-                    (p for p in (self.text.find(s, start) for s in self._stop) if p != -1),
+                    (p for p in (self.text.find(s, max(0, old_len - len(s) + 1)) for s in self._stop) if p != -1),
                     default=-1,
                 )
                 if hit != -1:
