@@ -45,6 +45,33 @@ ANSWER_SCHEMA = {
 a random model's constrained output ends within a hundred tokens."""
 
 
+TOOL_CALL_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": 1,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 10},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                },
+                "required": ["city", "unit", "days"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    },
+}
+"""A JSON schema of one tool call (a fixed name, typed arguments) for the structured-output
+tests: much of it is forced text."""
+
+
 def make_json_tokenizer():
     """A character-level fast tokenizer that can spell JSON: ids 0-2 are <unk>, <s>, </s>;
     then printable characters with the brackets and underscores, then :data:`JSON_TOKENS`."""

@@ -20,34 +20,20 @@ from ragspec.errors import StructuredOutputError, UnsupportedParameterError
 from ragspec.grammar import GrammarCompiler, GrammarLimits
 from ragspec.structured import ResponseFormat, response_format
 from ragspec.types import DraftTree
-from ragspec_testing import ANSWER_SCHEMA, FakeTarget, ScriptedDrafter, make_json_tokenizer, make_tree, wrong_plan
+from ragspec_testing import (
+    ANSWER_SCHEMA,
+    TOOL_CALL_SCHEMA,
+    FakeTarget,
+    ScriptedDrafter,
+    make_json_tokenizer,
+    make_tree,
+    wrong_plan,
+)
 
 EOS = 2
 
 ANSWER = ANSWER_SCHEMA
-TOOL_CALL = {
-    "type": "array",
-    "minItems": 1,
-    "maxItems": 1,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"const": "get_weather"},
-            "arguments": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 10},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                },
-                "required": ["city", "unit", "days"],
-                "additionalProperties": False,
-            },
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    },
-}
+TOOL_CALL = TOOL_CALL_SCHEMA
 FORMATS = {
     "schema": ResponseFormat.json_schema(ANSWER, name="answer"),
     "regex": ResponseFormat.regex(r"[A-Z][a-z]{1,6}-\d{2}"),
