@@ -39,6 +39,7 @@ from ragspec_testing import (
     exact_cpu_target,
     make_char_tokenizer,
     make_tiny_llama,
+    make_tree,
     oracle_plan,
 )
 
@@ -114,7 +115,7 @@ class _TreeSession:
                 parents.append(parent)
                 paths.append(0 if parent < 0 else paths[parent] + 1)
                 parent = len(tokens) - 1
-        return _tree(tokens, parents) if tokens else DraftTree.empty()
+        return make_tree(tokens, parents, source="fuzz") if tokens else DraftTree.empty()
 
     def _chain(self, rng: random.Random, pos: int, n: int) -> list[int]:
         truth = self.o.truths[0] if rng.random() < 0.6 else rng.choice(self.o.truths)
@@ -137,19 +138,6 @@ class _HiddenTreeSession(_TreeSession):
 
     def extend_hidden(self, hidden):
         pass
-
-
-def _tree(tokens: list[int], parents: list[int]) -> DraftTree:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        depth=torch.tensor(depth, dtype=torch.long),
-        sources=("fuzz",) * len(tokens),
-        scores=torch.ones(len(tokens)),
-    )
 
 
 class _Mux:

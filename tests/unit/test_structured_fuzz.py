@@ -42,7 +42,7 @@ from ragspec.integrations.tools import plan_tools
 from ragspec.logprobs import LOGPROBS_MODES
 from ragspec.structured import ResponseFormat
 from ragspec.types import DraftTree
-from ragspec_testing import ANSWER_SCHEMA, TOOL_CALL_SCHEMA, FakeTarget, make_json_tokenizer
+from ragspec_testing import ANSWER_SCHEMA, TOOL_CALL_SCHEMA, FakeTarget, make_json_tokenizer, make_tree
 
 EOS = 2
 ALT_EOS = 1
@@ -202,13 +202,7 @@ class _FuzzSession:
                 p = len(tokens) - 1
         if not tokens:
             return DraftTree.empty()
-        return DraftTree(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            parents=torch.tensor(parents, dtype=torch.long),
-            depth=torch.tensor(depth, dtype=torch.long),
-            sources=("fuzz",) * len(tokens),
-            scores=torch.ones(len(tokens)),
-        )
+        return make_tree(tokens, parents, source="fuzz")
 
     def observe(self, tree, result):
         pass
