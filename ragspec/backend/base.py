@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 
 import torch
 
+from ..errors import ConfigError
 from ..types import DraftTree, LazyLogits
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "StepCounts",
     "Target",
     "VerifyItem",
+    "check_distinct_states",
 ]
 
 
@@ -244,6 +246,17 @@ class VerifyItem:
     tree: DraftTree
     hidden: bool = False
     lazy_logits: bool = False
+
+
+def check_distinct_states(items: Sequence[VerifyItem]) -> None:
+    """Refuse a verification step that holds one KV state in two items (each would extend
+    it by its rows).
+
+    Raises:
+        ConfigError: the same state appears in two items.
+    """
+    if len({id(it.state) for it in items}) != len(items):
+        raise ConfigError("verify: the same KV state appears in two items")
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from ..models import text_config
 from ..tree import tree_attention_mask, tree_position_ids
 from ..types import DraftTree
 from .attention import GQA_SDPA, register_gqa_attention
-from .base import Capability, DecoderLayout, Embeddings, ForwardOutput, VerifyItem
+from .base import Capability, DecoderLayout, Embeddings, ForwardOutput, VerifyItem, check_distinct_states
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -400,8 +400,7 @@ class HFTarget:
             ConfigError: the same state appears in two items.
         """
         items = list(items)
-        if len(items) > 1 and len({id(it.state) for it in items}) != len(items):
-            raise ConfigError("verify: the same KV state appears in two items")
+        check_distinct_states(items)
         return [
             self.verify_one(it.state, it.root_token, it.tree, return_hidden=it.hidden, lazy_logits=it.lazy_logits)
             for it in items

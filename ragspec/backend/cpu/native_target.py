@@ -23,7 +23,7 @@ import torch
 from ...errors import ConfigError
 from ...tree import tree_attention_mask, tree_position_ids
 from ...types import DraftTree
-from ..base import Capability, ForwardOutput, FusedStep, VerifyItem
+from ..base import Capability, ForwardOutput, FusedStep, VerifyItem, check_distinct_states
 from ..hf import KVState, RowLogits, growable_cache
 from .batch import batch_outputs
 from .kernels import SKINNY_MAX_ROWS
@@ -256,8 +256,7 @@ class NativeTarget:
         items = list(items)
         if len(items) == 1:
             return [self._verify_alone(items[0])]
-        if len({id(it.state) for it in items}) != len(items):
-            raise ConfigError("verify: the same KV state appears in two items")
+        check_distinct_states(items)
         outs: list[Optional[ForwardOutput]] = [None] * len(items)
         together = [i for i, it in enumerate(items) if it.tree.num_nodes + 1 <= SKINNY_MAX_ROWS]
         if len(together) > 1:

@@ -30,7 +30,7 @@ import torch
 
 from ...errors import ConfigError
 from ..attention import ATTENTION_BATCH_KW, ATTENTION_KERNEL_KW, GQA_SDPA, register_gqa_attention
-from ..base import Capability, FastLinear, ForwardOutput, SpeedUps, VerifyItem
+from ..base import Capability, FastLinear, ForwardOutput, SpeedUps, VerifyItem, check_distinct_states
 from ..hf import HFTarget, KVState, is_growable_cache
 from .batch import BATCHED_MODEL_TYPES, BatchCache, batch_outputs
 from .fastpaths import (
@@ -361,8 +361,7 @@ class CPUTarget(HFTarget):
         items = list(items)
         outs: list[Optional[ForwardOutput]] = [None] * len(items)
         if len(items) > 1:
-            if len({id(it.state) for it in items}) != len(items):
-                raise ConfigError("verify: the same KV state appears in two items")
+            check_distinct_states(items)
             group = [i for i, it in enumerate(items) if self._batchable(it)] if self.batches else []
             if len(group) > 1:
                 for i, out in zip(group, self._verify_batch([items[i] for i in group])):
