@@ -15,6 +15,7 @@ from typing import Optional, Protocol, Union
 import torch
 
 from .processors import RowFn, identity_rows
+from .tree import path_to_node
 from .types import DraftTree, LazyLogits, VerifyResult
 
 __all__ = ["Verifier", "verify_greedy", "GreedyVerifier", "ended_before"]
@@ -126,14 +127,8 @@ def ended_before(tree: DraftTree, row: int) -> VerifyResult:
     Example: tokens [5, 6, 7], parents [-1, 0, -1], row 2 (after node 1) -> accepted nodes
     (0, 1), tokens (5, 6), ended.
     """
-    parents = tree.parents.tolist()
+    path = path_to_node(tree, row - 1)  # row 0 (after the root): node -1, no path
     tokens = tree.tokens.tolist()
-    path: list[int] = []
-    node = row - 1
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    path.reverse()
     return VerifyResult(tuple(path), tuple(tokens[i] for i in path), -1, tree.num_nodes, ended=True)
 
 
