@@ -53,6 +53,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_queue=args.max_queue,
         max_active=args.max_active,
         max_step_tokens=args.max_step_tokens,
+        throughput_slack=args.throughput_slack,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefix_cache_tokens=args.prefix_cache_tokens,
         max_draft_tokens=args.max_draft_tokens,
@@ -175,6 +176,12 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="token budget per step: prefill chunks + verification rows (default 512)",
+    )
+    p.add_argument(
+        "--throughput-slack",
+        type=float,
+        default=None,
+        help="share of throughput the scheduler may give up under load for lower latency (default 0.05)",
     )
     p.add_argument(
         "--prefill-chunk-tokens", type=int, default=None, help="prompt tokens prefilled per step (default 256; 0 = off)"

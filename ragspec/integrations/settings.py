@@ -39,6 +39,7 @@ ENV_VARS = {
     "RAGSPEC_MAX_QUEUE": "max_queue",
     "RAGSPEC_MAX_ACTIVE": "max_active",
     "RAGSPEC_MAX_STEP_TOKENS": "max_step_tokens",
+    "RAGSPEC_THROUGHPUT_SLACK": "throughput_slack",
     "RAGSPEC_PREFILL_CHUNK_TOKENS": "prefill_chunk_tokens",
     "RAGSPEC_PREFIX_CACHE_TOKENS": "prefix_cache_tokens",
     "RAGSPEC_MAX_BODY_BYTES": "max_body_bytes",
@@ -76,7 +77,7 @@ _INT_VARS = (
     "max_n",
     "max_choice_tokens",
 )
-_FLOAT_VARS = ("read_timeout_s",)
+_FLOAT_VARS = ("read_timeout_s", "throughput_slack")
 _BOOL_VARS = ("docs", "public_metrics", "recalibrate", "smooth_streaming")
 _MIB = 1 << 20
 _CHARS_PER_TOKEN = 32
@@ -162,6 +163,12 @@ class ServerSettings:
     max_step_tokens: int = 512
     """Token budget of one worker step (prefill chunk tokens + verification rows of all
     active generations): a waiting request starts only while it fits (one always runs)."""
+    throughput_slack: float = 0.05
+    """How much throughput the scheduler may give up for latency under load: the decode
+    groups (:mod:`ragspec.grouping`) may end up to this share of the busy period later than
+    starting every waiting request at once (0.05: at least ~95% of that throughput; 0: the
+    soonest-ending schedule; larger: more, smaller groups, lower median latency, less
+    throughput). Never changes an output."""
     prefill_chunk_tokens: int = 256
     """Prompt tokens prefilled per step (chunked prefill; 0 = whole prompts at once)."""
     prefix_cache_tokens: int = 4096
@@ -261,6 +268,8 @@ class ServerSettings:
             raise ConfigError(f"max_active must be >= 1, got {self.max_active}")
         if self.max_step_tokens < 1:
             raise ConfigError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if not 0 <= self.throughput_slack <= 10:
+            raise ConfigError(f"throughput_slack must be a share in 0..10, got {self.throughput_slack}")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.prefix_cache_tokens < 0:

@@ -214,6 +214,9 @@ class Stepper:
         max_queue: jobs allowed to wait beyond the active ones (None: no bound).
         max_step_tokens: token budget of one step (prefill chunk tokens + verification
             rows) beyond its first chunk; None: no budget.
+        throughput_slack: share of the throughput of starting every waiting request at
+            once that the decode groups may give up for latency
+            (:attr:`~ragspec.scheduling.ComposerConfig.throughput_slack`).
         on_finish: called in the worker with ``(job, final_chunk)`` when a generation ends
             normally (metrics).
         on_cancel: called in the worker with ``(job)`` when a cancelled job is dropped.
@@ -224,7 +227,7 @@ class Stepper:
         thread_name: the worker thread's name.
         composer: chooses each step's work (None: a
             :class:`~ragspec.scheduling.StepComposer` over the engine's latency model with
-            ``max_active`` and ``max_step_tokens``).
+            ``max_active``, ``max_step_tokens`` and ``throughput_slack``).
 
     Constructing starts nothing: :meth:`start` (or the first submission) starts the
     worker, :meth:`stop` ends it.
@@ -237,6 +240,7 @@ class Stepper:
         max_active: Optional[int] = None,
         max_queue: Optional[int] = None,
         max_step_tokens: Optional[int] = None,
+        throughput_slack: Optional[float] = 0.05,
         on_finish: Optional[Callable[[Job, StreamChunk], Any]] = None,
         on_cancel: Optional[Callable[[Job], Any]] = None,
         on_step: Optional[Callable[[StepReport], Any]] = None,
@@ -248,7 +252,12 @@ class Stepper:
         self.composer = (
             composer
             if composer is not None
-            else StepComposer(engine.latency, ComposerConfig(max_active=max_active, max_step_tokens=max_step_tokens))
+            else StepComposer(
+                engine.latency,
+                ComposerConfig(
+                    max_active=max_active, max_step_tokens=max_step_tokens, throughput_slack=throughput_slack
+                ),
+            )
         )
         self.max_active = max_active
         self.max_queue = max_queue

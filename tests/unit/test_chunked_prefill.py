@@ -208,6 +208,30 @@ def test_stepper_composes_steps_within_its_bounds(tok):
     s = Stepper(eng, max_active=3, max_step_tokens=300)
     assert s.composer.config == ComposerConfig(max_active=3, max_step_tokens=300)
     assert s.composer.latency is eng.latency
+    assert Stepper(eng, throughput_slack=0.2).composer.config.throughput_slack == 0.2
+
+
+def test_serve_throughput_slack_reaches_the_composer(tok, monkeypatch):
+    """``ragspec serve --throughput-slack`` (or RAGSPEC_THROUGHPUT_SLACK) is the server's
+    composer's bound; a value out of range is a ConfigError, not a server that starts."""
+    from ragspec.cli import build_parser
+    from ragspec.integrations.cli import settings_from_args
+    from ragspec.integrations.metrics import ServerMetrics
+    from ragspec.integrations.server.app import _scheduler
+    from ragspec.integrations.settings import ServerSettings
+
+    parser = build_parser()
+    monkeypatch.delenv("RAGSPEC_THROUGHPUT_SLACK", raising=False)
+    assert settings_from_args(parser.parse_args(["serve"])).throughput_slack == 0.05
+    monkeypatch.setenv("RAGSPEC_THROUGHPUT_SLACK", "0.1")
+    assert settings_from_args(parser.parse_args(["serve"])).throughput_slack == 0.1
+    settings = settings_from_args(parser.parse_args(["serve", "--throughput-slack", "0.25"]))
+    assert settings.throughput_slack == 0.25  # the option wins over the environment
+    stepper = _scheduler(_engine(tok, 256), settings, ServerMetrics())
+    assert stepper.composer.config.throughput_slack == 0.25
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="throughput_slack"):
+            ServerSettings(throughput_slack=bad)
 
 
 def test_step_metrics_render(tok):

@@ -71,6 +71,7 @@ def _scheduler(engine: Engine, settings: ServerSettings, metrics: ServerMetrics)
         on_finish=on_finish,
         on_cancel=lambda job: metrics.cancelled.inc(),
         max_step_tokens=settings.max_step_tokens,
+        throughput_slack=settings.throughput_slack,
         on_step=metrics.observe_step,
         on_activate=lambda job: metrics.queue_time.observe(job.activated_s - job.submitted_s),
         thread_name="ragspec-worker",
