@@ -324,20 +324,42 @@ def test_attention_kernel_runs_only_inside_the_targets_own_forwards():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
         assert kernel.queries == []
         state = target.new_state()
-        target.prefill(state, list(range(3, 23)))  # prefill: torch's SDPA
-        assert kernel.queries == []
+        target.prefill(state, list(range(3, 23)))  # a prompt chunk within the parts budget
+        assert kernel.queries == [20, 20]
         target.verify_one(state, 7, make_tree([8, 9, 10], [-1, 0, 0], source="test"))  # a tree
         target.rollback(state, 20)
         target.verify_one(state, 7, DraftTree.chain([8, 9]))  # a chain (transformers' causal mask)
         target.verify_one(state, 7, DraftTree.empty())  # a plain step
-        assert kernel.queries == [4, 4, 3, 3, 1, 1]  # 2 layers each
+        assert kernel.queries == [20, 20, 4, 4, 3, 3, 1, 1]  # 2 layers each
     # built without it (the attention still routed): torch's SDPA
     without = CPUTarget(make_tiny_llama(layers=2, head_dim=32), route_attention=True)
     with torch.inference_mode():
         state = without.new_state()
         without.prefill(state, list(range(3, 23)))
         without.verify_one(state, 7, DraftTree.empty())
-        assert kernel.queries == [4, 4, 3, 3, 1, 1]
+        assert kernel.queries == [20, 20, 4, 4, 3, 3, 1, 1]
+
+
+def test_a_prefill_chunk_past_the_parts_budget_takes_sdpa(monkeypatch):
+    """A prompt chunk's attention runs the kernel only while its per-key-block partial
+    results fit PREFILL_ATTENTION_PARTS_BYTES (past it the kernel runs slower than SDPA)."""
+    from ragspec.backend.cpu import fastpaths
+
+    model = make_tiny_llama(layers=2, head_dim=32)
+    kernel = _CountingAttention()
+    target = CPUTarget(model, attention_kernel=kernel, route_attention=True)
+    # 20 queries x 4 heads x 1 key block x 32 dims x 4 bytes = 10240 bytes of partial results
+    monkeypatch.setattr(fastpaths, "PREFILL_ATTENTION_PARTS_BYTES", 10240 - 1)
+    with torch.inference_mode():
+        state = target.new_state()
+        target.prefill(state, list(range(3, 23)))
+        assert kernel.queries == []
+        target.verify_one(state, 7, DraftTree.empty())  # few rows: always the kernel
+        assert kernel.queries == [1, 1]
+        monkeypatch.setattr(fastpaths, "PREFILL_ATTENTION_PARTS_BYTES", 10240)
+        state = target.new_state()
+        target.prefill(state, list(range(3, 23)))
+        assert kernel.queries == [1, 1, 20, 20]
 
 
 def test_greedy_through_the_attention_kernel_matches_generate(skinny, attention):
@@ -444,3 +466,25 @@ def test_kernel_build_compiles_and_hashes_every_csrc_file(tmp_path, monkeypatch)
         after = kernel_dir(tmp_path)
         assert after != before
         before = after
+
+
+def test_a_maskless_prompt_chunk_attends_causally_through_the_kernel(attention):
+    """transformers hands a first prompt chunk over without a mask (causal, as many keys as
+    queries): the kernel gets the causal mask, so its values are those of the explicit
+    mask, bit for bit, and agree with SDPA's causal attention to float32 rounding."""
+    from ragspec.backend.cpu.fastpaths import compiled_attention, kernel_attention_applies
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 40, 64, generator=g)
+    k = torch.randn(1, 3, 40, 64, generator=g)
+    v = torch.randn(1, 3, 40, 64, generator=g)
+    routed = compiled_attention(attention)
+    with torch.inference_mode():
+        assert kernel_attention_applies(q, k, None, 0.0, {})
+        assert not kernel_attention_applies(q, k[:, :, :39], None, 0.0, {})  # more keys than queries: no mask, no kernel
+        out = routed.run(q, k, v, None, 0.125)  # [1, Q, Hq, d]
+        causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+        assert torch.equal(out, attention(q, k, v, causal, 0.125))
+        kk, vv = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+        ref = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=0.125).transpose(1, 2)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -180,7 +180,9 @@ def test_native_prefill_in_chunks_matches_transformers_prefill(kernels):
         torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-4, atol=1e-5)
         assert int(a.logits.argmax()) == int(b.logits.argmax())
         assert copied.length == chunked.length == 40
-        torch.testing.assert_close(copied.buffer[..., :40, :], chunked.buffer[..., :40, :], rtol=1e-4, atol=1e-5)
+        # (the two prefills' attention sums in different orders: the compiled kernel over the
+        # prompt's chunk, per-row in the native step; a near-zero entry may differ by ~1e-5)
+        torch.testing.assert_close(copied.buffer[..., :40, :], chunked.buffer[..., :40, :], rtol=1e-4, atol=3e-5)
         nat.prefill(chunked, [5, 6, 7])
         assert chunked.length == 43
 
