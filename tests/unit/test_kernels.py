@@ -481,7 +481,8 @@ def test_a_maskless_prompt_chunk_attends_causally_through_the_kernel(attention):
     routed = compiled_attention(attention)
     with torch.inference_mode():
         assert kernel_attention_applies(q, k, None, 0.0, {})
-        assert not kernel_attention_applies(q, k[:, :, :39], None, 0.0, {})  # more keys than queries: no mask, no kernel
+        # without a mask, only a chunk with as many keys as queries is known to be causal
+        assert not kernel_attention_applies(q, k[:, :, :39], None, 0.0, {})
         out = routed.run(q, k, v, None, 0.125)  # [1, Q, Hq, d]
         causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
         assert torch.equal(out, attention(q, k, v, causal, 0.125))
