@@ -20,6 +20,7 @@ first, with the cut a median-aimed scheduler would pick::
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from typing import Optional, Sequence
 
@@ -28,8 +29,16 @@ from ragspec.policy import LatencyModel
 
 
 def _table(text: str) -> dict[int, float]:
-    pairs = (item.split(":") for item in text.split(",") if item)
-    return {int(q): float(ms) / 1e3 for q, ms in pairs}
+    """``q:ms,...`` -> {q: seconds}; ValueError on anything else."""
+    table = {}
+    for item in (i for i in text.split(",") if i):
+        q, sep, ms = item.partition(":")
+        if not sep:
+            raise ValueError(f"{item!r} is not q:ms")
+        table[int(q)] = float(ms) / 1e3
+    if not table or any(q < 1 or not math.isfinite(s) or s <= 0 for q, s in table.items()):
+        raise ValueError("needs q >= 1 and finite ms > 0")
+    return table
 
 
 def _ints(text: Optional[str]) -> Optional[list[int]]:
@@ -89,7 +98,7 @@ def best_median(costs: StepCosts, queue: Sequence[Task], bound_s: float) -> Opti
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", required=True, help="q:ms,... seconds of a forward of q rows (one request), in ms")
+    ap.add_argument("--table", required=True, help="q:ms,... milliseconds of a forward of q rows (one request)")
     ap.add_argument("--prefill-ms-per-token", type=float, required=True, help="ms per prompt token of a prefill")
     ap.add_argument("--per-request-ms", type=float, default=0.0, help="ms a request adds to a step beyond its rows")
     ap.add_argument("--requests", type=int, default=8, help="waiting requests (equal; without --prompts)")
@@ -100,24 +109,38 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=float, default=1.5, help="tokens a decode step commits")
     ap.add_argument("--rows", type=int, default=2, help="verification rows per decode step")
     ap.add_argument("--chunk", type=int, default=256, help="prompt tokens per prefill chunk")
-    ap.add_argument("--slack", type=float, default=0.05, help="throughput slack (negative: no bound)")
+    ap.add_argument(
+        "--slack",
+        type=float,
+        default=0.05,
+        help="throughput slack, as ragspec serve --throughput-slack (default 0.05; negative: no bound)",
+    )
     ap.add_argument("--best-median", action="store_true", help="also the least-median cut within the bound")
     args = ap.parse_args()
-    latency = LatencyModel(_table(args.table), ema=0.0)
-    costs = StepCosts.linear(latency, args.prefill_ms_per_token / 1e3, args.per_request_ms / 1e3)
-    prompts = _ints(args.prompts) or [args.prompt] * args.requests
-    outputs = _ints(args.outputs) or [args.tokens] * len(prompts)
+    try:
+        table = _table(args.table)
+        prompts = _ints(args.prompts) or [args.prompt] * args.requests
+        outputs = _ints(args.outputs) or [args.tokens] * len(prompts)
+    except ValueError as e:
+        ap.error(f"--table / --prompts / --outputs: {e}")
     if len(outputs) != len(prompts):
         ap.error(f"--outputs gives {len(outputs)} requests, --prompts {len(prompts)}")
+    if not math.isfinite(args.slack):
+        ap.error(f"--slack must be a finite number, got {args.slack}")
+    if not prompts or min(prompts) < 1 or min(outputs) < 1 or args.tokens_per_step <= 0 or args.rows < 1:
+        ap.error("requests need prompt and output tokens >= 1, --tokens-per-step > 0, --rows >= 1")
+    latency = LatencyModel(table, ema=0.0)
+    costs = StepCosts.linear(latency, args.prefill_ms_per_token / 1e3, args.per_request_ms / 1e3)
     spt, pt = args.tokens_per_step, args.prefill_ms_per_token / 1e3
     # least work first, as the composer orders its queue (here with the outputs known)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i] * pt + outputs[i] / spt * latency(args.rows))
     queue = [Task(prompts[i], args.chunk, max(0, outputs[i] - 1) / spt, args.rows) for i in order]
     n = len(queue)
+    slack = None if args.slack < 0 else args.slack
+    print(f"{n} requests, least work first; throughput slack {'none' if slack is None else slack}")
     ref = simulate(costs, [], queue, all_at_once(n))
     print(_line("one after another", simulate(costs, [], queue, one_after_another(n)), ref))
     print(_line("all at once", ref))
-    slack = None if args.slack < 0 else args.slack
     print(_line("chosen", plan_groups(costs, [], queue, slack=slack), ref))
     if args.best_median:
         bound = ref.makespan_s * (1 + slack) if slack is not None else float("inf")

@@ -269,7 +269,10 @@ class ServerSettings:
         if self.max_step_tokens < 1:
             raise ConfigError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if not 0 <= self.throughput_slack <= 10:
-            raise ConfigError(f"throughput_slack must be a share in 0..10, got {self.throughput_slack}")
+            raise ConfigError(
+                f"throughput_slack (--throughput-slack, RAGSPEC_THROUGHPUT_SLACK) must be a number from 0 to 10, "
+                f"got {self.throughput_slack}"
+            )
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.prefix_cache_tokens < 0:

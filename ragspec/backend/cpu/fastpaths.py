@@ -1,6 +1,7 @@
 """CPU fast paths of the transformers backend: few-row linear layers through the compiled
 kernels of :mod:`ragspec.backend.cpu.kernels` (float32 or GGUF blocks) or pre-packed oneDNN
-weights, and the compiled few-query attention as the backend's attention function
+weights, and the compiled attention kernel (verification rows, and prompt chunks while its
+partial results fit the cache) as the backend's attention function
 (:mod:`ragspec.backend.attention`) takes it.
 
 All of it applies only inside the backend's own forwards (a :class:`KernelScope`), so

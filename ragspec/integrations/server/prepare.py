@@ -199,7 +199,7 @@ def _check_fits(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) 
     limit = engine.target.max_length
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
         raise PromptTooLongError(
-            f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context length of "
+            f"prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} exceeds the context length of "
             f"{limit} tokens"
         )
 
