@@ -250,3 +250,22 @@ def test_generate_with_a_missing_datastore_fails_before_the_model_loads(
     assert rc == 2 and "nope" in err and "internal error" not in err, err
     rc, _, err = _run(capsys, *argv, "--datastore", str(tmp_path / "nope"), "--model", str(tiny_folder))
     assert rc == 2 and "no datastore at" in err, err
+
+
+def test_the_served_scheduler_settings_are_logged_at_start(tiny_engine, caplog):
+    """A new user could not tell which --throughput-slack a running server used: the
+    start-up log now names the scheduler's settings, and the worker uses that slack."""
+    import logging
+
+    import httpx
+    from _integ_helpers import LiveServer
+
+    from ragspec.integrations.server import ServerSettings, create_app
+
+    with caplog.at_level(logging.INFO, logger="ragspec.integrations.server.app"):
+        app = create_app(engine=tiny_engine, settings=ServerSettings(throughput_slack=0.3))
+        with LiveServer(app) as srv:
+            assert httpx.get(srv.url + "/ready").status_code == 200
+            assert app.state.scheduler.composer.config.throughput_slack == 0.3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scheduler: ")]
+    assert len(lines) == 1 and "throughput_slack=0.3" in lines[0], lines

@@ -176,6 +176,7 @@ async def _load(
     app.state.model_name = settings.served_model_name or eng.model_name or "ragspec"
     app.state.started = int(time.time())
     logger.info("request limits: %s", app.state.limits)
+    logger.info("scheduler: %s", scheduler.composer.config)
     app.state.ready = True
     return app.state.response_cache
 
