@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from ragspec.grouping import Schedule, StepCosts, Task, all_at_once, one_after_another, plan_groups, simulate
 from ragspec.policy import LatencyModel
+from ragspec.scheduling import ComposerConfig
 
 
 def _table(text: str) -> dict[int, float]:
@@ -112,8 +113,9 @@ def main() -> None:
     ap.add_argument(
         "--slack",
         type=float,
-        default=0.05,
-        help="throughput slack, as ragspec serve --throughput-slack (default 0.05; negative: no bound)",
+        default=ComposerConfig.throughput_slack,
+        help=f"throughput slack, as ragspec serve --throughput-slack (default {ComposerConfig.throughput_slack}; "
+        "negative: no bound)",
     )
     ap.add_argument("--best-median", action="store_true", help="also the least-median cut within the bound")
     args = ap.parse_args()

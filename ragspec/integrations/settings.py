@@ -167,8 +167,9 @@ class ServerSettings:
     """How much throughput the scheduler may give up for latency under load: the decode
     groups (:mod:`ragspec.grouping`) may end up to this share of the busy period later than
     starting every waiting request at once (0.05: at least ~95% of that throughput; 0: the
-    soonest-ending schedule; larger: more, smaller groups, lower median latency, less
-    throughput). Never changes an output."""
+    soonest-ending schedule; larger: less waiting, counted as the sum of squared times from
+    arrival to completion, for less throughput; the median can rise). The composer's default
+    (:attr:`~ragspec.scheduling.ComposerConfig.throughput_slack`). Never changes an output."""
     prefill_chunk_tokens: int = 256
     """Prompt tokens prefilled per step (chunked prefill; 0 = whole prompts at once)."""
     prefix_cache_tokens: int = 4096

@@ -240,7 +240,7 @@ class Stepper:
         max_active: Optional[int] = None,
         max_queue: Optional[int] = None,
         max_step_tokens: Optional[int] = None,
-        throughput_slack: Optional[float] = 0.05,
+        throughput_slack: Optional[float] = ComposerConfig.throughput_slack,
         on_finish: Optional[Callable[[Job, StreamChunk], Any]] = None,
         on_cancel: Optional[Callable[[Job], Any]] = None,
         on_step: Optional[Callable[[StepReport], Any]] = None,

@@ -219,10 +219,12 @@ def test_serve_throughput_slack_reaches_the_composer(tok, monkeypatch):
     from ragspec.integrations.metrics import ServerMetrics
     from ragspec.integrations.server.app import _scheduler
     from ragspec.integrations.settings import ServerSettings
+    from ragspec.scheduling import ComposerConfig
 
     parser = build_parser()
     monkeypatch.delenv("RAGSPEC_THROUGHPUT_SLACK", raising=False)
     assert settings_from_args(parser.parse_args(["serve"])).throughput_slack == 0.05
+    assert ServerSettings().throughput_slack == ComposerConfig.throughput_slack  # one default
     monkeypatch.setenv("RAGSPEC_THROUGHPUT_SLACK", "0.1")
     assert settings_from_args(parser.parse_args(["serve"])).throughput_slack == 0.1
     settings = settings_from_args(parser.parse_args(["serve", "--throughput-slack", "0.25"]))
