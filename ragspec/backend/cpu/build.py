@@ -145,7 +145,13 @@ def load_cpu_target(
     """
     if speed_ups is None:
         return CPUTarget(model)
-    from .kernels import load_decoder_step, load_few_query_attention, load_quant_linear, load_skinny_linear
+    from .kernels import (
+        load_decoder_step,
+        load_few_query_attention,
+        load_prefill_attention,
+        load_quant_linear,
+        load_skinny_linear,
+    )
 
     cache = Path(speed_ups.cache) if speed_ups.cache else None
     float32 = next(model.parameters()).dtype == torch.float32
@@ -165,6 +171,7 @@ def load_cpu_target(
         skinny=skinny,
         # the same compiled library as the kernel: already built and imported above
         attention_kernel=load_few_query_attention(cache) if skinny is not None else None,
+        prefill_attention=load_prefill_attention(cache) if skinny is not None else None,
         gguf=gguf,
         route_attention=True,
         native_step_off=off if off is not None else "the native step is the target built on this one",

@@ -19,7 +19,7 @@ from ..attention import AttentionKernel
 from .kernels import SKINNY_MAX_ROWS
 
 if TYPE_CHECKING:
-    from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
+    from .kernels import FewQueryAttention, PrefillAttention, QuantLinear, SkinnyLinear
     from .quant import GGUFWeight
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "bind_gguf_linear",
     "can_pack",
     "compiled_attention",
+    "is_causal_chunk",
     "kernel_attention_applies",
     "pack_linear_forwards",
     "pack_weight",
@@ -253,17 +254,62 @@ def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> boo
     )
 
 
-def compiled_attention(kernel: "FewQueryAttention") -> AttentionKernel:
+def is_causal_chunk(mask: Optional[torch.Tensor], q_len: int, s_len: int) -> bool:
+    """Whether ``mask`` (bool [1, 1, Q, S], or None) is a prompt chunk's causal mask: query
+    row i sees keys 0 .. S - Q + i (None: a first chunk that transformers hands over without
+    a mask, as many keys as queries)."""
+    if mask is None:
+        return q_len == s_len
+    if mask.dtype != torch.bool or mask.numel() != q_len * s_len or s_len < q_len:
+        return False
+    causal = torch.ones(q_len, s_len, dtype=torch.bool, device=mask.device).tril(s_len - q_len)
+    return torch.equal(mask.reshape(q_len, s_len), causal)
+
+
+def compiled_attention(kernel: "FewQueryAttention", prefill: Optional["PrefillAttention"] = None) -> AttentionKernel:
     """The compiled few-query attention (:func:`ragspec.backend.cpu.kernels.load_few_query_attention`)
     as the attention function of the backend's own forwards takes it: run where
     :func:`kernel_attention_applies`, torch's SDPA elsewhere. A causal prompt chunk that
     transformers hands over without a mask (as many keys as queries) gets its causal mask
-    here (bool [1, 1, Q, Q], lower triangle)."""
+    here (bool [1, 1, Q, Q], lower triangle).
+
+    With ``prefill`` (:func:`ragspec.backend.cpu.kernels.load_prefill_attention`), a prompt
+    chunk (more than ``SKINNY_MAX_ROWS`` float32 queries) under a causal mask
+    (:func:`is_causal_chunk`) takes that kernel instead, at any number of keys: each row's
+    values the same bits whatever chunk computes it. Its verdict on a layer's mask is kept
+    for the next layers (transformers hands every layer of a forward the same mask object).
+    """
+    seen: list = [None, False]  # the last mask object judged, and whether it was causal
+
+    def causal(mask, q_len, s_len):
+        if mask is None:
+            return q_len == s_len
+        if seen[0] is not mask:
+            seen[0], seen[1] = mask, is_causal_chunk(mask, q_len, s_len)
+        return bool(seen[1])
+
+    def prefill_applies(query, key, attention_mask, dropout, kwargs):
+        q_len, s_len = query.shape[2], key.shape[2]
+        return (
+            q_len > SKINNY_MAX_ROWS
+            and query.shape[-1] % 16 == 0
+            and kernel_attention_applies(query[:, :, :1], key, None, dropout, kwargs)  # every condition but the rows
+            and causal(attention_mask, q_len, s_len)
+        )
+
+    def applies(query, key, attention_mask, dropout, kwargs):
+        if prefill is not None and prefill_applies(query, key, attention_mask, dropout, kwargs):
+            return True
+        return kernel_attention_applies(query, key, attention_mask, dropout, kwargs)
 
     def run(query, key, value, mask, scale):
-        if mask is None and query.shape[2] > 1:
-            q_len, s_len = query.shape[2], key.shape[2]
+        q_len, s_len = query.shape[2], key.shape[2]
+        if prefill is not None and q_len > SKINNY_MAX_ROWS and causal(mask, q_len, s_len):
+            out = prefill(query, key, value, scale)
+            if out is not None:
+                return out
+        if mask is None and q_len > 1:
             mask = torch.ones(q_len, s_len, dtype=torch.bool).tril(s_len - q_len)[None, None]
         return kernel(query, key, value, mask, scale)
 
-    return AttentionKernel(applies=kernel_attention_applies, run=run)
+    return AttentionKernel(applies=applies, run=run)

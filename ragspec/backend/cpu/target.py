@@ -48,7 +48,7 @@ from .fastpaths import (
 from .kernels import SKINNY_MAX_ROWS
 
 if TYPE_CHECKING:
-    from .kernels import FewQueryAttention, QuantLinear, SkinnyLinear
+    from .kernels import FewQueryAttention, PrefillAttention, QuantLinear, SkinnyLinear
     from .quant import GGUFWeight
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,13 @@ class CPUTarget(HFTarget):
             float32; needs ``route_attention``): it splits the cached keys in blocks over the
             threads where torch's CPU SDPA splits only heads and query blocks (per layer at
             790 cached tokens on the 2-core CPU, 1 query 0.13 -> 0.05 ms, 4 queries 0.31 ->
-            0.16 ms). Prefill and ``model.generate`` keep torch's.
+            0.16 ms), and prompt chunks while its partial results fit the cache
+            (:data:`~ragspec.backend.cpu.fastpaths.PREFILL_ATTENTION_PARTS_BYTES`).
+            ``model.generate`` keeps torch's.
+        prefill_attention: the compiled prompt-chunk attention
+            (:func:`ragspec.backend.cpu.kernels.load_prefill_attention`; with
+            ``attention_kernel``): a prompt chunk's causal attention at any number of keys
+            (a 256-row chunk of the default model over 768 keys 1.7 -> 0.96 ms a layer).
         gguf: the weights in the GGUF file's blocks (with ``skinny``): the same output bit
             for bit as the float32 kernel, a fifth of the bytes streamed per step (default
             model, 2-core CPU: decoder linears for one row 22-25 -> 14 ms, the output layer
@@ -129,6 +135,7 @@ class CPUTarget(HFTarget):
         pack_linears: bool = False,
         skinny: Optional["SkinnyLinear"] = None,
         attention_kernel: Optional["FewQueryAttention"] = None,
+        prefill_attention: Optional["PrefillAttention"] = None,
         gguf: Optional[GGUFBlocks] = None,
         route_attention: bool = False,
         native_step_off: str = "built without the CPU speed-ups",
@@ -156,7 +163,7 @@ class CPUTarget(HFTarget):
         self.packed_linears = self._pack_linears(skinny) if pack_linears or skinny is not None else 0
         self._attention_kernel = attention_kernel
         self._extras: dict[str, Any] = (
-            {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel)}
+            {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel, prefill_attention)}
             if attention_kernel is not None and self._attn_impl == GQA_SDPA
             else {}
         )

@@ -5,9 +5,10 @@
 //   quant_linear.cpp   quant_linear: the same over GGUF blocks (Q4_1, Q8_0, Q6_K)
 //   fast_numerics.cpp  quant_linear's int8-activation formats (AVX-512 VNNI, --numerics fast)
 //   attention.cpp      few_query_attention: a few query rows over a KV cache
+//   prefill_attention.cpp  prefill_attention: a prompt chunk's causal attention (AVX-512)
 //   decoder_step.cpp   DecoderStep: every decoder layer of a step in one call
 //   module.cpp         the Python module
-// (kernel_simd.h and linear_tiles.h: inline helpers several sources share.)
+// (kernel_simd.h, kernel_simd512.h and linear_tiles.h: inline helpers several sources share.)
 #pragma once
 
 #include <torch/extension.h>
@@ -91,6 +92,15 @@ struct AttnRequest {
 // bit for bit the tensor call's.
 void few_query_attention_into(const std::vector<AttnRequest>& requests, int64_t heads, int64_t kv_heads,
                               int64_t head_dim, double scale);
+
+// Causal attention of a prompt chunk (prefill_attention.cpp): query float32 [1, Hq, Q, d],
+// key/value float32 [1, Hkv, S, d] (S >= Q; query row i sees keys 0 .. S - Q + i), last
+// dimension contiguous, scale -> float32 [1, Q, Hq, d]. AVX-512 only (prefill_attention_supported).
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale);
+
+// whether prefill_attention runs here for this head size: the kernels use AVX-512 and d is a
+// multiple of 16 (at most 512)
+bool prefill_attention_supported(int64_t head_dim);
 
 // Registers the fused decoder step (decoder_step.cpp) with the extension module.
 void register_decoder_step(pybind11::module& m);

@@ -13,5 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_query_attention_many", &few_query_attention_many,
         "few_query_attention of several requests (each over its own KV) in one parallel region");
   m.def("few_query_attention", &few_query_attention, "attention of a few float32 query rows over a KV cache (AVX-512 or AVX2/FMA)");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a prompt chunk over its keys (AVX-512; query rows as vector lanes)");
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether prefill_attention runs here for this head size (AVX-512 kernels, d a multiple of 16)");
   register_decoder_step(m);  // decoder_step.cpp
 }
