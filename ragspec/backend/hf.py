@@ -323,9 +323,10 @@ class HFTarget:
         forward as it is; the CPU backend routes its linear layers to its kernels inside."""
         return self._decoder(**kwargs)
 
-    def _attention_extras(self) -> dict[str, Any]:
+    def _attention_extras(self, prompt: bool = False) -> dict[str, Any]:
         """Extra keywords this backend's own forwards hand to the attention function (the
-        CPU backend's compiled attention kernel); none here."""
+        CPU backend's compiled attention kernels; ``prompt``: a prompt chunk's forward, not a
+        verification); none here."""
         return {}
 
     def _output_rows(self, hidden: torch.Tensor, chunked: bool = False) -> torch.Tensor:
@@ -352,11 +353,15 @@ class HFTarget:
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Any = None,
+        *,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """This backend's decoder forward over ``state``'s cache (a transformers cache:
         ``state.cache``): input_ids int64 [1, Q] -> last hidden states [Q, H] (after the
         final norm); appends Q entries to the cache. ``position_ids`` [1, Q] and
-        ``attention_mask`` (:meth:`_tree_masks`' form) None: causal after the cache."""
+        ``attention_mask`` (:meth:`_tree_masks`' form) None: causal after the cache.
+        ``prompt``: the rows are a prompt chunk (kernels that only prefill may run: a
+        verification's rows must get the values a one-row step would)."""
         cache_arg: dict[str, Any] = {self._cache_kw: state.cache}
         out = self._decoder_forward(
             input_ids=input_ids,
@@ -364,7 +369,7 @@ class HFTarget:
             attention_mask=attention_mask,
             use_cache=True,
             **cache_arg,
-            **self._attention_extras(),
+            **self._attention_extras(prompt),
         )
         state.length += int(input_ids.shape[1])
         return out.last_hidden_state[0]  # [Q, H]
@@ -386,7 +391,7 @@ class HFTarget:
         if not isinstance(state, KVState):
             raise ConfigError(f"prefill: a {type(state).__name__} is not a KV state of {type(self).__name__}")
         ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)[None]  # [1, T]
-        hidden = self.forward(state, ids)  # [T, H]
+        hidden = self.forward(state, ids, prompt=True)  # [T, H]
         return ForwardOutput(self.logits(hidden[-1:]), hidden if return_hidden else None)
 
     def verify(self, items: Sequence[VerifyItem]) -> list[ForwardOutput]:

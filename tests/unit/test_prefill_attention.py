@@ -39,7 +39,9 @@ def _reference(q, k, v, scale):
     """Causal attention (row i sees keys 0 .. S - Q + i) in float64 -> float32 [1, Q, Hq, d]."""
     q_len, s_len = q.shape[2], k.shape[2]
     mask = torch.ones(q_len, s_len, dtype=torch.bool).tril(s_len - q_len)
-    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2).float()
 
 
@@ -155,7 +157,11 @@ def test_a_chunk_the_prefill_kernel_declines_takes_the_few_query_kernel():
 
     routed = compiled_attention(few, decline)
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 4, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 30, 64, generator=g),
+        torch.randn(1, 2, 30, 64, generator=g),
+        torch.randn(1, 2, 30, 64, generator=g),
+    )
     with torch.inference_mode():
         assert routed.applies(q, k, None, 0.0, {})
         out = routed.run(q, k, v, None, 0.125)
@@ -170,7 +176,11 @@ def test_a_non_causal_chunk_mask_does_not_take_the_prefill_kernel():
     few, chunk = _Counting(), _Counting(causal=True)
     routed = compiled_attention(few, chunk)
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(1, 4, 20, 64, generator=g), torch.randn(1, 2, 50, 64, generator=g), torch.randn(1, 2, 50, 64, generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 20, 64, generator=g),
+        torch.randn(1, 2, 50, 64, generator=g),
+        torch.randn(1, 2, 50, 64, generator=g),
+    )
     window = torch.ones(20, 50, dtype=torch.bool).tril(30).triu(10)[None, None]
     with torch.inference_mode():
         assert routed.applies(q, k, window, 0.0, {})
@@ -205,3 +215,79 @@ def test_greedy_with_the_prefill_kernel_matches_generate(prefill):
     )
     assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
     assert calls and all(c > kernels.SKINNY_MAX_ROWS for c in calls)
+
+
+def test_native_step_runs_prompt_chunks_bit_for_bit_like_transformers_forward(prefill):
+    """With the prompt-chunk attention and the packed weights, the native step prefills a
+    first chunk and a later one (past NATIVE_EXTEND_GEMM_ROWS rows) in one call each: hidden
+    states, logits and KV entries equal transformers' forward of the same chunks bit for
+    bit, and so do the verification steps after them."""
+    from ragspec.backend.cpu.native_target import NATIVE_EXTEND_GEMM_ROWS, NativeTarget
+
+    step = kernels.load_decoder_step()
+    targets = []
+    for chunks in (True, False):
+        cpu = CPUTarget(
+            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
+            skinny=kernels.load_skinny_linear(),
+            attention_kernel=kernels.load_few_query_attention(),
+            prefill_attention=prefill,
+            route_attention=True,
+        )
+        targets.append(NativeTarget(cpu, step, native_chunks=chunks))
+    native, hf = targets
+    assert native.native_step.packed and not hf.native_step.packed
+    calls: list[int] = []
+    forward = hf.kernel_path.forward
+    hf.kernel_path.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)  # type: ignore[method-assign]
+    prompt = torch.randint(
+        3, 96, (40 + NATIVE_EXTEND_GEMM_ROWS + 20,), generator=torch.Generator().manual_seed(7)
+    ).tolist()
+    with torch.inference_mode():
+        states = [t.new_state() for t in targets]
+        for part in (prompt[:40], prompt[40:]):
+            a, b = (t.prefill(s, part, return_hidden=True) for t, s in zip(targets, states))
+            assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
+        assert len(calls) == 2  # both chunks took transformers' forward on the other target
+        n = len(prompt)
+        assert torch.equal(states[0].buffer[..., :n, :], states[1].buffer[..., :n, :])
+        root = int(a.logits.argmax())
+        a, b = (t.verify_one(s, root, DraftTree.chain([5, 6, 7]), return_hidden=True) for t, s in zip(targets, states))
+        assert torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_batched_verification_of_over_16_rows_keeps_each_solo_step_regression(prefill, native):
+    """Bug: with the prompt-chunk paths in, a verification forward of more than 16 rows in
+    all (two requests' draft chains of 9 rows each) took the packed weights in the native
+    step (rows past 16 looked like a prompt chunk), so each request's rows differed from its
+    solo step in the last bits (batched logprobs then differed from plain ones). Only
+    prefills take the prompt-chunk paths now: each request's rows equal its solo
+    verification bit for bit, through the native step and through transformers' forward."""
+    from ragspec.backend.base import VerifyItem
+    from ragspec.backend.cpu.native_target import NativeTarget
+
+    def build():
+        cpu = CPUTarget(
+            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
+            skinny=kernels.load_skinny_linear(),
+            attention_kernel=kernels.load_few_query_attention(),
+            prefill_attention=prefill,
+            route_attention=True,
+        )
+        return NativeTarget(cpu, kernels.load_decoder_step()) if native else cpu
+
+    batched, solo = build(), build()
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (50, 37)]
+    drafts = [DraftTree.chain(torch.randint(3, 96, (8,), generator=gen).tolist()) for _ in prompts]
+    with torch.inference_mode():
+        together = [batched.new_state() for _ in prompts]
+        alone = [solo.new_state() for _ in prompts]
+        for p, a, b in zip(prompts, together, alone):
+            batched.prefill(a, p)
+            solo.prefill(b, p)
+        outs = batched.verify([VerifyItem(s, 7, d, False, False) for s, d in zip(together, drafts)])
+        for s, d, out in zip(alone, drafts, outs):
+            ref = solo.verify_one(s, 7, d)
+            assert torch.equal(out.logits, ref.logits)

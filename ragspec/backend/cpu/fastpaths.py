@@ -165,6 +165,7 @@ def pack_linear_forwards(
     scope: Optional[KernelScope] = None,
     gguf: Optional[Mapping[int, GGUFLinear]] = None,
     prefill_gguf: Optional[Mapping[int, GGUFLinear]] = None,
+    packed_out: Optional[dict] = None,
 ) -> int:
     """Route every ``nn.Linear`` under ``root`` through fast few-row kernels when autograd
     is off: inputs of 1 .. ``SKINNY_MAX_ROWS`` rows through ``skinny`` (the compiled kernel
@@ -176,7 +177,8 @@ def pack_linear_forwards(
     and summed alone; a 660-token prefill of the default model 0.75 s against 0.91 s on the
     packed float32 weight, 2-core AVX-512 VNNI CPU). With a ``scope``, only while ``scope.active``. Modifies the modules in
     place (their ``forward``); the caller checks :func:`can_pack`. Returns the number of
-    layers routed.
+    layers routed; ``packed_out`` (a dict), when given, receives weight ``data_ptr()`` -> its
+    packed weight (the native step runs prompt chunks through the same ones).
 
     For few-row inputs MKL's sgemm re-packs the weight on every call (measured on the
     2-core CPU, two threads: 3 x 576 -> 8192 takes 4.6 ms through MKL, ~1 ms packed).
@@ -190,6 +192,8 @@ def pack_linear_forwards(
         weight = module.weight
         bias = None if module.bias is None else module.bias.detach()
         packed = pack_weight(weight)
+        if packed_out is not None:
+            packed_out[weight.data_ptr()] = packed
         twin = gguf.get(weight.data_ptr()) if gguf else None
         many = prefill_gguf is not None and weight.data_ptr() in prefill_gguf
 
@@ -278,6 +282,9 @@ def compiled_attention(kernel: "FewQueryAttention", prefill: Optional["PrefillAt
     (:func:`is_causal_chunk`) takes that kernel instead, at any number of keys: each row's
     values the same bits whatever chunk computes it. Its verdict on a layer's mask is kept
     for the next layers (transformers hands every layer of a forward the same mask object).
+    The backend hands the kernel with ``prefill`` to prompt forwards only: a verification's
+    rows (a causal chain looks like a chunk) must get the one-row step's bits, which only
+    the few-query kernel gives whatever the number of rows.
     """
     seen: list = [None, False]  # the last mask object judged, and whether it was causal
 

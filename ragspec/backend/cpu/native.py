@@ -165,6 +165,13 @@ def _spec(module: torch.nn.Linear, gguf: Optional["GGUFWeight"]) -> tuple:
     return (module.weight.detach(), None, None, -1, bias, int(out), int(inp))
 
 
+def _packed_spec(module: torch.nn.Linear, packed: torch.Tensor) -> tuple:
+    """One linear's packed weight as the C++ step takes it: (packed, bias, out, in)."""
+    out, inp = module.weight.shape
+    bias = None if module.bias is None else module.bias.detach().contiguous()
+    return (packed, bias, int(out), int(inp))
+
+
 def _group(modules: Sequence[torch.nn.Linear], gguf: Mapping[int, "GGUFWeight"]) -> list[tuple]:
     """Linears over the same input as one C++ group: fused into one weight where they are
     all GGUF blocks of one format with consistent biases (a few MB: one kernel call instead
@@ -255,6 +262,29 @@ class NativeDecoder:
             7 * self.num_layers,
         )
 
+    def pack(self, packed: Mapping[int, torch.Tensor]) -> bool:
+        """Run prompt chunks (more than ``SKINNY_MAX_ROWS`` rows of a request) through
+        ``packed`` (weight ``data_ptr()`` -> its oneDNN-packed copy,
+        :attr:`~ragspec.backend.cpu.target.CPUTarget.packed_weights`): the same packed GEMMs
+        as transformers' forward of the chunk in ragspec's own forwards, and with the
+        prompt-chunk attention kernel where it runs, the same values bit for bit without a
+        Python module call per layer. Returns whether every linear had its packed weight (else
+        nothing changes)."""
+        layers = []
+        for layer in self.decoder.layers:
+            m = _linear_modules(layer)
+            if any(m[k].weight.data_ptr() not in packed for k in m):
+                return False
+            layers.append({k: _packed_spec(m[k], packed[m[k].weight.data_ptr()]) for k in m})
+        for i, p in enumerate(layers):
+            self.step.pack_layer(i, [p["q"], p["k"], p["v"]], p["o"], [p["gate"], p["up"]], p["down"])
+        return True
+
+    @property
+    def packed(self) -> bool:
+        """Whether prompt chunks run through packed weights (:meth:`pack`)."""
+        return bool(self.step.packed())
+
     # ------------------------------------------------------------------ KV buffers
     @classmethod
     def for_layers(
@@ -330,6 +360,8 @@ class NativeDecoder:
         positions: torch.Tensor,
         bounds: Sequence[int],
         masks: Sequence[Optional[torch.Tensor]],
+        *,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """All decoder layers for the rows of several requests.
 
@@ -340,12 +372,16 @@ class NativeDecoder:
             positions: int64 [R] each row's position id (its RoPE position).
             bounds: n + 1 row offsets, 0 first, R last.
             masks: per request bool [Q_i, past_i + Q_i] (True = attend) or None (causal).
+            prompt: the rows are prompt chunks: a request's more than ``SKINNY_MAX_ROWS``
+                causal rows take the packed weights (:meth:`pack`) and the prompt-chunk
+                attention; a verification's rows (False) always the few-row kernels, so
+                each gets the bits of the one-row step at its position.
 
         Returns:
             float32 [R, H], the hidden states after the final norm.
         """
         x = self.decoder.embed_tokens(ids[None])  # [1, R, H]
-        return self.forward_embeds(states, x[0], positions, bounds, masks)
+        return self.forward_embeds(states, x[0], positions, bounds, masks, prompt=prompt)
 
     def forward_embeds(
         self,
@@ -354,6 +390,8 @@ class NativeDecoder:
         positions: torch.Tensor,
         bounds: Sequence[int],
         masks: Sequence[Optional[torch.Tensor]],
+        *,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """:meth:`forward` from the rows' input vectors ``x`` float32 [R, H] instead of
         their tokens (an EAGLE head's fused token-and-feature inputs)."""
@@ -362,7 +400,9 @@ class NativeDecoder:
         for s, a, b in zip(states, bounds[:-1], bounds[1:]):
             self.reserve(s, s.length + (b - a))
             pasts.append(s.length)
-        hidden = self.step.forward(x, cos[0], sin[0], [s.buffer for s in states], list(bounds), pasts, list(masks))
+        hidden = self.step.forward(
+            x, cos[0], sin[0], [s.buffer for s in states], list(bounds), pasts, list(masks), prompt
+        )
         for s, a, b in zip(states, bounds[:-1], bounds[1:]):
             s.length += b - a
         return hidden

@@ -160,13 +160,19 @@ class CPUTarget(HFTarget):
         )
         self.numerics = twins.numerics if twins is not None else "exact"
         self._skinny: Optional["SkinnyLinear"] = None
+        self._packed_linears: dict[int, torch.Tensor] = {}  # weight data_ptr -> its oneDNN-packed copy
         self.packed_linears = self._pack_linears(skinny) if pack_linears or skinny is not None else 0
         self._attention_kernel = attention_kernel
-        self._extras: dict[str, Any] = (
-            {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel, prefill_attention)}
-            if attention_kernel is not None and self._attn_impl == GQA_SDPA
-            else {}
-        )
+        self._prefill_attention = prefill_attention
+        self._extras: dict[str, Any] = {}
+        self._prompt_extras: dict[str, Any] = {}  # prompt forwards': the prompt-chunk kernel too
+        if attention_kernel is not None and self._attn_impl == GQA_SDPA:
+            self._extras = {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel)}
+            self._prompt_extras = (
+                {ATTENTION_KERNEL_KW: compiled_attention(attention_kernel, prefill_attention)}
+                if prefill_attention is not None
+                else self._extras
+            )
         self._batches = self._batch_exact()
 
     def _pack_linears(self, skinny: Optional["SkinnyLinear"]) -> int:
@@ -179,7 +185,13 @@ class CPUTarget(HFTarget):
         # --numerics fast: prefill rows through the int8 twins too (each row alone)
         many = {ptr: f for ptr, f in (gguf or {}).items() if self._gguf_weights[ptr].fast}
         n = pack_linear_forwards(
-            self._decoder, min_rows=2, skinny=self._skinny, scope=self._scope, gguf=gguf, prefill_gguf=many or None
+            self._decoder,
+            min_rows=2,
+            skinny=self._skinny,
+            scope=self._scope,
+            gguf=gguf,
+            prefill_gguf=many or None,
+            packed_out=self._packed_linears,
         )
         logger.debug(
             "routed %d decoder linear layers through %s",
@@ -211,6 +223,18 @@ class CPUTarget(HFTarget):
     def skinny(self) -> Optional["SkinnyLinear"]:
         """The compiled few-row linear kernel this model's forwards use, or None."""
         return self._skinny
+
+    @property
+    def packed_weights(self) -> Mapping[int, torch.Tensor]:
+        """The decoder linears' weights packed for oneDNN (weight ``data_ptr()`` -> packed
+        copy; empty where nothing is packed): what prompt chunks (more than
+        ``PACKED_MAX_ROWS`` float32 rows) multiply with."""
+        return self._packed_linears
+
+    @property
+    def prefill_attention(self) -> Optional["PrefillAttention"]:
+        """The compiled prompt-chunk attention this target's forwards use, or None."""
+        return self._prefill_attention
 
     @property
     def attention_kernel(self) -> Optional["FewQueryAttention"]:
@@ -318,9 +342,12 @@ class CPUTarget(HFTarget):
             self._scope.active = False
             self._scope.chunked = False
 
-    def _attention_extras(self) -> dict[str, Any]:
-        """The compiled few-query attention for ragspec's own forwards, where in use."""
-        return self._extras
+    def _attention_extras(self, prompt: bool = False) -> dict[str, Any]:
+        """The compiled attention for ragspec's own forwards, where in use: with ``prompt``
+        (a prompt chunk's forward) the prompt-chunk kernel too; a verification's rows never
+        take it (a verified row must get the bits of the one-row step at its position,
+        which the few-query kernel gives whatever the number of rows)."""
+        return self._prompt_extras if prompt else self._extras
 
     def _output_rows(self, hidden: torch.Tensor, chunked: bool = False) -> torch.Tensor:
         """hidden: [R, H] -> the output layer's rows [R, V]: through the compiled kernel

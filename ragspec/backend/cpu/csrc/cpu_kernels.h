@@ -102,5 +102,9 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
 // multiple of 16 (at most 512)
 bool prefill_attention_supported(int64_t head_dim);
 
+// prefill_attention over raw pointers (the native step's buffers): one request's causal
+// rows (mask null), float32 keys and values (half false); out [Q, Hq, d] contiguous.
+void prefill_attention_into(const AttnRequest& r, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale);
+
 // Registers the fused decoder step (decoder_step.cpp) with the extension module.
 void register_decoder_step(pybind11::module& m);

@@ -4,6 +4,14 @@
 // to its own KV buffer, and returns the final-norm hidden states [R, H]. The output layer
 // stays with the caller (ragspec/backend/hf.py).
 //
+// Prompt chunks (more than 16 rows of a request; pack_layer): the linear layers multiply
+// through the weights packed for oneDNN (torch's mkldnn::_linear_pointwise, as transformers'
+// modules do in ragspec's own forwards), the attention through prefill_attention.cpp, and
+// the element-wise parts split their rows over the threads: the values of transformers'
+// forward of the chunk bit for bit, without its ~40 module calls per layer and its separate
+// element-wise passes (a 660-token prompt of the default model: norms 19 -> 8 ms, SiLU-mul
+// 14 -> 7, RoPE and KV 10 -> 6 on the 2-core CPU).
+//
 // transformers' forward of the same step runs ~40 modules per layer in Python (on the
 // 2-core CPU of our CI ~6-10 ms of a ~22 ms one-row step of SmolLM2-135M goes to Python and
 // dispatch); here the only per-step Python is the embedding lookup, the rotary cos/sin (the
@@ -26,6 +34,8 @@
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <immintrin.h>
 
@@ -41,14 +51,37 @@ namespace {
 constexpr int64_t kMaxHeadDim = 128;  // the head dims the step takes: 32, 64, 128
 
 // One linear layer: a float32 weight (skinny_linear) or GGUF blocks (quant_linear).
+// x [R, I] through a weight pre-packed for oneDNN (torch.ops.mkldnn._reorder_linear_weight):
+// torch.ops.mkldnn._linear_pointwise, the op transformers' modules call on a prompt chunk in
+// ragspec's own forwards (ragspec/backend/cpu/fastpaths.py), so the same values bit for bit
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+constexpr int64_t kSkinnyRows = 16;  // rows up to which the step's own linear kernels run (SKINNY_MAX_ROWS)
+
 struct Linear {
   torch::Tensor weight;  // float32 [O, I] contiguous, or undefined
   torch::Tensor qs, scales;
   int64_t fmt = -1;  // -1: float32 weight, else quant_linear's format code
   c10::optional<torch::Tensor> bias;
   int64_t out = 0, in = 0;
+  torch::Tensor packed;  // the float32 weight packed for oneDNN (prompt chunks), or undefined
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // chunk: a prompt chunk's rows (through the packed weight where there is one and the rows
+  // are more than 16); else the few-row kernels, each row's bits independent of the others
+  torch::Tensor operator()(const torch::Tensor& x, bool chunk = false) const {
+    if (chunk && packed.defined() && x.size(0) > kSkinnyRows) return packed_linear(x, packed, bias);
     return fmt < 0 ? skinny_linear(x, weight, bias) : quant_linear(x, qs, scales, fmt, bias);
   }
 };
@@ -87,8 +120,15 @@ Linear make_linear(const LinearSpec& spec) {
 struct Group {
   std::vector<Linear> parts;
   int64_t out = 0;
+  std::vector<Linear> packed;  // each linear of the group on its packed weight (prompt chunks), or none
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  torch::Tensor operator()(const torch::Tensor& x, bool chunk = false) const {
+    if (chunk && !packed.empty() && x.size(0) > kSkinnyRows) {
+      if (packed.size() == 1) return packed[0](x, true);
+      std::vector<torch::Tensor> outs;
+      for (const auto& p : packed) outs.push_back(p(x, true));
+      return at::cat(outs, 1);
+    }
     if (parts.size() == 1) return parts[0](x);
     std::vector<torch::Tensor> outs;
     outs.reserve(parts.size());
@@ -106,6 +146,23 @@ Group make_group(const std::vector<LinearSpec>& specs, int64_t in, int64_t out) 
   }
   TORCH_CHECK(g.out == out, "DecoderStep: linear out-features mismatch");
   return g;
+}
+
+// (packed weight, bias, out_features, in_features) as Python passes it
+using PackedSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
+
+Linear make_packed(const PackedSpec& spec) {
+  Linear lin;
+  const auto& [packed, bias, out, in] = spec;
+  TORCH_CHECK(packed.defined(), "DecoderStep: a packed linear needs its weight");
+  lin.packed = packed;
+  lin.out = out;
+  lin.in = in;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "DecoderStep: bias must be float32 [out]");
+    lin.bias = bias->contiguous();
+  }
+  return lin;
 }
 
 struct Layer {
@@ -186,6 +243,19 @@ void add_into(float* x, const float* y, int64_t n) {
 
 #pragma GCC pop_options
 
+// f(r0, r1) over rows 0 .. R - 1 of per_row elements each: in one piece for a step's few
+// rows, split over the threads for a prompt chunk (the element-wise parts above give every
+// element the same value however the rows are split)
+template <class F>
+void over_rows(int64_t R, int64_t per_row, const F& f) {
+  constexpr int64_t kSerialElements = 1 << 15;
+  if (R * per_row <= kSerialElements) {
+    f(0, R);
+    return;
+  }
+  at::parallel_for(0, R, std::max<int64_t>(1, kSerialElements / 4 / per_row), f);
+}
+
 using Clock = std::chrono::steady_clock;
 
 // categories of the optional per-step timers
@@ -221,17 +291,48 @@ class DecoderStep {
     layers_.push_back(std::move(layer));
   }
 
+  // Prompt chunks (more than 16 rows) of layer l through weights packed for oneDNN, each
+  // (packed, bias, out, in) as the caller packed it: q, k, v; o; gate, up; down.
+  void pack_layer(int64_t l, std::vector<PackedSpec> qkv, PackedSpec o, std::vector<PackedSpec> gate_up, PackedSpec down) {
+    TORCH_CHECK(l >= 0 && l < num_layers(), "DecoderStep: no layer ", l);
+    Layer& layer = layers_[l];
+    auto packed_group = [](const std::vector<PackedSpec>& specs, const Group& g) {
+      std::vector<Linear> out;
+      int64_t total = 0;
+      for (const auto& sp : specs) {
+        out.push_back(make_packed(sp));
+        TORCH_CHECK(out.back().in == g.parts[0].in, "DecoderStep: packed linear in-features mismatch");
+        total += out.back().out;
+      }
+      TORCH_CHECK(total == g.out, "DecoderStep: packed linears' out-features mismatch");
+      return out;
+    };
+    layer.qkv.packed = packed_group(qkv, layer.qkv);
+    layer.gate_up.packed = packed_group(gate_up, layer.gate_up);
+    Linear po = make_packed(o), pd = make_packed(down);
+    TORCH_CHECK(po.in == layer.o.in && po.out == layer.o.out && pd.in == layer.down.in && pd.out == layer.down.out,
+                "DecoderStep: packed o_proj / down_proj shape");
+    layer.o.packed = po.packed;
+    layer.down.packed = pd.packed;
+    packed_ = true;
+  }
+
+  // whether every layer takes prompt chunks through packed weights
+  bool packed() const { return packed_; }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x: float32 [R, H] (the input embeddings of all rows); cos, sin: float32 [R, d] (each
   // row's rotary values); kv: one buffer per request, float32 [L, 2, Hkv, C_i, d]
   // contiguous; bounds: R_0 = 0 <= ... <= R_n = R, request i's rows bounds[i]:bounds[i+1];
   // pasts: request i's cached positions (its new rows are written at past_i ..); masks:
-  // request i's bool [Q_i, past_i + Q_i] (True = attend) or None (causal) -> float32 [R, H]
-  // after the final norm.
+  // request i's bool [Q_i, past_i + Q_i] (True = attend) or None (causal); prompt: the rows
+  // are prompt chunks (a request's more than 16 causal rows through the packed weights and
+  // prefill_attention; a verification's rows never: each keeps the one-row step's bits)
+  // -> float32 [R, H] after the final norm.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
                         std::vector<int64_t> bounds, std::vector<int64_t> pasts,
-                        std::vector<c10::optional<torch::Tensor>> masks) {
+                        std::vector<c10::optional<torch::Tensor>> masks, bool prompt) {
     c10::InferenceMode guard;
     const int64_t L = num_layers(), n = static_cast<int64_t>(kv.size());
     TORCH_CHECK(L > 0, "DecoderStep: no layers");
@@ -259,7 +360,7 @@ class DecoderStep {
         TORCH_CHECK(m.scalar_type() == at::kBool && m.numel() == Q * S && m.size(-1) == S,
                     "DecoderStep: mask must be bool [Q, past + Q]");
         mask[i] = m.reshape({1, 1, Q, S}).contiguous();
-      } else if (Q > 1) {  // causal: row j sees positions 0 .. past + j
+      } else if (Q > 1 && !(prompt && chunk_attention(Q, b))) {  // causal: row j sees positions 0 .. past + j
         mask[i] = torch::ones({Q, S}, torch::dtype(torch::kBool)).tril(past).reshape({1, 1, Q, S});
       }
     }
@@ -283,20 +384,23 @@ class DecoderStep {
       auto t0 = Clock::now();
       rms_norm(x, layer.ln1, sq, h);
       tick(kNorm, t0);
-      auto qkv = layer.qkv(h);  // [R, QKV]
+      auto qkv = layer.qkv(h, prompt);  // [R, QKV]
       tick(kLinear, t0);
       const float* qkvp = qkv.data_ptr<float>();
       float* qp = q.data_ptr<float>();
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t hh = 0; hh < Hq_; ++hh)
-          rope_row(qkvp + r * QKV + hh * d_, cp + r * d_, sp + r * d_, qp + (r * Hq_ + hh) * d_, d_);
+      over_rows(R, Hq_ * d_, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t hh = 0; hh < Hq_; ++hh)
+            rope_row(qkvp + r * QKV + hh * d_, cp + r * d_, sp + r * d_, qp + (r * Hq_ + hh) * d_, d_);
+      });
       for (int64_t i = 0; i < n; ++i) {
         const int64_t C = kv[i].size(3);
         const int64_t koff = (l * 2 + 0) * Hkv_ * C * d_, voff = (l * 2 + 1) * Hkv_ * C * d_;
         const bool half = kv[i].scalar_type() == at::kHalf;
         uint16_t* base16 = half ? reinterpret_cast<uint16_t*>(kv[i].data_ptr()) : nullptr;
         float* base = half ? nullptr : kv[i].data_ptr<float>();
-        for (int64_t r = bounds[i]; r < bounds[i + 1]; ++r) {
+        over_rows(bounds[i + 1] - bounds[i], 2 * Hkv_ * d_, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = bounds[i] + r0; r < bounds[i] + r1; ++r) {
           const int64_t pos = pasts[i] + (r - bounds[i]);
           for (int64_t hh = 0; hh < Hkv_; ++hh) {
             const float* ksrc = qkvp + r * QKV + (Hq_ + hh) * d_;
@@ -313,6 +417,7 @@ class DecoderStep {
             }
           }
         }
+        });
       }
       tick(kRope, t0);
       // every request's attention in one parallel region, written into attn [R, Hq d]:
@@ -339,23 +444,36 @@ class DecoderStep {
         r.S = S;
         r.out = attnp + a * Hq_ * d_;
       }
-      few_query_attention_into(reqs, Hq_, Hkv_, d_, scale_);
+      // a prompt chunk (more than 16 causal rows, float32 keys and values) through the
+      // prefill kernel, each alone; the others together
+      std::vector<AttnRequest> few;
+      for (int64_t i = 0; i < n; ++i) {
+        if (prompt && reqs[i].mask == nullptr && chunk_attention(reqs[i].Q, kv[i]))
+          prefill_attention_into(reqs[i], Hq_, Hkv_, d_, scale_);
+        else few.push_back(reqs[i]);
+      }
+      if (!few.empty()) few_query_attention_into(few, Hq_, Hkv_, d_, scale_);
       tick(kAttention, t0);
-      auto o = layer.o(attn);  // [R, H]
+      auto o = layer.o(attn, prompt);  // [R, H]
       tick(kLinear, t0);
-      add_into(xp, o.data_ptr<float>(), R * H_);
+      add_rows(xp, o.data_ptr<float>(), R);
       tick(kResidual, t0);
       // --- MLP block
       rms_norm(x, layer.ln2, sq, h);
       tick(kNorm, t0);
-      auto gu = layer.gate_up(h);  // [R, 2I]
+      auto gu = layer.gate_up(h, prompt);  // [R, 2I]
       tick(kLinear, t0);
       auto g = at::silu(gu.narrow(1, 0, I_));  // [R, I] contiguous, ATen's SiLU
-      gated(g.data_ptr<float>(), gu.data_ptr<float>() + I_, 2 * I_, act.data_ptr<float>(), R, I_);
+      const float* gp = g.data_ptr<float>();
+      const float* up = gu.data_ptr<float>() + I_;
+      float* ap = act.data_ptr<float>();
+      over_rows(R, I_, [&](int64_t r0, int64_t r1) {
+        gated(gp + r0 * I_, up + r0 * 2 * I_, 2 * I_, ap + r0 * I_, r1 - r0, I_);
+      });
       tick(kMlpAct, t0);
-      auto dn = layer.down(act);  // [R, H]
+      auto dn = layer.down(act, prompt);  // [R, H]
       tick(kLinear, t0);
-      add_into(xp, dn.data_ptr<float>(), R * H_);
+      add_rows(xp, dn.data_ptr<float>(), R);
       tick(kResidual, t0);
     }
     ++steps_;
@@ -391,9 +509,25 @@ class DecoderStep {
   // LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), the mean by ATen (its summation order)
   void rms_norm(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& sq, torch::Tensor& out) const {
     const int64_t R = x.size(0);
-    square(x.data_ptr<float>(), sq.data_ptr<float>(), R * H_);
+    const float* xp = x.data_ptr<float>();
+    float* sp = sq.data_ptr<float>();
+    over_rows(R, H_, [&](int64_t r0, int64_t r1) { square(xp + r0 * H_, sp + r0 * H_, (r1 - r0) * H_); });
     auto var = at::mean(sq, {-1}, /*keepdim=*/true);  // [R, 1]
-    rms_scale(x.data_ptr<float>(), var.data_ptr<float>(), w.data_ptr<float>(), eps_, out.data_ptr<float>(), R, H_);
+    const float* vp = var.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    over_rows(R, H_, [&](int64_t r0, int64_t r1) { rms_scale(xp + r0 * H_, vp + r0, wp, eps_, op + r0 * H_, r1 - r0, H_); });
+  }
+
+  // x += y over R rows of H (the residual adds)
+  void add_rows(float* x, const float* y, int64_t R) const {
+    over_rows(R, H_, [&](int64_t r0, int64_t r1) { add_into(x + r0 * H_, y + r0 * H_, (r1 - r0) * H_); });
+  }
+
+  // whether a request's Q causal rows take prefill_attention: more than 16 rows (a prompt
+  // chunk), float32 keys and values, the AVX-512 kernels
+  bool chunk_attention(int64_t Q, const torch::Tensor& kv) const {
+    return Q > kSkinnyRows && kv.scalar_type() == at::kFloat && prefill_attention_supported(d_);
   }
 
   void tick(Part part, Clock::time_point& t0) {
@@ -409,6 +543,7 @@ class DecoderStep {
   torch::Tensor norm_;
   std::vector<Layer> layers_;
   bool timing_ = false;
+  bool packed_ = false;
   double seconds_[kParts] = {0, 0, 0, 0, 0, 0};
   int64_t steps_ = 0;
 };
@@ -422,8 +557,12 @@ void register_decoder_step(pybind11::module& m) {
       .def("add_layer", &DecoderStep::add_layer, py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"),
            py::arg("gate_up"), py::arg("down"))
       .def("num_layers", &DecoderStep::num_layers)
+      .def("pack_layer", &DecoderStep::pack_layer, py::arg("layer"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"))
+      .def("packed", &DecoderStep::packed)
       .def("forward", &DecoderStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
-           py::arg("bounds"), py::arg("pasts"), py::arg("masks"), py::call_guard<py::gil_scoped_release>())
+           py::arg("bounds"), py::arg("pasts"), py::arg("masks"), py::arg("prompt") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("set_timing", &DecoderStep::set_timing)
       .def("timings", &DecoderStep::timings, py::arg("reset") = false);
 }

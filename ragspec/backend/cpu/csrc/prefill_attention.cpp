@@ -207,6 +207,26 @@ bool prefill_attention_supported(int64_t head_dim) {
   return current_isa() == kIsaAvx512 && head_dim % 16 == 0 && head_dim >= 16 && head_dim <= 512;
 }
 
+// the group's query heads x position blocks per item: 3 or 4 vectors where the group allows
+static void run_args(const prefill_attn::Args& a) {
+  const int64_t G = a.G;
+  if (G % 4 == 0) prefill_attn::run_all<4>(a, 4, 1);
+  else if (G % 3 == 0) prefill_attn::run_all<3>(a, 3, 1);
+  else if (G % 2 == 0) prefill_attn::run_all<4>(a, 2, 2);
+  else prefill_attn::run_all<3>(a, 1, 3);
+}
+
+void prefill_attention_into(const AttnRequest& r, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale) {
+  TORCH_CHECK(!r.half && r.mask == nullptr && r.Q > 0 && r.S >= r.Q && kv_heads > 0 && heads % kv_heads == 0 &&
+                  prefill_attention_supported(head_dim),
+              "prefill_attention_into: float32 keys and values, causal rows, AVX-512 and a head size that is a "
+              "multiple of 16");
+  prefill_attn::Args a{r.q, static_cast<const float*>(r.k), static_cast<const float*>(r.v), r.out,
+                       heads, heads / kv_heads, r.Q, r.S, r.S - r.Q, head_dim,
+                       r.qsH, r.qsQ, r.ksH, r.ksS, r.vsH, r.vsS, static_cast<float>(scale)};
+  run_args(a);
+}
+
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1 && key.size(0) == 1,
               "prefill_attention: expects [1, H, L, d] tensors");
@@ -226,11 +246,6 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
                        Hq, Hq / Hkv, Q, S, S - Q, d,
                        query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
                        static_cast<float>(scale)};
-  // vectors per item: the group's query heads x position blocks, 3 or 4 where the group allows
-  const int64_t G = a.G;
-  if (G % 4 == 0) prefill_attn::run_all<4>(a, 4, 1);
-  else if (G % 3 == 0) prefill_attn::run_all<3>(a, 3, 1);
-  else if (G % 2 == 0) prefill_attn::run_all<4>(a, 2, 2);
-  else prefill_attn::run_all<3>(a, 1, 3);
+  run_args(a);
   return out;
 }
