@@ -291,3 +291,20 @@ def test_a_batched_verification_of_over_16_rows_keeps_each_solo_step_regression(
         for s, d, out in zip(alone, drafts, outs):
             ref = solo.verify_one(s, 7, d)
             assert torch.equal(out.logits, ref.logits)
+
+
+def test_alternating_masks_keep_their_own_verdicts():
+    """Layers of two kinds (gemma3: sliding window and full attention) hand over two mask
+    objects in turn: each call takes the kernel its own mask allows."""
+    few, chunk = _Counting(), _Counting(causal=True)
+    routed = compiled_attention(few, chunk)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 20, 64, generator=g)
+    k, v = torch.randn(1, 2, 50, 64, generator=g), torch.randn(1, 2, 50, 64, generator=g)
+    causal = torch.ones(20, 50, dtype=torch.bool).tril(30)[None, None]
+    window = causal & torch.ones(20, 50, dtype=torch.bool).triu(10)[None, None]
+    with torch.inference_mode():
+        for mask in (causal, window, causal, window):
+            assert routed.applies(q, k, mask, 0.0, {})
+            routed.run(q, k, v, mask, 0.125)
+    assert chunk.queries == [20, 20] and few.queries == [20, 20]

@@ -286,14 +286,18 @@ def compiled_attention(kernel: "FewQueryAttention", prefill: Optional["PrefillAt
     rows (a causal chain looks like a chunk) must get the one-row step's bits, which only
     the few-query kernel gives whatever the number of rows.
     """
-    seen: list = [None, False]  # the last mask object judged, and whether it was causal
+    # (the last mask object judged, whether it was causal), replaced whole: a target used
+    # from two threads never pairs one mask with the other's verdict
+    seen: list = [(None, False)]
 
     def causal(mask, q_len, s_len):
         if mask is None:
             return q_len == s_len
-        if seen[0] is not mask:
-            seen[0], seen[1] = mask, is_causal_chunk(mask, q_len, s_len)
-        return bool(seen[1])
+        judged = seen[0]
+        if judged[0] is not mask:
+            judged = (mask, is_causal_chunk(mask, q_len, s_len))
+            seen[0] = judged
+        return bool(judged[1])
 
     def prefill_applies(query, key, attention_mask, dropout, kwargs):
         q_len, s_len = query.shape[2], key.shape[2]
