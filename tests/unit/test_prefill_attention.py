@@ -308,3 +308,55 @@ def test_alternating_masks_keep_their_own_verdicts():
             assert routed.applies(q, k, mask, 0.0, {})
             routed.run(q, k, v, mask, 0.125)
     assert chunk.queries == [20, 20] and few.queries == [20, 20]
+
+
+def test_an_instruction_set_switch_keeps_prompt_chunks_causal_regression(prefill):
+    """Bug: the native step chose between the prompt-chunk attention and the few-query
+    kernel (with the causal mask it builds) by the kernels' instruction set at two points
+    of a forward; switched to AVX2 in between, later layers ran the few-query kernel without
+    a mask (every row seeing every key). The choice is made once per forward now. Here:
+    a step built under AVX-512 prefilling after a switch to AVX2 stays causal (its values
+    those of AVX-512's to float32 rounding), and a target built under AVX2 does not route
+    prompt chunks through the step at all."""
+    from ragspec.backend.cpu.native_target import NativeTarget
+
+    def build():
+        cpu = CPUTarget(
+            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
+            skinny=kernels.load_skinny_linear(),
+            attention_kernel=kernels.load_few_query_attention(),
+            prefill_attention=prefill,
+            route_attention=True,
+        )
+        return NativeTarget(cpu, kernels.load_decoder_step())
+
+    prompt = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(9)).tolist()
+    native = build()
+    assert native.native_step.packed
+    with torch.inference_mode():
+        ref = native.prefill(native.new_state(), prompt, return_hidden=True)
+        previous = kernels.set_cpu_isa("avx2")
+        try:
+            switched = native.prefill(native.new_state(), prompt, return_hidden=True)
+            assert not build().native_step.packed  # built under AVX2: transformers' forward
+        finally:
+            kernels.set_cpu_isa(previous)
+    torch.testing.assert_close(switched.hidden, ref.hidden, rtol=1e-4, atol=1e-4)
+
+
+def test_under_avx2_a_long_chunk_keeps_the_parts_budget(prefill, monkeypatch):
+    """Where the prompt-chunk kernel does not run (the kernels switched to AVX2), a chunk
+    past the few-query kernel's parts budget takes SDPA again, as before the kernel."""
+    from ragspec.backend.cpu import fastpaths
+
+    few = _Counting()
+    routed = compiled_attention(few, prefill)
+    q, k = torch.randn(1, 4, 20, 64), torch.randn(1, 2, 20, 64)  # a first chunk: causal without a mask
+    monkeypatch.setattr(fastpaths, "PREFILL_ATTENTION_PARTS_BYTES", 1024)
+    with torch.inference_mode():
+        assert routed.applies(q, k, None, 0.0, {})  # AVX-512: the prompt-chunk kernel, any size
+        previous = kernels.set_cpu_isa("avx2")
+        try:
+            assert not routed.applies(q, k, None, 0.0, {})  # past the budget: SDPA
+        finally:
+            kernels.set_cpu_isa(previous)

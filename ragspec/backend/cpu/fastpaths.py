@@ -299,11 +299,14 @@ def compiled_attention(kernel: "FewQueryAttention", prefill: Optional["PrefillAt
             seen[0] = judged
         return bool(judged[1])
 
+    runs = getattr(prefill, "supported", None)  # the compiled kernel's: whether it runs now (AVX-512)
+
     def prefill_applies(query, key, attention_mask, dropout, kwargs):
         q_len, s_len = query.shape[2], key.shape[2]
         return (
             q_len > SKINNY_MAX_ROWS
             and query.shape[-1] % 16 == 0
+            and (runs is None or runs(query.shape[-1]))
             and kernel_attention_applies(query[:, :, :1], key, None, dropout, kwargs)  # every condition but the rows
             and causal(attention_mask, q_len, s_len)
         )

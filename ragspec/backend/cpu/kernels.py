@@ -77,6 +77,7 @@ __all__ = [
     "QuantLinear",
     "FewQueryAttention",
     "PrefillAttention",
+    "PrefillAttentionKernel",
     "load_skinny_linear",
     "load_quant_linear",
     "load_few_query_attention",
@@ -296,16 +297,28 @@ def load_prefill_attention(cache_dir: Optional[Path] = None) -> Optional[Prefill
         from key 0); they agree with SDPA to float32 rounding.
     """
     module = _load_module(cache_dir)
-    if module is None:
-        return None
+    return None if module is None else PrefillAttentionKernel(module)
 
-    def prefill_attention(query, key, value, scale):
-        # the instruction set can switch at run time (set_cpu_isa): None then, the caller's other kernel
-        if not module.prefill_attention_supported(int(query.shape[-1])):
-            return None
-        return module.prefill_attention(query, key, value, scale)
 
-    return prefill_attention
+class PrefillAttentionKernel:
+    """The compiled prompt-chunk attention (:func:`load_prefill_attention`): call it as
+    ``kernel(query, key, value, scale)``; :meth:`supported` says whether it runs now."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def supported(self, head_dim: int) -> bool:
+        """Whether calls of this head size run now: the kernels use AVX-512 (the
+        instruction set can switch at run time, :func:`set_cpu_isa`) and ``head_dim`` is
+        a multiple of 16 (at most 512)."""
+        return bool(self._module.prefill_attention_supported(int(head_dim)))
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    ) -> Optional[torch.Tensor]:
+        if not self.supported(int(query.shape[-1])):
+            return None  # the caller's other kernel
+        return self._module.prefill_attention(query, key, value, scale)
 
 
 def cpu_isa(cache_dir: Optional[Path] = None) -> Optional[str]:

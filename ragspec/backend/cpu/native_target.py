@@ -40,6 +40,15 @@ __all__ = ["NATIVE_EXTEND_GEMM_ROWS", "NativeTarget"]
 NATIVE_EXTEND_GEMM_ROWS = 64
 
 
+def _prefill_runs(kernel: Any, head_dim: int) -> bool:
+    """Whether the prompt-chunk attention ``kernel`` runs now for ``head_dim`` (its
+    ``supported``; a kernel without one, e.g. a test's stand-in, where it is given)."""
+    if kernel is None:
+        return False
+    supported = getattr(kernel, "supported", None)
+    return True if supported is None else bool(supported(head_dim))
+
+
 def _buffer_cache(buffer: torch.Tensor, length: int):
     """A transformers ``DynamicCache`` over a native KV buffer ``[L, 2, H_kv, C, d]``
     (:class:`~ragspec.backend.cpu.native.NativeKVState`) holding ``length`` positions: each
@@ -140,7 +149,7 @@ class NativeTarget:
         self._chunks = (
             native_chunks
             and kernels.numerics == "exact"
-            and kernels.prefill_attention is not None
+            and _prefill_runs(kernels.prefill_attention, self._native.head_dim)
             and self._native.pack(kernels.packed_weights)
         )
         logger.debug(

@@ -103,7 +103,8 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
 bool prefill_attention_supported(int64_t head_dim);
 
 // prefill_attention over raw pointers (the native step's buffers): one request's causal
-// rows (mask null), float32 keys and values (half false); out [Q, Hq, d] contiguous.
+// rows (mask null), float32 keys and values (half false); out [Q, Hq, d] contiguous. The
+// caller checks prefill_attention_supported (once per call of its own).
 void prefill_attention_into(const AttnRequest& r, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale);
 
 // Registers the fused decoder step (decoder_step.cpp) with the extension module.

@@ -346,6 +346,10 @@ class DecoderStep {
                     static_cast<int64_t>(masks.size()) == n && bounds[0] == 0 && bounds[n] == R,
                 "DecoderStep: kv, bounds, pasts and masks disagree");
     std::vector<torch::Tensor> mask(n);
+    // which requests' rows take prefill_attention, decided once for the whole forward (the
+    // kernels' instruction set may be switched meanwhile: every layer must agree with the
+    // masks built here)
+    std::vector<char> chunked(n, 0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t Q = bounds[i + 1] - bounds[i], past = pasts[i];
       TORCH_CHECK(Q > 0 && past >= 0, "DecoderStep: every request needs rows");
@@ -360,7 +364,9 @@ class DecoderStep {
         TORCH_CHECK(m.scalar_type() == at::kBool && m.numel() == Q * S && m.size(-1) == S,
                     "DecoderStep: mask must be bool [Q, past + Q]");
         mask[i] = m.reshape({1, 1, Q, S}).contiguous();
-      } else if (Q > 1 && !(prompt && chunk_attention(Q, b))) {  // causal: row j sees positions 0 .. past + j
+      } else if (prompt && chunk_attention(Q, b)) {
+        chunked[i] = 1;  // causal through prefill_attention: no mask
+      } else if (Q > 1) {  // causal: row j sees positions 0 .. past + j
         mask[i] = torch::ones({Q, S}, torch::dtype(torch::kBool)).tril(past).reshape({1, 1, Q, S});
       }
     }
@@ -448,8 +454,7 @@ class DecoderStep {
       // prefill kernel, each alone; the others together
       std::vector<AttnRequest> few;
       for (int64_t i = 0; i < n; ++i) {
-        if (prompt && reqs[i].mask == nullptr && chunk_attention(reqs[i].Q, kv[i]))
-          prefill_attention_into(reqs[i], Hq_, Hkv_, d_, scale_);
+        if (chunked[i]) prefill_attention_into(reqs[i], Hq_, Hkv_, d_, scale_);
         else few.push_back(reqs[i]);
       }
       if (!few.empty()) few_query_attention_into(few, Hq_, Hkv_, d_, scale_);

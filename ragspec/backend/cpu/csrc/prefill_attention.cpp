@@ -217,10 +217,11 @@ static void run_args(const prefill_attn::Args& a) {
 }
 
 void prefill_attention_into(const AttnRequest& r, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale) {
+  // the caller decided on prefill_attention_supported once (the instruction set may be
+  // switched since: the CPU still has AVX-512)
   TORCH_CHECK(!r.half && r.mask == nullptr && r.Q > 0 && r.S >= r.Q && kv_heads > 0 && heads % kv_heads == 0 &&
-                  prefill_attention_supported(head_dim),
-              "prefill_attention_into: float32 keys and values, causal rows, AVX-512 and a head size that is a "
-              "multiple of 16");
+                  head_dim % 16 == 0 && head_dim <= 512,
+              "prefill_attention_into: float32 keys and values, causal rows and a head size that is a multiple of 16");
   prefill_attn::Args a{r.q, static_cast<const float*>(r.k), static_cast<const float*>(r.v), r.out,
                        heads, heads / kv_heads, r.Q, r.S, r.S - r.Q, head_dim,
                        r.qsH, r.qsQ, r.ksH, r.ksS, r.vsH, r.vsS, static_cast<float>(scale)};
