@@ -114,7 +114,7 @@ class NativeTarget:
             than ``NATIVE_EXTEND_GEMM_ROWS`` tokens) run instead as one call of the step over
             the chunk: the same packed GEMMs and prompt-chunk attention, the same values bit
             for bit, without transformers' per-module Python and element-wise passes (the
-            serve bench's prompts 0.88x the time, measured on the 2-core CPU).
+            serve bench's prompts 0.91x the time, measured on the 2-core CPU).
         native_chunks: run those prompt chunks through the step where it can: exact numerics,
             the compiled prompt-chunk attention (AVX-512) and every linear's packed weight
             (:attr:`CPUTarget.packed_weights`); False: transformers' forward.
