@@ -54,6 +54,21 @@ def _inputs(gen, q_len, keys, heads, kv_heads, head_dim):
     return q, kbuf[:, :, :keys], vbuf[:, :, :keys]
 
 
+def _tiny_target(prefill, *, native: bool = False, native_chunks: bool = True):
+    """A tiny Llama (head size 32) on the compiled kernels with the prompt-chunk attention
+    ``prefill``: the transformers path, or the native step built on it."""
+    from ragspec.backend.cpu.native_target import NativeTarget
+
+    cpu = CPUTarget(
+        make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
+        skinny=kernels.load_skinny_linear(),
+        attention_kernel=kernels.load_few_query_attention(),
+        prefill_attention=prefill,
+        route_attention=True,
+    )
+    return NativeTarget(cpu, kernels.load_decoder_step(), native_chunks=native_chunks) if native else cpu
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(9, 3, 64), (4, 1, 256), (8, 2, 64), (6, 6, 64), (16, 4, 128), (5, 1, 32)],
@@ -206,13 +221,7 @@ def test_greedy_with_the_prefill_kernel_matches_generate(prefill):
         calls.append(int(q.shape[2]))
         return prefill(q, k, v, scale)
 
-    target = CPUTarget(
-        make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
-        skinny=kernels.load_skinny_linear(),
-        attention_kernel=kernels.load_few_query_attention(),
-        prefill_attention=counted,
-        route_attention=True,
-    )
+    target = _tiny_target(counted)
     assert_scripted_drafts_keep_greedy(target, tok, prompt, ref, 96)
     assert calls and all(c > kernels.SKINNY_MAX_ROWS for c in calls)
 
@@ -222,19 +231,9 @@ def test_native_step_runs_prompt_chunks_bit_for_bit_like_transformers_forward(pr
     first chunk and a later one (past NATIVE_EXTEND_GEMM_ROWS rows) in one call each: hidden
     states, logits and KV entries equal transformers' forward of the same chunks bit for
     bit, and so do the verification steps after them."""
-    from ragspec.backend.cpu.native_target import NATIVE_EXTEND_GEMM_ROWS, NativeTarget
+    from ragspec.backend.cpu.native_target import NATIVE_EXTEND_GEMM_ROWS
 
-    step = kernels.load_decoder_step()
-    targets = []
-    for chunks in (True, False):
-        cpu = CPUTarget(
-            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
-            skinny=kernels.load_skinny_linear(),
-            attention_kernel=kernels.load_few_query_attention(),
-            prefill_attention=prefill,
-            route_attention=True,
-        )
-        targets.append(NativeTarget(cpu, step, native_chunks=chunks))
+    targets = [_tiny_target(prefill, native=True, native_chunks=chunks) for chunks in (True, False)]
     native, hf = targets
     assert native.native_step.packed and not hf.native_step.packed
     calls: list[int] = []
@@ -265,19 +264,8 @@ def test_a_batched_verification_of_over_16_rows_keeps_each_solo_step_regression(
     prefills take the prompt-chunk paths now: each request's rows equal its solo
     verification bit for bit, through the native step and through transformers' forward."""
     from ragspec.backend.base import VerifyItem
-    from ragspec.backend.cpu.native_target import NativeTarget
 
-    def build():
-        cpu = CPUTarget(
-            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
-            skinny=kernels.load_skinny_linear(),
-            attention_kernel=kernels.load_few_query_attention(),
-            prefill_attention=prefill,
-            route_attention=True,
-        )
-        return NativeTarget(cpu, kernels.load_decoder_step()) if native else cpu
-
-    batched, solo = build(), build()
+    batched, solo = _tiny_target(prefill, native=native), _tiny_target(prefill, native=native)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (50, 37)]
     drafts = [DraftTree.chain(torch.randint(3, 96, (8,), generator=gen).tolist()) for _ in prompts]
@@ -318,27 +306,15 @@ def test_an_instruction_set_switch_keeps_prompt_chunks_causal_regression(prefill
     a step built under AVX-512 prefilling after a switch to AVX2 stays causal (its values
     those of AVX-512's to float32 rounding), and a target built under AVX2 does not route
     prompt chunks through the step at all."""
-    from ragspec.backend.cpu.native_target import NativeTarget
-
-    def build():
-        cpu = CPUTarget(
-            make_tiny_llama(layers=2, head_dim=32, eos_token_id=None),
-            skinny=kernels.load_skinny_linear(),
-            attention_kernel=kernels.load_few_query_attention(),
-            prefill_attention=prefill,
-            route_attention=True,
-        )
-        return NativeTarget(cpu, kernels.load_decoder_step())
-
     prompt = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(9)).tolist()
-    native = build()
+    native = _tiny_target(prefill, native=True)
     assert native.native_step.packed
     with torch.inference_mode():
         ref = native.prefill(native.new_state(), prompt, return_hidden=True)
         previous = kernels.set_cpu_isa("avx2")
         try:
             switched = native.prefill(native.new_state(), prompt, return_hidden=True)
-            assert not build().native_step.packed  # built under AVX2: transformers' forward
+            assert not _tiny_target(prefill, native=True).native_step.packed  # built under AVX2: transformers' forward
         finally:
             kernels.set_cpu_isa(previous)
     torch.testing.assert_close(switched.hidden, ref.hidden, rtol=1e-4, atol=1e-4)

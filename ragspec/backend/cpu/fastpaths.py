@@ -30,6 +30,7 @@ __all__ = [
     "can_pack",
     "compiled_attention",
     "is_causal_chunk",
+    "prefill_runs",
     "kernel_attention_applies",
     "pack_linear_forwards",
     "pack_weight",
@@ -258,6 +259,16 @@ def kernel_attention_applies(query, key, attention_mask, dropout, kwargs) -> boo
     )
 
 
+def prefill_runs(kernel: Optional["PrefillAttention"], head_dim: int) -> bool:
+    """Whether the prompt-chunk attention ``kernel`` runs now for ``head_dim``: its
+    ``supported`` (:class:`~ragspec.backend.cpu.kernels.PrefillAttentionKernel`: AVX-512 and
+    the head size); a kernel without one (a stand-in) where it is given."""
+    if kernel is None:
+        return False
+    supported = getattr(kernel, "supported", None)
+    return True if supported is None else bool(supported(head_dim))
+
+
 def is_causal_chunk(mask: Optional[torch.Tensor], q_len: int, s_len: int) -> bool:
     """Whether ``mask`` (bool [1, 1, Q, S], or None) is a prompt chunk's causal mask: query
     row i sees keys 0 .. S - Q + i (None: a first chunk that transformers hands over without
@@ -299,14 +310,12 @@ def compiled_attention(kernel: "FewQueryAttention", prefill: Optional["PrefillAt
             seen[0] = judged
         return bool(judged[1])
 
-    runs = getattr(prefill, "supported", None)  # the compiled kernel's: whether it runs now (AVX-512)
-
     def prefill_applies(query, key, attention_mask, dropout, kwargs):
         q_len, s_len = query.shape[2], key.shape[2]
         return (
             q_len > SKINNY_MAX_ROWS
             and query.shape[-1] % 16 == 0
-            and (runs is None or runs(query.shape[-1]))
+            and prefill_runs(prefill, query.shape[-1])
             and kernel_attention_applies(query[:, :, :1], key, None, dropout, kwargs)  # every condition but the rows
             and causal(attention_mask, q_len, s_len)
         )

@@ -26,6 +26,7 @@ from ...types import DraftTree
 from ..base import Capability, ForwardOutput, FusedStep, VerifyItem, check_distinct_states
 from ..hf import KVState, RowLogits, growable_cache
 from .batch import batch_outputs
+from .fastpaths import prefill_runs
 from .kernels import SKINNY_MAX_ROWS
 from .native import NativeDecoder, NativeKVState, native_step_unsupported
 from .target import CPUTarget
@@ -38,15 +39,6 @@ __all__ = ["NATIVE_EXTEND_GEMM_ROWS", "NativeTarget"]
 # a filled native state extended by more rows than this (a later prefill chunk) goes through
 # transformers' forward (GEMMs) over the state's buffer; fewer: the native step, 16 rows a call
 NATIVE_EXTEND_GEMM_ROWS = 64
-
-
-def _prefill_runs(kernel: Any, head_dim: int) -> bool:
-    """Whether the prompt-chunk attention ``kernel`` runs now for ``head_dim`` (its
-    ``supported``; a kernel without one, e.g. a test's stand-in, where it is given)."""
-    if kernel is None:
-        return False
-    supported = getattr(kernel, "supported", None)
-    return True if supported is None else bool(supported(head_dim))
 
 
 def _buffer_cache(buffer: torch.Tensor, length: int):
@@ -149,7 +141,7 @@ class NativeTarget:
         self._chunks = (
             native_chunks
             and kernels.numerics == "exact"
-            and _prefill_runs(kernels.prefill_attention, self._native.head_dim)
+            and prefill_runs(kernels.prefill_attention, self._native.head_dim)
             and self._native.pack(kernels.packed_weights)
         )
         logger.debug(

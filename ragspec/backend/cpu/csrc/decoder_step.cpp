@@ -50,7 +50,6 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 128;  // the head dims the step takes: 32, 64, 128
 
-// One linear layer: a float32 weight (skinny_linear) or GGUF blocks (quant_linear).
 // x [R, I] through a weight pre-packed for oneDNN (torch.ops.mkldnn._reorder_linear_weight):
 // torch.ops.mkldnn._linear_pointwise, the op transformers' modules call on a prompt chunk in
 // ragspec's own forwards (ragspec/backend/cpu/fastpaths.py), so the same values bit for bit
@@ -70,6 +69,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 constexpr int64_t kSkinnyRows = 16;  // rows up to which the step's own linear kernels run (SKINNY_MAX_ROWS)
 
+// One linear layer: a float32 weight (skinny_linear) or GGUF blocks (quant_linear), and for
+// prompt chunks the float32 weight packed for oneDNN.
 struct Linear {
   torch::Tensor weight;  // float32 [O, I] contiguous, or undefined
   torch::Tensor qs, scales;
@@ -123,16 +124,11 @@ struct Group {
   std::vector<Linear> packed;  // each linear of the group on its packed weight (prompt chunks), or none
 
   torch::Tensor operator()(const torch::Tensor& x, bool chunk = false) const {
-    if (chunk && !packed.empty() && x.size(0) > kSkinnyRows) {
-      if (packed.size() == 1) return packed[0](x, true);
-      std::vector<torch::Tensor> outs;
-      for (const auto& p : packed) outs.push_back(p(x, true));
-      return at::cat(outs, 1);
-    }
-    if (parts.size() == 1) return parts[0](x);
+    const auto& use = chunk && !packed.empty() && x.size(0) > kSkinnyRows ? packed : parts;
+    if (use.size() == 1) return use[0](x, chunk);
     std::vector<torch::Tensor> outs;
-    outs.reserve(parts.size());
-    for (const auto& p : parts) outs.push_back(p(x));
+    outs.reserve(use.size());
+    for (const auto& p : use) outs.push_back(p(x, chunk));
     return at::cat(outs, 1);
   }
 };
